@@ -1,0 +1,177 @@
+"""Every config key, its default and what it means. YAML recipes in configs/ hold only differences.
+
+Key names follow VISSL where an equivalent exists so that VISSL users feel at home.
+Each component receives only its own section (e.g. the optimizer builder gets ``cfg.OPTIMIZER``).
+"""
+
+from fvcore.common.config import CfgNode as CN
+
+_C = CN()
+_C.ENGINE_NAME = "train"  # what a run does: train | linear_eval | knn | extract_features
+_C.SEED_VALUE = 0  # seeds model init, data order and augmentations (offset by rank where needed)
+_C.LOG_FREQUENCY = 10  # rank-0 log line every this many iterations
+
+_C.MACHINE = CN()
+_C.MACHINE.DEVICE = "auto"  # auto (cuda when available) | cpu | cuda
+
+# ---------------------------------------------------------------------------------------------
+_C.DISTRIBUTED = CN()
+_C.DISTRIBUTED.BACKEND = "auto"  # auto (nccl on cuda, gloo on cpu) | nccl | gloo
+_C.DISTRIBUTED.NUM_NODES = 1  # machines taking part
+_C.DISTRIBUTED.NUM_PROC_PER_NODE = 1  # ranks spawned on this machine (one per GPU on CUDA)
+_C.DISTRIBUTED.NODE_ID = 0  # this machine's index in [0, NUM_NODES)
+_C.DISTRIBUTED.INIT_METHOD = "tcp"  # tcp | env (join torchrun/SLURM variables) | file
+_C.DISTRIBUTED.RUN_ID = "auto"  # tcp: host:port of node 0 ("auto": localhost, free port); file: path
+_C.DISTRIBUTED.TIMEOUT_SECONDS = 600  # collective timeout; a dead rank fails the job after this
+
+# ---------------------------------------------------------------------------------------------
+_C.DATA = CN()
+_C.DATA.NUM_DATALOADER_WORKERS = 0  # DataLoader worker processes per rank
+_C.DATA.PIN_MEMORY = True  # pinned host memory (only used on CUDA)
+_C.DATA.CACHE_DIR = ""  # where bundled data sets are written ("" -> ~/.cache/vistrain)
+
+
+def _split_defaults(batch_size, shuffle):
+    split = CN()
+    split.DATA_SOURCES = ["synthetic"]  # one per data set: disk_folder | disk_filelist | synthetic | demo_digits
+    split.DATA_PATHS = [""]  # folder (disk_folder), text file of "path label" lines (disk_filelist)
+    split.SPLIT = "train"  # which split of demo_digits / a disk_folder with train/ and val/ below it
+    split.DATA_LIMIT = -1  # use only the first N samples (-1: all)
+    split.SYNTHETIC_SIZE = 256  # number of images of the synthetic source
+    split.SYNTHETIC_NUM_CLASSES = 10  # labels of the synthetic source
+    split.IMAGE_SIZE = 32  # side of synthetic images
+    split.BATCHSIZE_PER_REPLICA = batch_size  # images per rank per iteration
+    split.SHUFFLE = shuffle  # reshuffle every epoch (order depends only on seed and epoch)
+    split.DROP_LAST = shuffle  # drop the incomplete last batch
+    split.SKIP_CORRUPT = False  # True: skip unreadable images (counted in logs); False: stop the run
+    split.TRANSFORMS = CN(new_allowed=True)  # see vistrain/data/transforms.py; keys below
+    split.TRANSFORMS.NAME = "multicrop" if shuffle else "eval"  # multicrop (SSL views) | eval (resize+center crop)
+    split.TRANSFORMS.NUM_CROPS = [2]  # crops per resolution, e.g. [2, 6]
+    split.TRANSFORMS.SIZE_CROPS = [32]  # crop side per resolution, e.g. [224, 96]
+    split.TRANSFORMS.CROP_SCALES = [[0.14, 1.0]]  # RandomResizedCrop scale range per resolution
+    split.TRANSFORMS.HORIZONTAL_FLIP = 0.5  # probability
+    split.TRANSFORMS.COLOR_DISTORTION = 0.5  # strength s: jitter 0.8s w.p. 0.8, grayscale w.p. 0.2
+    split.TRANSFORMS.BLUR_PROB = 0.5  # Gaussian blur probability
+    split.TRANSFORMS.BLUR_RADIUS = [0.1, 2.0]  # blur sigma range
+    split.TRANSFORMS.SOLARIZE_PROB = 0.0  # solarisation probability
+    split.TRANSFORMS.RESIZE = 36  # eval: shorter side before the center crop
+    split.TRANSFORMS.CENTER_CROP = 32  # eval: crop side
+    split.TRANSFORMS.MEAN = [0.485, 0.456, 0.406]  # normalisation
+    split.TRANSFORMS.STD = [0.229, 0.224, 0.225]
+    return split
+
+
+_C.DATA.TRAIN = _split_defaults(batch_size=32, shuffle=True)
+_C.DATA.TEST = _split_defaults(batch_size=64, shuffle=False)
+_C.DATA.TEST.SPLIT = "val"
+
+# ---------------------------------------------------------------------------------------------
+_C.MODEL = CN()
+_C.MODEL.TRUNK = CN()
+_C.MODEL.TRUNK.NAME = "regnet"  # registry name of the trunk
+_C.MODEL.TRUNK.REGNET = CN()
+_C.MODEL.TRUNK.REGNET.NAME = "regnet_y_400mf"  # published name, or "custom" to use the raw parameters
+_C.MODEL.TRUNK.REGNET.DEPTH = 0  # raw design-space parameters (used when NAME is "custom")
+_C.MODEL.TRUNK.REGNET.W_0 = 0
+_C.MODEL.TRUNK.REGNET.W_A = 0.0
+_C.MODEL.TRUNK.REGNET.W_M = 0.0
+_C.MODEL.TRUNK.REGNET.GROUP_WIDTH = 0
+_C.MODEL.TRUNK.REGNET.SE_RATIO = 0.25  # squeeze-excitation ratio (0: RegNetX)
+_C.MODEL.TRUNK.REGNET.BOTTLENECK_MULTIPLIER = 1.0
+_C.MODEL.TRUNK.REGNET.STEM_WIDTH = 32
+_C.MODEL.TRUNK.OUT_FEATURES = ["avgpool"]  # features returned: any of stem, s1..s4, avgpool
+
+_C.MODEL.HEAD = CN()
+_C.MODEL.HEAD.NAME = "simclr"  # simclr | swav | identity
+_C.MODEL.HEAD.DIMS = [440, 512, 128]  # MLP dims: trunk output, hidden..., embedding
+_C.MODEL.HEAD.USE_BN = True  # BatchNorm between MLP layers
+_C.MODEL.HEAD.NMB_PROTOTYPES = [30]  # swav: prototypes per prototype layer (e.g. [3000])
+
+_C.MODEL.FSDP_CONFIG = CN()
+_C.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP = False  # shard the model with the engine instead of DDP
+_C.MODEL.FSDP_CONFIG.BACKEND = "builtin"  # builtin (vistrain.fsdp) | torch (torch's fully_shard)
+_C.MODEL.FSDP_CONFIG.reshard_after_forward = True  # free gathered weights after forward (ZeRO-3)
+_C.MODEL.FSDP_CONFIG.mixed_precision = False  # gather/compute in compute_dtype, fp32 master shards
+_C.MODEL.FSDP_CONFIG.fp32_reduce_scatter = True  # reduce gradients in fp32 under mixed precision
+_C.MODEL.FSDP_CONFIG.flatten_parameters = True  # one flat tensor per unit (per param group)
+_C.MODEL.FSDP_CONFIG.compute_dtype = "bfloat16"  # float16 | bfloat16 (with mixed_precision)
+_C.MODEL.FSDP_CONFIG.move_params_to_cpu = False  # keep shards and optimizer state in CPU memory
+
+_C.MODEL.AMP_PARAMS = CN()
+_C.MODEL.AMP_PARAMS.USE_AMP = False  # autocast the forward and the loss
+_C.MODEL.AMP_PARAMS.AMP_DTYPE = "bfloat16"  # bfloat16 | float16 (float16 adds a grad scaler; CUDA only)
+
+_C.MODEL.SYNC_BN_CONFIG = CN()
+_C.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN = False  # BatchNorm statistics over the global batch
+_C.MODEL.SYNC_BN_CONFIG.GROUP_SIZE = 0  # 0: all ranks; k > 0: groups of k consecutive ranks
+
+_C.MODEL.ACTIVATION_CHECKPOINTING = CN()
+_C.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING = False  # recompute in backward
+_C.MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY = "block"  # block | stage
+
+_C.MODEL.WEIGHTS_INIT = CN()
+_C.MODEL.WEIGHTS_INIT.PARAMS_FILE = ""  # checkpoint (folder or file) to initialise from
+_C.MODEL.WEIGHTS_INIT.REMOVE_PREFIX = ""  # stripped from checkpoint keys
+_C.MODEL.WEIGHTS_INIT.APPEND_PREFIX = ""  # prepended to checkpoint keys (after REMOVE_PREFIX)
+_C.MODEL.WEIGHTS_INIT.SKIP_LAYERS = []  # key substrings not loaded (e.g. ["head."])
+
+# ---------------------------------------------------------------------------------------------
+_C.LOSS = CN()
+_C.LOSS.NAME = "simclr_loss"  # simclr_loss | swav_loss
+_C.LOSS.simclr_loss = CN()
+_C.LOSS.simclr_loss.temperature = 0.1
+_C.LOSS.swav_loss = CN()
+_C.LOSS.swav_loss.temperature = 0.1
+_C.LOSS.swav_loss.epsilon = 0.05  # entropic regularisation of Sinkhorn-Knopp
+_C.LOSS.swav_loss.sinkhorn_iterations = 3
+_C.LOSS.swav_loss.crops_for_assign = [0, 1]  # crops whose codes are targets
+_C.LOSS.swav_loss.freeze_prototypes_niters = 0  # prototypes get no update for this many iterations
+_C.LOSS.swav_loss.queue_length = 0  # per-rank feature queue length (0: no queue)
+_C.LOSS.swav_loss.start_queue_at_epoch = 0
+
+# ---------------------------------------------------------------------------------------------
+_C.OPTIMIZER = CN()
+_C.OPTIMIZER.name = "sgd"  # sgd | lars | adamw
+_C.OPTIMIZER.num_epochs = 10
+_C.OPTIMIZER.momentum = 0.9
+_C.OPTIMIZER.nesterov = False
+_C.OPTIMIZER.weight_decay = 1e-4
+_C.OPTIMIZER.betas = [0.9, 0.999]  # adamw
+_C.OPTIMIZER.regularize_bn = False  # weight decay on BatchNorm parameters
+_C.OPTIMIZER.regularize_bias = True  # weight decay on biases
+_C.OPTIMIZER.head_lr_multiplier = 1.0  # learning rate of head parameters relative to the trunk
+_C.OPTIMIZER.lars_eta = 0.001  # LARS trust coefficient
+_C.OPTIMIZER.lars_exclude_bias_and_norm = True  # LARS: plain SGD for biases and norm layers
+_C.OPTIMIZER.update_freq = 1  # gradient accumulation: optimizer step every N iterations
+_C.OPTIMIZER.clip_grad_norm = 0.0  # > 0: clip the global gradient norm to this value
+_C.OPTIMIZER.param_schedulers = CN()
+_C.OPTIMIZER.param_schedulers.lr = CN()
+_C.OPTIMIZER.param_schedulers.lr.name = "cosine"  # cosine | multistep | constant (warmup before any)
+_C.OPTIMIZER.param_schedulers.lr.base_value = 0.1  # peak learning rate
+_C.OPTIMIZER.param_schedulers.lr.end_value = 0.0  # cosine: final learning rate
+_C.OPTIMIZER.param_schedulers.lr.warmup_epochs = 0.0  # linear warmup length (fractions allowed)
+_C.OPTIMIZER.param_schedulers.lr.start_warmup_value = 0.0
+_C.OPTIMIZER.param_schedulers.lr.milestones = [30, 60]  # multistep: epochs where lr *= gamma
+_C.OPTIMIZER.param_schedulers.lr.gamma = 0.1
+
+# ---------------------------------------------------------------------------------------------
+_C.CHECKPOINT = CN()
+_C.CHECKPOINT.DIR = "./checkpoints"  # run folder: checkpoints, config.yaml, metrics, TensorBoard
+_C.CHECKPOINT.AUTO_RESUME = True  # continue from the latest complete checkpoint in DIR
+_C.CHECKPOINT.CHECKPOINT_FREQUENCY = 1  # every N epochs
+_C.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY = -1  # also every N iterations (-1: off)
+_C.CHECKPOINT.KEEP_LAST = 3  # complete checkpoints kept (older ones deleted)
+
+# ---------------------------------------------------------------------------------------------
+_C.BENCHMARK = CN()
+_C.BENCHMARK.FEATURES = ["s3", "s4", "avgpool"]  # linear eval / kNN: trunk outputs evaluated
+_C.BENCHMARK.POOL_SIZE = 2  # linear eval: adaptive average pool side for stage feature maps
+_C.BENCHMARK.KNN_K = 20  # kNN: neighbours voting
+_C.BENCHMARK.KNN_TEMPERATURE = 0.07  # kNN: vote weight exp(sim / T)
+_C.BENCHMARK.KNN_CHUNK_SIZE = 256  # kNN: test features compared per chunk (bounds memory)
+_C.BENCHMARK.OUTPUT_DIR = ""  # extract_features: where features go ("" -> CHECKPOINT.DIR/features)
+
+
+def get_defaults() -> CN:
+    """A fresh, mutable copy of the default config."""
+    return _C.clone()
