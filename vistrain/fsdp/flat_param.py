@@ -1,0 +1,238 @@
+"""Flat, padded, sharded parameter storage for one group of original parameters.
+
+A ``FlatParamHandle`` owns some original parameters of one sharded unit. Their values are
+concatenated into one flat fp32 vector of ``numel`` elements, padded with zeros to
+``padded_numel = shard_numel * world_size`` and cut into ``world_size`` equal chunks; rank r keeps
+chunk r as ``shard`` (the ``nn.Parameter`` the optimizer sees). Before compute, the chunks are
+all-gathered into ``full`` (padded_numel elements, compute dtype) and the original parameters
+become views of it; afterwards the storage of ``full`` is released but the tensor object is kept,
+so the autograd graph and its saved views see the data again after the next gather.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class ParamOrigin:
+    """Where one original parameter lives: in its module and inside the flat vector."""
+
+    local_fqn: str  # name relative to the wrapped module of the unit that owns it
+    module: nn.Module  # module whose attribute ``attr`` is the parameter
+    attr: str
+    shape: torch.Size
+    flat_offset: int  # first element inside the unpadded flat vector
+    fqn: str = ""  # clean name relative to the root model (set by the outermost wrapper)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def shard_size(numel: int, world_size: int) -> int:
+    """Elements per rank for a flat vector of ``numel`` elements: ceil(numel / world_size)."""
+    return max(1, -(-numel // world_size))
+
+
+def shard_range(numel: int, world_size: int, rank: int) -> Tuple[int, int]:
+    """[start, end) of rank's chunk in the padded flat vector (may run into the padding)."""
+    size = shard_size(numel, world_size)
+    return rank * size, (rank + 1) * size
+
+
+def shard_slices(origins: Sequence[ParamOrigin], world_size: int, rank: int):
+    """For each origin overlapping this rank's chunk: (origin index, start in shard, start in param, length).
+
+    Pure rank arithmetic; used by state dicts and per-parameter norms.
+    """
+    total = sum(o.numel for o in origins)
+    lo, hi = shard_range(total, world_size, rank)
+    out = []
+    for i, o in enumerate(origins):
+        start, end = max(lo, o.flat_offset), min(hi, o.flat_offset + o.numel)
+        if start < end:
+            out.append((i, start - lo, start - o.flat_offset, end - start))
+    return out
+
+
+def _gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool):
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group, async_op: bool):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, full, group=group, async_op=async_op)
+
+
+class FlatParamHandle:
+    """Shard storage, gather and gradient reduction for a list of original parameters."""
+
+    def __init__(self, params: List[nn.Parameter], origins: List[ParamOrigin], group,
+                 compute_device: torch.device, compute_dtype: Optional[torch.dtype],
+                 reduce_dtype: Optional[torch.dtype], shard_device: torch.device,
+                 sync_module_states: bool):
+        self.origins = origins
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.numel = sum(o.numel for o in origins)
+        self.shard_numel = shard_size(self.numel, self.world_size)
+        self.param_dtype = params[0].dtype
+        self.compute_dtype = compute_dtype or self.param_dtype
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
+        self.compute_device = compute_device
+        requires_grad = params[0].requires_grad
+
+        flat = self._flatten(params, compute_device)
+        if sync_module_states and self.world_size > 1:
+            dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
+        lo, hi = shard_range(self.numel, self.world_size, self.rank)
+        self.shard = nn.Parameter(flat[lo:hi].clone().to(shard_device), requires_grad=requires_grad)
+        self.shard._fsdp_origins = origins
+        self.shard._fsdp_handle = self
+        del flat
+
+        padded = self.shard_numel * self.world_size
+        self.full = torch.empty(padded, dtype=self.compute_dtype, device=compute_device)
+        self.full.requires_grad_(requires_grad)
+        # Collectives bump a tensor's version counter, which would invalidate the views autograd
+        # saved in forward. ``.data`` aliases the same storage with its own counter.
+        self._full_data = self.full.data
+        self._free_full()
+        # Outside forward/backward the modules see shape-only meta tensors: reading a released
+        # view would crash, reading a placeholder fails cleanly.
+        self._placeholders = [torch.empty(o.shape, dtype=self.compute_dtype, device="meta")
+                              for o in origins]
+        self._set_attributes(self._placeholders)
+        self._gather_work = None
+        self._gather_src: Optional[torch.Tensor] = None
+        self.is_unsharded = False
+        self.unsharded_grad_acc: Optional[torch.Tensor] = None  # summed full grads under no_sync
+        self.segment_ids = self._segment_ids()
+
+    # -- construction ---------------------------------------------------------------------
+    def _flatten(self, params, device) -> torch.Tensor:
+        padded = self.shard_numel * self.world_size
+        flat = torch.zeros(padded, dtype=self.param_dtype, device=device)
+        with torch.no_grad():
+            for p, o in zip(params, self.origins):
+                flat[o.flat_offset:o.flat_offset + o.numel].copy_(p.detach().reshape(-1))
+        return flat
+
+    def _segment_ids(self) -> torch.Tensor:
+        """(shard_numel,) int64: index of the origin each shard element belongs to; padding -> len(origins)."""
+        ids = torch.full((self.shard_numel,), len(self.origins), dtype=torch.long)
+        for i, s_start, _, length in shard_slices(self.origins, self.world_size, self.rank):
+            ids[s_start:s_start + length] = i
+        return ids.to(self.shard.device)
+
+    # -- gather / free ------------------------------------------------------------------------
+    def _free_full(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    def start_unshard(self) -> None:
+        """Launch the all-gather of the full flat vector (asynchronous); no-op when already there."""
+        if self.is_unsharded or self._gather_work is not None:
+            return
+        nbytes = self.full.numel() * self.full.element_size()
+        self.full.untyped_storage().resize_(nbytes)
+        src = self.shard.detach().to(self.compute_device, self.compute_dtype, non_blocking=True)
+        self._gather_src = src
+        self._gather_work = _gather_into(self._full_data, src, self.group, async_op=True)
+
+    def wait_unshard(self) -> None:
+        """Finish the gather; the modules then see views of ``full`` (also code that autograd
+        re-runs in backward, such as activation checkpointing inside the unit)."""
+        if self.is_unsharded:
+            return
+        self.start_unshard()
+        self._gather_work.wait()
+        self._gather_work = None
+        self._gather_src = None
+        self.is_unsharded = True
+        self.set_views()
+
+    def reshard(self) -> None:
+        if self._gather_work is not None:  # a prefetch that was never used
+            self._gather_work.wait()
+            self._gather_work = None
+            self._gather_src = None
+        if self.is_unsharded:
+            self._free_full()
+            self.is_unsharded = False
+            self._set_attributes(self._placeholders)
+
+    def set_views(self) -> None:
+        """Point every original parameter attribute at fresh views of ``full`` (must be gathered)."""
+        self._set_attributes([self.full[o.flat_offset:o.flat_offset + o.numel].view(o.shape)
+                              for o in self.origins])
+
+    def restore_attributes(self) -> None:
+        """After summon_full_params: views when gathered for compute, else placeholders."""
+        if self.is_unsharded:
+            self.set_views()
+        else:
+            self._set_attributes(self._placeholders)
+
+    def _set_attributes(self, tensors) -> None:
+        for o, tensor in zip(self.origins, tensors):
+            o.module._parameters.pop(o.attr, None)
+            setattr(o.module, o.attr, tensor)
+
+    def expose_as_parameters(self, source: torch.Tensor) -> None:
+        """Register views of ``source`` (a full copy) as ordinary parameters of their modules."""
+        for o in self.origins:
+            view = source[o.flat_offset:o.flat_offset + o.numel].view(o.shape)
+            o.module.__dict__.pop(o.attr, None)
+            o.module._parameters[o.attr] = nn.Parameter(view, requires_grad=False)
+
+    def gather_full_copy(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """A fresh (padded_numel,) tensor with the full values, in the master dtype by default."""
+        dtype = dtype or self.param_dtype
+        out = torch.empty(self.shard_numel * self.world_size, dtype=dtype, device=self.compute_device)
+        _gather_into(out, self.shard.detach().to(self.compute_device, dtype), self.group, False)
+        return out
+
+    def write_back(self, full_copy: torch.Tensor) -> None:
+        lo, hi = shard_range(self.numel, self.world_size, self.rank)
+        with torch.no_grad():
+            self.shard.copy_(full_copy[lo:hi])
+
+    # -- gradients ----------------------------------------------------------------------------
+    def take_full_grad(self) -> Optional[torch.Tensor]:
+        grad, self.full.grad = self.full.grad, None
+        return grad
+
+    def start_reduce_scatter(self, grad: torch.Tensor):
+        """Average ``grad`` (padded_numel,) over ranks; returns (work, output shard, kept input)."""
+        if self.unsharded_grad_acc is not None:
+            grad = self.unsharded_grad_acc.add_(grad)
+            self.unsharded_grad_acc = None
+        grad = grad.to(self.reduce_dtype)
+        if self.world_size > 1:
+            # Dividing before the sum keeps fp16 sums in range; DDP divides after. Same maths.
+            grad.div_(self.world_size)
+        out = torch.empty(self.shard_numel, dtype=grad.dtype, device=grad.device)
+        work = reduce_scatter(out, grad, self.group, async_op=True)
+        return work, out, grad
+
+    def accumulate_shard_grad(self, reduced: torch.Tensor) -> None:
+        reduced = reduced.to(self.shard.device, self.shard.dtype)
+        if self.shard.grad is None:
+            self.shard.grad = reduced
+        else:
+            self.shard.grad.add_(reduced)
+
+    def accumulate_unsharded(self, grad: torch.Tensor) -> None:
+        """no_sync: keep the full gradient locally (fp32), reduce it with the next synced backward."""
+        grad = grad.to(self.param_dtype)
+        if self.unsharded_grad_acc is None:
+            self.unsharded_grad_acc = grad.clone()
+        else:
+            self.unsharded_grad_acc.add_(grad)

@@ -1,0 +1,426 @@
+"""FullyShardedDataParallel: a drop-in replacement for DistributedDataParallel that shards state.
+
+One instance is one *unit*: the parameters of its wrapped module that are not inside a nested
+unit. Per training step and unit::
+
+    forward:   all-gather shards -> run module -> free full weights (reshard_after_forward)
+    backward:  (hook on the unit's outputs) all-gather again -> autograd runs the unit's backward
+               -> (hook after the gradient is accumulated) reduce-scatter it, free full weights
+    end:       the root waits for outstanding reductions; shard.grad holds the averaged gradient
+
+With the same seed and data the results equal DDP's: same losses, same parameters.
+"""
+
+import contextlib
+import functools
+import weakref
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from vistrain.fsdp.flat_param import FlatParamHandle, ParamOrigin
+from vistrain.fsdp.mixed_precision import cast_floating, default_compute_dtype
+
+WRAPPED_NAME = "_fsdp_wrapped_module"
+FLAT_PARAM_PREFIX = "flat_param_"
+
+
+def clean_name(name: str) -> str:
+    """Drop wrapper path components: 'a._fsdp_wrapped_module.b' -> 'a.b'."""
+    return name.replace(WRAPPED_NAME + ".", "").replace("." + WRAPPED_NAME, "").replace(WRAPPED_NAME, "")
+
+
+class _RootState:
+    """Bookkeeping shared by every unit of one wrapped model; lives on the root."""
+
+    def __init__(self, root):
+        self.root = root
+        self.units: List["FullyShardedDataParallel"] = []
+        self.in_backward = False
+        self.require_grad_sync = True
+        self.exec_order: List["FullyShardedDataParallel"] = []
+        self.exec_order_final = False
+        self.pending = []  # (handle, work, reduced shard, kept input) of in-flight reduce-scatters
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard ``module``'s parameters, gradients and optimizer state over ``process_group``.
+
+    Args (FairScale names):
+        process_group: ranks sharing the shards (default: all).
+        reshard_after_forward: free the gathered weights after forward (ZeRO-3); else keep them
+            until the end of backward (ZeRO-2: one gather per step instead of two).
+        mixed_precision: gather and compute in ``compute_dtype``; shards stay fp32 masters.
+        fp32_reduce_scatter: reduce gradients in fp32 under mixed precision.
+        flatten_parameters: one flat tensor per parameter group; False: one per parameter.
+        compute_dtype: float16 / bfloat16 (default: float16 on CUDA, bfloat16 on CPU).
+        buffer_dtype: cast floating buffers to this dtype (default: leave them as they are).
+        move_params_to_cpu: shards, gradients and optimizer state live in CPU memory; compute
+            runs on the current CUDA device.
+        sync_module_states: broadcast parameters and buffers from the group's first rank.
+        param_group_fn: ``fn(fqn, module, param) -> key``; parameters with different keys are
+            never flattened together, so optimizer groups (no weight decay on BN...) survive.
+        keep_fp32: run this unit entirely in fp32 with autocast off (BatchNorm under AMP).
+    """
+
+    def __init__(self, module: nn.Module, process_group=None, reshard_after_forward: bool = True,
+                 mixed_precision: bool = False, fp32_reduce_scatter: bool = False,
+                 flatten_parameters: bool = True, compute_dtype: Optional[torch.dtype] = None,
+                 buffer_dtype: Optional[torch.dtype] = None, move_params_to_cpu: bool = False,
+                 sync_module_states: bool = True, param_group_fn: Optional[Callable] = None,
+                 keep_fp32: bool = False):
+        _check_wrappable(module)
+        super().__init__()
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+        self.reshard_after_forward = reshard_after_forward
+        self.keep_fp32 = keep_fp32
+        self.mixed_precision = mixed_precision and not keep_fp32
+        self.compute_device = _compute_device(module, move_params_to_cpu)
+        self.compute_dtype = (compute_dtype or default_compute_dtype(self.compute_device)
+                              if self.mixed_precision else None)
+        self.fp32_reduce_scatter = fp32_reduce_scatter
+        self.move_params_to_cpu = move_params_to_cpu
+        self.add_module(WRAPPED_NAME, module)
+
+        owned = list(_owned_params(module))
+        self._handles = self._build_handles(owned, flatten_parameters, param_group_fn, sync_module_states)
+        for i, handle in enumerate(self._handles):
+            self.register_parameter(f"{FLAT_PARAM_PREFIX}{i}", handle.shard)
+            if handle.shard.requires_grad:
+                handle.full.register_post_accumulate_grad_hook(
+                    functools.partial(_post_backward_hook, weakref.ref(self), handle))
+        self._prepare_buffers(buffer_dtype if not keep_fp32 else None, sync_module_states)
+        for sub in _owned_modules(module):
+            sub._fsdp_owner = weakref.ref(self)
+        self._assign_root_names()
+        self._root_state: Optional[_RootState] = None
+        self._is_root: Optional[bool] = None
+        self._backward_started = False
+        self._summoned = False
+        self._state_dict_mode = "full"
+        _install_optimizer_check()
+
+    # -- construction helpers -------------------------------------------------------------------
+    def _build_handles(self, owned, flatten, group_fn, sync) -> List[FlatParamHandle]:
+        groups: Dict[tuple, list] = {}
+        for fqn, sub, attr, param in owned:
+            key = (param.requires_grad, param.dtype, group_fn(fqn, sub, param) if group_fn else None)
+            if not flatten:
+                key = key + (fqn,)
+            groups.setdefault(key, []).append((fqn, sub, attr, param))
+        reduce_dtype = torch.float32 if self.fp32_reduce_scatter else None
+        shard_device = torch.device("cpu") if self.move_params_to_cpu else self.compute_device
+        handles = []
+        for members in groups.values():
+            origins, offset = [], 0
+            for fqn, sub, attr, param in members:
+                origins.append(ParamOrigin(fqn, sub, attr, param.shape, offset))
+                offset += param.numel()
+            params = [m[3] for m in members]
+            handles.append(FlatParamHandle(
+                params, origins, self.process_group, self.compute_device, self.compute_dtype,
+                reduce_dtype, shard_device, sync))
+            for param in params:
+                param._fsdp_replaced = True  # an optimizer built on it must fail loudly
+        return handles
+
+    def _prepare_buffers(self, buffer_dtype, sync: bool) -> None:
+        for sub in _owned_modules(self.module):
+            for name, buf in list(sub._buffers.items()):
+                if buf is None:
+                    continue
+                buf = buf.to(self.compute_device)
+                if buffer_dtype is not None and buf.is_floating_point():
+                    buf = buf.to(buffer_dtype)
+                if sync and self.world_size > 1:
+                    dist.broadcast(buf, src=dist.get_global_rank(self.process_group, 0),
+                                   group=self.process_group)
+                sub._buffers[name] = buf
+
+    def _assign_root_names(self) -> None:
+        for handle in self._handles:
+            for o in handle.origins:
+                o.fqn = o.local_fqn
+        for name, sub in self.module.named_modules():
+            if isinstance(sub, FullyShardedDataParallel) and sub is not self:
+                prefix = clean_name(name)
+                for handle in sub._handles:
+                    for o in handle.origins:
+                        o.fqn = f"{prefix}.{o.local_fqn}" if prefix else o.local_fqn
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module (FairScale name)."""
+        return self._modules[WRAPPED_NAME]
+
+    def __getattr__(self, name: str):
+        """Attributes the wrapper lacks come from the wrapped module, as with FairScale."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == WRAPPED_NAME or WRAPPED_NAME not in self._modules:
+                raise
+            return getattr(self._modules[WRAPPED_NAME], name)
+
+    def units(self) -> List["FullyShardedDataParallel"]:
+        """This unit and every nested one, outermost first."""
+        return [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
+
+    # -- forward ----------------------------------------------------------------------------------
+    def _lazy_init(self) -> None:
+        if self._root_state is not None:
+            return
+        state = _RootState(self)
+        for unit in self.units():
+            unit._root_state, unit._is_root = state, unit is self
+            state.units.append(unit)
+
+    def forward(self, *args, **kwargs):
+        self._lazy_init()
+        state = self._root_state
+        training = torch.is_grad_enabled() and not state.in_backward
+        if training and not state.exec_order_final and self not in state.exec_order:
+            state.exec_order.append(self)
+        self._unshard()
+        for handle in self._handles:
+            handle.set_views()
+        if training:
+            self._prefetch(+1)
+        if self.mixed_precision:
+            args, kwargs = cast_floating((args, kwargs), self.compute_dtype)
+        if self.keep_fp32:
+            args, kwargs = cast_floating((args, kwargs), torch.float32, only_low_precision=True)
+        with _autocast_off(self.compute_device) if self.keep_fp32 else contextlib.nullcontext():
+            outputs = self.module(*args, **kwargs)
+        if not state.in_backward and (not torch.is_grad_enabled()
+                                      or (self.reshard_after_forward and not self._is_root)):
+            self._reshard()
+        if torch.is_grad_enabled():
+            _register_on_tensors(outputs, self._pre_backward_hook)
+        return outputs
+
+    def _unshard(self) -> None:
+        for handle in self._handles:
+            handle.start_unshard()
+        for handle in self._handles:
+            handle.wait_unshard()
+
+    def _reshard(self) -> None:
+        for handle in self._handles:
+            handle.reshard()
+
+    def _prefetch(self, step: int) -> None:
+        """Start the all-gather of the unit that runs next (+1 in forward, -1 in backward)."""
+        state = self._root_state
+        if not state.exec_order_final or self not in state.exec_order:
+            return
+        idx = state.exec_order.index(self) + step
+        if 0 <= idx < len(state.exec_order):
+            nxt = state.exec_order[idx]
+            if step > 0 or not nxt._backward_started:
+                for handle in nxt._handles:
+                    handle.start_unshard()
+
+    # -- backward -----------------------------------------------------------------------------
+    def _pre_backward_hook(self, grad):
+        state = self._root_state
+        if not state.in_backward:
+            state.in_backward = True
+            Variable._execution_engine.queue_callback(state.root._finalize_backward)
+        if not self._backward_started:
+            self._backward_started = True
+            self._unshard()
+            self._prefetch(-1)
+        return grad
+
+    def _finalize_backward(self) -> None:
+        """Root only, once per backward: finish reductions, free everything, reset state."""
+        state = self._root_state
+        for handle, work, reduced, _ in state.pending:
+            work.wait()
+            handle.accumulate_shard_grad(reduced)
+        state.pending.clear()
+        for unit in state.units:
+            unit._reshard()
+            unit._backward_started = False
+        state.in_backward = False
+        state.exec_order_final = bool(state.exec_order)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (no communication) inside the block; root only."""
+        self._lazy_init()
+        if not self._is_root:
+            raise RuntimeError("no_sync() must be called on the root FullyShardedDataParallel")
+        state = self._root_state
+        previous, state.require_grad_sync = state.require_grad_sync, False
+        try:
+            yield
+        finally:
+            state.require_grad_sync = previous
+
+    # -- full parameters ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def summon_full_params(self, recurse: bool = True, writeback: bool = True):
+        """Make the full fp32 parameters visible as ordinary ``nn.Parameter`` s inside the block.
+
+        Collective: every rank must enter. Changes are written back to the shards on exit when
+        ``writeback``. Not allowed during forward or backward.
+        """
+        if self._root_state is not None and self._root_state.in_backward:
+            raise RuntimeError("summon_full_params() cannot be used during backward")
+        units = [u for u in (self.units() if recurse else [self]) if not u._summoned]
+        copies = []
+        for unit in units:
+            unit._summoned = True
+            for handle in unit._handles:
+                full = handle.gather_full_copy()
+                handle.expose_as_parameters(full)
+                copies.append((handle, full))
+        try:
+            yield
+        finally:
+            for handle, full in copies:
+                if writeback:
+                    handle.write_back(full)
+                handle.restore_attributes()
+            for unit in units:
+                unit._summoned = False
+
+    # -- state dicts, gradients (implemented in state_dict.py / grad.py) ---------------------------
+    def state_dict(self, *args, **kwargs):
+        """The full state dict: keys and shapes of the unwrapped module. Collective."""
+        from vistrain.fsdp.state_dict import full_state_dict
+        if self._state_dict_mode == "local" or self._summoned:
+            return super().state_dict(*args, **kwargs)
+        return full_state_dict(self, super().state_dict)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Load a full (unwrapped-module) state dict. Collective."""
+        from vistrain.fsdp.state_dict import load_full_state_dict
+        if self._state_dict_mode == "local":
+            return super().load_state_dict(state_dict, strict)
+        return load_full_state_dict(self, state_dict, strict, super().state_dict)
+
+    def local_state_dict(self):
+        """This rank's shards and buffers, keyed by wrapper-internal names."""
+        from vistrain.fsdp.state_dict import local_mode
+        with local_mode(self):
+            return self.state_dict()
+
+    def load_local_state_dict(self, state_dict, strict: bool = True):
+        from vistrain.fsdp.state_dict import local_mode
+        with local_mode(self):
+            return self.load_state_dict(state_dict, strict)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the global gradient norm over every shard on every rank; returns the norm."""
+        from vistrain.fsdp.grad import clip_grad_norm_
+        return clip_grad_norm_(list(self.parameters()), max_norm, norm_type, self.process_group,
+                               self.compute_device)
+
+
+def _post_backward_hook(unit_ref, handle: FlatParamHandle, _full: torch.Tensor) -> None:
+    """After autograd has accumulated the unit's full gradient: reduce-scatter it and free."""
+    unit = unit_ref()
+    grad = handle.take_full_grad()
+    if unit is None or grad is None:
+        return
+    handle.reshard()
+    state = unit._root_state
+    if not state.require_grad_sync:
+        handle.accumulate_unsharded(grad)
+        return
+    work, reduced, kept = handle.start_reduce_scatter(grad)
+    state.pending.append((handle, work, reduced, kept))
+
+
+def _register_on_tensors(obj, hook) -> None:
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad:
+            obj.register_hook(hook)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            _register_on_tensors(item, hook)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            _register_on_tensors(item, hook)
+
+
+def _autocast_off(device: torch.device):
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+def _owned_modules(module: nn.Module):
+    """``module`` and its submodules, not descending into nested units."""
+    yield module
+    for child in module.children():
+        if not isinstance(child, FullyShardedDataParallel):
+            yield from _owned_modules(child)
+
+
+def _owned_params(module: nn.Module, prefix: str = ""):
+    """(fqn, module, attr, param) of parameters not inside nested units."""
+    seen = set()
+    for sub, sub_prefix in _owned_with_prefix(module, prefix):
+        for attr, param in sub._parameters.items():
+            if param is None:
+                continue
+            if id(param) in seen:
+                raise NotImplementedError(
+                    f"parameter {sub_prefix}{attr} is shared with another module; tied weights "
+                    "are not supported by FullyShardedDataParallel")
+            seen.add(id(param))
+            yield f"{sub_prefix}{attr}", sub, attr, param
+
+
+def _owned_with_prefix(module, prefix):
+    yield module, prefix
+    for name, child in module.named_children():
+        if not isinstance(child, FullyShardedDataParallel):
+            yield from _owned_with_prefix(child, f"{prefix}{name}.")
+
+
+def _compute_device(module: nn.Module, move_params_to_cpu: bool) -> torch.device:
+    if move_params_to_cpu:
+        return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                else torch.device("cpu"))
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _check_wrappable(module: nn.Module) -> None:
+    if isinstance(module, FullyShardedDataParallel):
+        raise ValueError("module is already wrapped by FullyShardedDataParallel (wrapping twice)")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "FullyShardedDataParallel needs an initialised process group: call "
+            "torch.distributed.init_process_group (or launch with tools/run_distributed.py) first")
+
+
+_optimizer_check_installed = False
+
+
+def _install_optimizer_check() -> None:
+    """Make ``optimizer.step()`` fail when the optimizer was built before wrapping."""
+    global _optimizer_check_installed
+    if _optimizer_check_installed:
+        return
+    _optimizer_check_installed = True
+
+    def check(optimizer, args, kwargs):
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if getattr(param, "_fsdp_replaced", False):
+                    raise RuntimeError(
+                        "the optimizer holds parameters that FullyShardedDataParallel replaced by "
+                        "shards: build the optimizer on model.parameters() after wrapping")
+
+    register_optimizer_step_pre_hook(check)

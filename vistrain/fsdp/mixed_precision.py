@@ -1,0 +1,57 @@
+"""Mixed-precision helpers: input casting, default compute dtype, a grad scaler for shards."""
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def default_compute_dtype(device: torch.device) -> torch.dtype:
+    """float16 on CUDA (FairScale's default), bfloat16 on CPU where float16 kernels are few."""
+    return torch.float16 if device.type == "cuda" else torch.bfloat16
+
+
+def cast_floating(obj: Any, dtype: torch.dtype, only_low_precision: bool = False) -> Any:
+    """Cast every floating tensor inside nested tuples/lists/dicts to ``dtype``.
+
+    ``only_low_precision`` upcasts fp16/bf16 tensors and leaves others alone (fp32 islands).
+    """
+    if isinstance(obj, torch.Tensor):
+        if not obj.is_floating_point() or obj.dtype == dtype:
+            return obj
+        if only_low_precision and obj.dtype not in _LOW_PRECISION:
+            return obj
+        return obj.to(dtype)
+    if isinstance(obj, tuple):
+        return tuple(cast_floating(o, dtype, only_low_precision) for o in obj)
+    if isinstance(obj, list):
+        return [cast_floating(o, dtype, only_low_precision) for o in obj]
+    if isinstance(obj, dict):
+        return {k: cast_floating(v, dtype, only_low_precision) for k, v in obj.items()}
+    return obj
+
+
+class ShardedGradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` for sharded gradients: inf/NaN checks agree across ranks.
+
+    Each rank only sees its own gradient shards, so one rank may find an overflow that another
+    misses; skipping the step on some ranks only would desynchronise the replicas. The found-inf
+    flags are therefore max-reduced over ``process_group`` before the step decision.
+    """
+
+    def __init__(self, device: str = "cuda", process_group=None, **kwargs):
+        super().__init__(device, **kwargs)
+        self.process_group = process_group
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16, *args, **kwargs):
+        # Shards are fp32 masters; fp16 gradients can only come from move/offload paths.
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, True, *args, **kwargs)
+        if dist.is_available() and dist.is_initialized():
+            flags = list(per_device.values()) or [found_inf]
+            for flag in flags:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+            if not per_device:
+                per_device[found_inf.device] = found_inf
+        return per_device

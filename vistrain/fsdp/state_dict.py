@@ -1,0 +1,63 @@
+"""Full (consolidated) and local (per-rank shard) state dicts of a sharded model.
+
+The full state dict has exactly the keys and shapes of the unwrapped module, so it loads into
+the plain model (and back). Building it is collective: every rank gathers every unit.
+"""
+
+import contextlib
+from collections import OrderedDict
+
+import torch
+from torch.nn.modules.module import _IncompatibleKeys
+
+from vistrain.fsdp.fully_sharded import FLAT_PARAM_PREFIX, clean_name
+
+
+def _is_shard_key(key: str) -> bool:
+    return key.rsplit(".", 1)[-1].startswith(FLAT_PARAM_PREFIX)
+
+
+def full_state_dict(fsdp, module_state_dict) -> "OrderedDict[str, torch.Tensor]":
+    """Gather the full parameters of every unit and return clean-keyed detached copies."""
+    with fsdp.summon_full_params(writeback=False):
+        raw = module_state_dict()
+        return OrderedDict((clean_name(k), v.detach().clone()) for k, v in raw.items()
+                           if not _is_shard_key(k))
+
+
+def load_full_state_dict(fsdp, state_dict, strict: bool, module_state_dict):
+    """Copy ``state_dict`` (clean keys) into the full parameters and write the shards back."""
+    with fsdp.summon_full_params(writeback=True):
+        internal = module_state_dict(keep_vars=True)
+        targets = {clean_name(k): v for k, v in internal.items() if not _is_shard_key(k)}
+        missing = [k for k in targets if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in targets]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"state dict does not match the model: missing keys {missing[:5]}"
+                f"{'...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
+                f"{'...' if len(unexpected) > 5 else ''}")
+        with torch.no_grad():
+            for key, target in targets.items():
+                if key not in state_dict:
+                    continue
+                value = state_dict[key]
+                if tuple(value.shape) != tuple(target.shape):
+                    raise RuntimeError(
+                        f"state dict key {key}: shape {tuple(value.shape)} does not match the "
+                        f"model's {tuple(target.shape)}")
+                target.copy_(value)
+    return _IncompatibleKeys(missing, unexpected)
+
+
+@contextlib.contextmanager
+def local_mode(fsdp):
+    """Within the block, state_dict()/load_state_dict() of every unit deal in local shards."""
+    units = fsdp.units()
+    for unit in units:
+        unit._state_dict_mode = "local"
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit._state_dict_mode = "full"

@@ -1,0 +1,89 @@
+"""Wrap policies: which submodules become their own sharded unit, with which options."""
+
+import contextlib
+from typing import Callable, Dict, Iterable, Optional, Type, Union
+
+from torch import nn
+
+from vistrain.fsdp.fully_sharded import FullyShardedDataParallel
+
+# A policy maps a module to None (not a unit of its own) or to per-unit option overrides.
+Policy = Callable[[nn.Module], Optional[dict]]
+
+
+def by_class(classes: Union[Iterable[Type[nn.Module]], Dict[Type[nn.Module], dict]]) -> Policy:
+    """Policy wrapping every instance of the given classes; a dict gives per-class overrides.
+
+    Example: ``by_class({ResBottleneckBlock: {}, nn.BatchNorm2d: {"keep_fp32": True}})``.
+    """
+    table = dict(classes) if isinstance(classes, dict) else {c: {} for c in classes}
+
+    def policy(module: nn.Module) -> Optional[dict]:
+        for cls, overrides in table.items():
+            if isinstance(module, cls):
+                return overrides
+        return None
+
+    return policy
+
+
+def by_size(min_num_params: int) -> Policy:
+    """Policy wrapping every module holding at least ``min_num_params`` parameters (recursively)."""
+    def policy(module: nn.Module) -> Optional[dict]:
+        return {} if sum(p.numel() for p in module.parameters()) >= min_num_params else None
+
+    return policy
+
+
+def auto_wrap(module: nn.Module, policy: Policy, wrap_root: bool = True, **fsdp_kwargs) -> nn.Module:
+    """Wrap, children first, every submodule the policy selects, then the root.
+
+    ``fsdp_kwargs`` are the defaults of every unit; the policy's overrides win per unit.
+    Returns the root ``FullyShardedDataParallel`` (or the module itself when not ``wrap_root``).
+    """
+    _wrap_children(module, policy, fsdp_kwargs)
+    return FullyShardedDataParallel(module, **fsdp_kwargs) if wrap_root else module
+
+
+def _wrap_children(module: nn.Module, policy: Policy, defaults: dict) -> None:
+    for name, child in list(module.named_children()):
+        if isinstance(child, FullyShardedDataParallel):
+            continue
+        _wrap_children(child, policy, defaults)
+        overrides = policy(child)
+        if overrides is not None:
+            setattr(module, name, FullyShardedDataParallel(child, **{**defaults, **overrides}))
+
+
+def _owner(module: nn.Module) -> Optional[FullyShardedDataParallel]:
+    ref = getattr(module, "_fsdp_owner", None)
+    return ref() if ref is not None else None
+
+
+def params_of(module: nn.Module):
+    """The parameters holding ``module``'s weights: its unit's shards, or its own parameters.
+
+    Raises when a shard also holds weights of modules outside ``module`` (wrap it as a unit).
+    """
+    owner = _owner(module)
+    if owner is None:
+        return list(module.parameters())
+    inside = set(map(id, module.modules()))
+    params = []
+    for unit in owner.units():
+        for handle in unit._handles:
+            mine = [id(o.module) in inside for o in handle.origins]
+            if all(mine):
+                params.append(handle.shard)
+            elif any(mine):
+                raise ValueError(f"{type(module).__name__} shares a flat shard with other modules; "
+                                 "wrap it as its own unit to address its parameters")
+    return params
+
+
+def gathered(module: nn.Module, writeback: bool = True):
+    """Context in which ``module``'s full weights are present and writable (collective if sharded)."""
+    owner = _owner(module)
+    if owner is None:
+        return contextlib.nullcontext()
+    return owner.summon_full_params(recurse=True, writeback=writeback)
