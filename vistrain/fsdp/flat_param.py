@@ -60,6 +60,22 @@ def shard_slices(origins: Sequence[ParamOrigin], world_size: int, rank: int):
     return out
 
 
+class GatheredBytes:
+    """Bytes of full (gathered) parameters alive in this process now and at the peak."""
+
+    current = 0
+    peak = 0
+
+    @classmethod
+    def reset_peak(cls) -> None:
+        cls.peak = cls.current
+
+    @classmethod
+    def add(cls, nbytes: int) -> None:
+        cls.current += nbytes
+        cls.peak = max(cls.peak, cls.current)
+
+
 def _gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool):
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(output, shard, group=group, async_op=async_op)
@@ -104,7 +120,7 @@ class FlatParamHandle:
         # Collectives bump a tensor's version counter, which would invalidate the views autograd
         # saved in forward. ``.data`` aliases the same storage with its own counter.
         self._full_data = self.full.data
-        self._free_full()
+        self.full.untyped_storage().resize_(0)  # allocated again by each gather
         # Outside forward/backward the modules see shape-only meta tensors: reading a released
         # view would crash, reading a placeholder fails cleanly.
         self._placeholders = [torch.empty(o.shape, dtype=self.compute_dtype, device="meta")
@@ -134,6 +150,7 @@ class FlatParamHandle:
 
     # -- gather / free ------------------------------------------------------------------------
     def _free_full(self) -> None:
+        GatheredBytes.add(-self.full.untyped_storage().nbytes())
         self.full.untyped_storage().resize_(0)
 
     def start_unshard(self) -> None:
@@ -142,6 +159,7 @@ class FlatParamHandle:
             return
         nbytes = self.full.numel() * self.full.element_size()
         self.full.untyped_storage().resize_(nbytes)
+        GatheredBytes.add(nbytes)
         src = self.shard.detach().to(self.compute_device, self.compute_dtype, non_blocking=True)
         self._gather_src = src
         self._gather_work = _gather_into(self._full_data, src, self.group, async_op=True)

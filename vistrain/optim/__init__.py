@@ -1,0 +1,55 @@
+"""Optimizers (SGD, LARS, AdamW) with parameter groups, and learning-rate schedules.
+
+Usage (the trainer)::
+
+    optimizer = build_optimizer(cfg.OPTIMIZER, model)          # plain, DDP or sharded model
+    schedule = build_lr_schedule(cfg.OPTIMIZER, len(loader))
+    set_lr(optimizer, schedule(iteration))                     # every iteration, before step()
+"""
+
+from typing import Callable, Dict, List
+
+import torch
+from torch import nn
+
+from vistrain.optim.lars import LARS
+from vistrain.optim.param_groups import build_param_groups, param_group_key
+from vistrain.optim.schedulers import build_lr_schedule, set_lr
+
+__all__ = ["LARS", "build_lr_schedule", "build_optimizer", "param_group_key", "set_lr"]
+
+
+def _sgd(groups: List[dict], opt_cfg, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD(groups, lr=lr, momentum=opt_cfg.momentum, nesterov=opt_cfg.nesterov)
+
+
+def _lars(groups: List[dict], opt_cfg, lr: float) -> torch.optim.Optimizer:
+    return LARS(
+        groups, lr=lr, momentum=opt_cfg.momentum, eta=opt_cfg.lars_eta, nesterov=opt_cfg.nesterov
+    )
+
+
+def _adamw(groups: List[dict], opt_cfg, lr: float) -> torch.optim.Optimizer:
+    if len(opt_cfg.betas) != 2:
+        raise ValueError(f"OPTIMIZER.betas must hold two numbers, got {opt_cfg.betas}")
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(float(b) for b in opt_cfg.betas))
+
+
+# name -> builder(param groups, cfg.OPTIMIZER, initial lr). Weight decay comes from the groups.
+_OPTIMIZERS: Dict[str, Callable] = {"sgd": _sgd, "lars": _lars, "adamw": _adamw}
+
+
+def build_optimizer(opt_cfg, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer named ``opt_cfg.name`` over ``model``'s trainable parameters.
+
+    Groups come from :func:`build_param_groups` (per-group ``weight_decay`` and ``lr_multiplier``;
+    ``lars_exclude`` for LARS). Every group starts at ``base_value * lr_multiplier``; the trainer
+    then calls :func:`set_lr` with the schedule each iteration.
+    """
+    if opt_cfg.name not in _OPTIMIZERS:
+        raise ValueError(f"unknown optimizer '{opt_cfg.name}'; valid: {sorted(_OPTIMIZERS)}")
+    groups = build_param_groups(opt_cfg, model)
+    base_lr = float(opt_cfg.param_schedulers.lr.base_value)
+    for group in groups:
+        group["lr"] = base_lr * group["lr_multiplier"]
+    return _OPTIMIZERS[opt_cfg.name](groups, opt_cfg, base_lr)

@@ -1,0 +1,129 @@
+"""DDP vs vistrain's sharded engine vs PyTorch's fully_shard, side by side in the same processes.
+
+    python dev/bench_fsdp.py [--world 2] [--steps 12] [--batch 8] [--size 64] [--model regnet_y_400mf]
+
+Each rank builds the three models from the same seed and, step after step, runs one training
+step of each in turn on the same data, so machine noise hits all three alike. Prints the median
+step time of each as a ratio to DDP's, and per-rank persistent bytes (parameters + gradients +
+SGD momentum) next to DDP's / world size, and the peak bytes of gathered (full) parameters
+next to the two largest units. On CPU it uses gloo; with CUDA, NCCL.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torchvision
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torchvision.models.regnet import ResBottleneckBlock, SimpleStemIN
+
+from vistrain.distributed.testing import run_on_ranks
+from vistrain.fsdp import auto_wrap, by_class
+from vistrain.fsdp.flat_param import GatheredBytes
+
+UNIT_CLASSES = (ResBottleneckBlock, SimpleStemIN)
+
+
+def build(name):
+    torch.manual_seed(0)
+    return getattr(torchvision.models, name)(num_classes=10)
+
+
+def make_engines(args, device):
+    engines = {"ddp": DDP(build(args.model).to(device))}
+    engines["vistrain"] = auto_wrap(build(args.model).to(device), by_class(UNIT_CLASSES))
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        model = build(args.model).to(device)
+        for module in model.modules():
+            if isinstance(module, UNIT_CLASSES):
+                fully_shard(module, mesh=mesh)
+        engines["fully_shard"] = fully_shard(model, mesh=mesh)
+    except (ImportError, RuntimeError) as error:  # older torch: compare what we can
+        print(f"fully_shard unavailable: {error}")
+    return {name: (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+            for name, model in engines.items()}
+
+
+def step(model, optimizer, x, y, device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)  # keep gradients allocated: they are persistent state
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def persistent_bytes(model, optimizer):
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += 2 * local.numel() * local.element_size()  # parameter + gradient
+        buf = optimizer.state.get(p, {}).get("momentum_buffer")
+        if buf is not None:
+            buf = buf.to_local() if hasattr(buf, "to_local") else buf
+            total += buf.numel() * buf.element_size()
+    return total
+
+
+def worker(rank, world, args):
+    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    engines = make_engines(args, device)
+    times = {name: [] for name in engines}
+    gen = torch.Generator().manual_seed(rank)
+    for i in range(args.steps + args.warmup):
+        x = torch.randn(args.batch, 3, args.size, args.size, generator=gen).to(device)
+        y = torch.randint(0, 10, (args.batch,), generator=gen).to(device)
+        for name, (model, optimizer) in engines.items():
+            if name == "vistrain":
+                GatheredBytes.reset_peak()
+            elapsed = step(model, optimizer, x, y, device)
+            if i >= args.warmup:
+                times[name].append(elapsed)
+    ours = engines["vistrain"][0]
+    units = sorted((sum(h.full.numel() * h.full.element_size() for h in u._handles)
+                    for u in ours.units()), reverse=True)
+    return {
+        "median_s": {name: statistics.median(t) for name, t in times.items()},
+        "bytes": {name: persistent_bytes(*engines[name]) for name in engines},
+        "peak_gathered": GatheredBytes.peak,
+        "two_largest_units": sum(units[:2]),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--model", default="regnet_y_400mf")
+    args = parser.parse_args()
+    results = run_on_ranks(worker, args.world, args)
+    r0 = results[0]
+    ddp_time = max(r["median_s"]["ddp"] for r in results)
+    ddp_bytes = r0["bytes"]["ddp"]
+    print(f"{args.model}, {args.size}x{args.size}, batch {args.batch}/rank, {args.world} ranks, "
+          f"{'cuda/nccl' if torch.cuda.is_available() else 'cpu/gloo'}, median of {args.steps} steps")
+    print(f"{'engine':<12} {'step s':>8} {'vs DDP':>7} {'MB/rank':>9} {'vs DDP/N':>9}")
+    for name in r0["median_s"]:
+        t = max(r["median_s"][name] for r in results)  # the slowest rank sets the pace
+        b = max(r["bytes"][name] for r in results)
+        print(f"{name:<12} {t:8.3f} {t / ddp_time:7.2f} {b / 2**20:9.2f} "
+              f"{b / (ddp_bytes / args.world):9.3f}")
+    print(f"peak gathered parameters: {r0['peak_gathered'] / 2**20:.2f} MB; two largest units: "
+          f"{r0['two_largest_units'] / 2**20:.2f} MB")
+
+
+if __name__ == "__main__":
+    main()

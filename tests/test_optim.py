@@ -1,0 +1,434 @@
+"""Parameter groups (plain, DDP, sharded), LARS against a hand-written reference, LR schedules."""
+
+import functools
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from vistrain.config.defaults import get_defaults
+from vistrain.distributed.testing import run_on_ranks
+from vistrain.optim import LARS, build_lr_schedule, build_optimizer, param_group_key, set_lr
+from vistrain.optim import lars as lars_module
+
+
+def _opt_cfg(**overrides):
+    cfg = get_defaults().OPTIMIZER
+    for key, value in overrides.items():
+        cfg[key] = value
+    return cfg
+
+
+class _Model(nn.Module):
+    """trunk: conv(+bias) -> BN; head: linear -> BN1d -> linear (no bias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.AdaptiveAvgPool2d(1))
+        self.head = nn.Sequential(
+            nn.Flatten(), nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Linear(5, 2, bias=False)
+        )
+
+    def forward(self, x):
+        return self.head(self.trunk(x))
+
+
+def _names_by_group(optimizer, model):
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {g["name"]: sorted(names[id(p)] for p in g["params"]) for g in optimizer.param_groups}
+
+
+# ------------------------------------------------------------------ parameter groups
+
+
+def test_param_group_key_rules():
+    cfg = _opt_cfg(regularize_bias=False, head_lr_multiplier=0.1)
+    conv, bn, lin = nn.Conv2d(1, 1, 1), nn.BatchNorm2d(1), nn.Linear(1, 1)
+    assert param_group_key("trunk.0.weight", conv, conv.weight, cfg) == "decay"
+    assert param_group_key("trunk.0.bias", conv, conv.bias, cfg) == "no_decay"
+    assert param_group_key("trunk.1.weight", bn, bn.weight, cfg) == "no_decay"
+    assert param_group_key("head.1.weight", lin, None, cfg) == "head_decay"
+    assert param_group_key("head.1.bias", lin, None, cfg) == "head_no_decay"
+    assert param_group_key("header.weight", lin, None, cfg) == "decay"  # only "head." counts
+    ln, gn = nn.LayerNorm(2), nn.GroupNorm(1, 2)
+    assert (
+        param_group_key("x.weight", ln, None, cfg)
+        == param_group_key("y.bias", gn, None, cfg)
+        == "no_decay"
+    )
+    lars = _opt_cfg(name="lars", regularize_bn=True)
+    assert param_group_key("t.bias", conv, None, lars) == "decay_lars_exclude"
+    assert param_group_key("t.weight", bn, None, lars) == "decay_lars_exclude"
+    assert param_group_key("t.weight", conv, None, lars) == "decay"
+    keep = _opt_cfg(name="lars", lars_exclude_bias_and_norm=False)
+    assert param_group_key("t.weight", bn, None, keep) == "no_decay"
+
+
+def test_groups_default_config_excludes_bn_from_decay():
+    model = _Model()
+    opt = build_optimizer(_opt_cfg(weight_decay=0.05), model)
+    assert isinstance(opt, torch.optim.SGD)
+    assert _names_by_group(opt, model) == {
+        "decay": [
+            "head.1.bias",
+            "head.1.weight",
+            "head.3.weight",
+            "trunk.0.bias",
+            "trunk.0.weight",
+        ],
+        "no_decay": ["head.2.bias", "head.2.weight", "trunk.1.bias", "trunk.1.weight"],
+    }
+    decay = {g["name"]: g["weight_decay"] for g in opt.param_groups}
+    assert decay == {"decay": 0.05, "no_decay": 0.0}
+    assert opt.defaults["momentum"] == 0.9 and all(g["lr"] == 0.1 for g in opt.param_groups)
+
+
+def test_groups_head_multiplier_bias_and_frozen_params():
+    model = _Model()
+    model.trunk[0].weight.requires_grad_(False)
+    cfg = _opt_cfg(regularize_bias=False, regularize_bn=True, head_lr_multiplier=0.5)
+    opt = build_optimizer(cfg, model)
+    assert _names_by_group(opt, model) == {
+        "no_decay": ["trunk.0.bias"],
+        "decay": ["trunk.1.bias", "trunk.1.weight"],
+        "head_no_decay": ["head.1.bias"],
+        "head_decay": ["head.1.weight", "head.2.bias", "head.2.weight", "head.3.weight"],
+    }
+    multipliers = {g["name"]: (g["lr_multiplier"], g["lr"]) for g in opt.param_groups}
+    assert multipliers["head_decay"] == (0.5, 0.05) and multipliers["decay"] == (1.0, 0.1)
+    set_lr(opt, 2.0)
+    assert {g["name"]: g["lr"] for g in opt.param_groups} == {
+        "no_decay": 2.0,
+        "decay": 2.0,
+        "head_no_decay": 1.0,
+        "head_decay": 1.0,
+    }
+
+
+def test_adamw_and_lars_builders():
+    model = _Model()
+    adamw = build_optimizer(_opt_cfg(name="adamw", betas=[0.8, 0.95]), model)
+    assert isinstance(adamw, torch.optim.AdamW) and adamw.defaults["betas"] == (0.8, 0.95)
+    lars = build_optimizer(_opt_cfg(name="lars", lars_eta=0.02), model)
+    assert isinstance(lars, LARS) and lars.defaults["eta"] == 0.02
+    flags = {g["name"]: g["lars_exclude"] for g in lars.param_groups}
+    assert flags == {"decay": False, "decay_lars_exclude": True, "no_decay_lars_exclude": True}
+    assert _names_by_group(lars, model)["decay"] == [
+        "head.1.weight",
+        "head.3.weight",
+        "trunk.0.weight",
+    ]
+
+
+def test_builder_errors():
+    with pytest.raises(
+        ValueError, match=r"unknown optimizer 'adam'; valid: \['adamw', 'lars', 'sgd'\]"
+    ):
+        build_optimizer(_opt_cfg(name="adam"), _Model())
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        build_optimizer(_opt_cfg(), frozen)
+    with pytest.raises(ValueError, match="betas"):
+        build_optimizer(_opt_cfg(name="adamw", betas=[0.9]), _Model())
+
+
+# ------------------------------------------------------------------ sharded (flat) parameters
+
+
+class _FakeSharded(nn.Module):
+    """What the engine hands the optimizer: flat shards carrying ``_fsdp_origins``."""
+
+    def __init__(self, model, opt_cfg, split_key=True):
+        super().__init__()
+        by_group = {}
+        for mname, module in model.named_modules():
+            for pname, p in module.named_parameters(recurse=False):
+                fqn = f"{mname}.{pname}"
+                key = param_group_key(fqn, module, p, opt_cfg) if split_key else "all"
+                by_group.setdefault(key, []).append(
+                    SimpleNamespace(fqn=fqn, module=module, shape=p.shape)
+                )
+        self.flats = nn.ParameterList()
+        for origins in by_group.values():
+            flat = nn.Parameter(torch.zeros(sum(math.prod(o.shape) for o in origins) // 2 + 1))
+            flat._fsdp_origins = origins
+            self.flats.append(flat)
+
+
+def test_shard_groups_follow_origins():
+    model = _Model()
+    cfg = _opt_cfg(name="lars", head_lr_multiplier=2.0)
+    sharded = _FakeSharded(model, cfg)
+    opt = build_optimizer(cfg, sharded)
+    assert len(opt.param_groups) == len(sharded.flats)  # one shard per group here
+    for group, flat in zip(opt.param_groups, sharded.flats):
+        assert group["params"] == [flat]
+        keys = {param_group_key(o.fqn, o.module, None, cfg) for o in flat._fsdp_origins}
+        assert keys == {group["name"]}
+    flags = {g["name"]: (g["lars_exclude"], g["lr_multiplier"]) for g in opt.param_groups}
+    assert flags["head_decay"] == (False, 2.0) and flags["no_decay_lars_exclude"] == (True, 1.0)
+
+
+def test_shard_mixing_groups_is_an_error():
+    model, cfg = _Model(), _opt_cfg()
+    with pytest.raises(
+        ValueError,
+        match="flat shard mixes param groups: trunk.0.weight is 'decay' but "
+        "trunk.1.weight is 'no_decay'",
+    ):
+        build_optimizer(cfg, _FakeSharded(model, cfg, split_key=False))
+    empty = _FakeSharded(nn.Linear(2, 2), cfg)
+    empty.flats[0]._fsdp_origins = []
+    with pytest.raises(ValueError, match="empty _fsdp_origins"):
+        build_optimizer(cfg, empty)
+
+
+# ------------------------------------------------------------------ LARS
+
+
+def _plain_origin_sq_norms(params, tensors):
+    """What origin_sq_norms returns for plain parameters: one squared norm per tensor."""
+    return [(t.float() * t.float()).sum() for t in tensors]
+
+
+def _reference_lars(ws, grads_per_step, lr, momentum, wd, eta, exclude, nesterov):
+    """LARS written out per parameter in float64, one list entry per step."""
+    ws = [w.double().clone() for w in ws]
+    bufs = [None] * len(ws)
+    for grads in grads_per_step:
+        for i, (w, g) in enumerate(zip(ws, grads)):
+            g = g.double()
+            trust = 1.0
+            if not exclude[i]:
+                wn, gn = w.norm().item(), g.norm().item()
+                trust = eta * wn / (gn + wd[i] * wn) if wn > 0 and gn > 0 else 1.0
+            d = trust * (g + wd[i] * w)
+            bufs[i] = d.clone() if bufs[i] is None else momentum * bufs[i] + d
+            w -= lr * (d + momentum * bufs[i] if nesterov else bufs[i])
+    return ws
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_lars_matches_reference(nesterov):
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(4, 3), (5,), (3,), (2, 2)]
+    ws = [torch.randn(s, generator=gen) for s in shapes]
+    ws[3].zero_()  # ||w|| = 0 -> trust ratio 1
+    exclude = [False, False, True, False]
+    wd = [1e-2, 1e-2, 0.0, 1e-2]
+    steps = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(3)]
+    steps[0][1].zero_()  # ||g|| = 0 -> trust ratio 1 on the first step
+    params = [nn.Parameter(w.clone()) for w in ws]
+    groups = [
+        {"params": [params[0], params[1], params[3]], "weight_decay": 1e-2, "lars_exclude": False},
+        {"params": [params[2]], "weight_decay": 0.0, "lars_exclude": True},
+    ]
+    opt = LARS(groups, lr=0.5, momentum=0.9, eta=0.02, nesterov=nesterov)
+    for grads in steps:
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+    ref = _reference_lars(ws, steps, 0.5, 0.9, wd, 0.02, exclude, nesterov)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.detach().double(), r, atol=1e-6, rtol=1e-6)
+    assert set(opt.state[params[0]]) == {"momentum_buffer"}
+
+
+def _segment_sq_norms(segments):
+    """origin_sq_norms for flat params made of the given (start, end) segments (one 'rank')."""
+
+    def norms(params, tensors):
+        out = []
+        for p, t in zip(params, tensors):
+            sq = torch.zeros_like(t)
+            for start, end in segments.get(id(p), []):
+                sq[start:end] = (t[start:end] ** 2).sum()
+            out.append(sq if id(p) in segments else (t * t).sum())
+        return out
+
+    return norms
+
+
+def test_lars_on_flat_shard_uses_per_original_norms(monkeypatch):
+    """A flat param holding two originals (+ padding) steps exactly like the two separately."""
+    gen = torch.Generator().manual_seed(1)
+    a, b = torch.randn(6, generator=gen), torch.randn(4, generator=gen) * 10
+    grads = [(torch.randn(6, generator=gen), torch.randn(4, generator=gen)) for _ in range(2)]
+    flat = nn.Parameter(torch.cat([a, b, torch.zeros(2)]))
+    separate = [nn.Parameter(a.clone()), nn.Parameter(b.clone())]
+    monkeypatch.setattr(
+        lars_module, "_origin_sq_norms", _segment_sq_norms({id(flat): [(0, 6), (6, 10)]})
+    )
+    opt_flat = LARS([flat], lr=0.1, weight_decay=1e-3, eta=0.01)
+    opt_sep = LARS(separate, lr=0.1, weight_decay=1e-3, eta=0.01)
+    for ga, gb in grads:
+        flat.grad = torch.cat([ga, gb, torch.zeros(2)])
+        separate[0].grad, separate[1].grad = ga.clone(), gb.clone()
+        opt_flat.step()
+        opt_sep.step()
+    torch.testing.assert_close(flat.detach()[:10], torch.cat([separate[0], separate[1]]).detach())
+    assert torch.equal(flat.detach()[10:], torch.zeros(2))
+    # The trust ratio differs per original: one norm over the whole flat would give another result.
+    whole = nn.Parameter(torch.cat([a, b]))
+    opt_whole = LARS([whole], lr=0.1, weight_decay=1e-3, eta=0.01)
+    monkeypatch.setattr(lars_module, "_origin_sq_norms", _plain_origin_sq_norms)
+    for ga, gb in grads:
+        whole.grad = torch.cat([ga, gb])
+        opt_whole.step()
+    assert not torch.allclose(whole.detach(), flat.detach()[:10])
+
+
+_LARS_DDP_CFG = _opt_cfg(name="lars", lars_eta=0.05, head_lr_multiplier=3.0)
+
+
+def _ddp_lars_worker(rank, world):
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(_Model())
+    opt = build_optimizer(_LARS_DDP_CFG, model)
+    names = {g["name"]: g["lars_exclude"] for g in opt.param_groups}
+    x = torch.randn(4, 3, 5, 5, generator=torch.Generator().manual_seed(rank))
+    model(x).square().sum().backward()
+    opt.step()
+    return names, [p.detach() for p in model.module.parameters()]
+
+
+def test_lars_under_ddp_matches_single_process():
+    results = run_on_ranks(_ddp_lars_worker, 2)
+    torch.manual_seed(0)
+    model = _Model()
+    opt = build_optimizer(_LARS_DDP_CFG, model)
+    xs = [torch.randn(4, 3, 5, 5, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    # DDP averages gradients; BN statistics stay per rank, so run the halves separately.
+    for x in xs:
+        (model(x).square().sum() / 2).backward()
+    opt.step()
+    for names, params in results:
+        # "module." is stripped: head parameters are recognised behind DDP.
+        assert names == {
+            "decay": False,
+            "decay_lars_exclude": True,
+            "no_decay_lars_exclude": True,
+            "head_decay": False,
+            "head_decay_lars_exclude": True,
+            "head_no_decay_lars_exclude": True,
+        }
+        for p, ref in zip(params, model.parameters()):
+            torch.testing.assert_close(p, ref.detach(), atol=1e-6, rtol=1e-5)
+
+
+def _train_two_steps(model, opt, rank):
+    for step in range(2):
+        x = torch.randn(4, 3, 5, 5, generator=torch.Generator().manual_seed(10 * step + rank))
+        model(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _sharded_lars_worker(rank, world):
+    from vistrain.fsdp import FullyShardedDataParallel, auto_wrap, by_class
+
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(_Model())
+    _train_two_steps(ddp, build_optimizer(_LARS_DDP_CFG, ddp), rank)
+    ref = {n: p.detach() for n, p in ddp.module.named_parameters()}
+    group_fn = functools.partial(param_group_key, opt_cfg=_LARS_DDP_CFG)
+    worst = {}
+    for nested in (False, True):
+        torch.manual_seed(0)
+        model = _Model()
+        if nested:  # each head Linear its own unit; the root keeps trunk + head BN
+            model = auto_wrap(model, by_class([nn.Linear]), param_group_fn=group_fn)
+        else:  # one unit: "decay" / "head_decay" flats hold several original parameters
+            model = FullyShardedDataParallel(model, param_group_fn=group_fn)
+        _train_two_steps(model, build_optimizer(_LARS_DDP_CFG, model), rank)
+        state = model.state_dict()
+        worst[nested] = max((state[n] - ref[n]).abs().max().item() for n in ref)
+    return worst
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_lars_equals_ddp_lars(world):
+    for worst in run_on_ranks(_sharded_lars_worker, world):
+        assert max(worst.values()) < 1e-6, worst
+
+
+def test_lars_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="eta > 0"):
+        LARS([nn.Parameter(torch.ones(1))], lr=0.1, eta=0.0)
+    with pytest.raises(ValueError, match="nesterov"):
+        LARS([nn.Parameter(torch.ones(1))], lr=0.1, momentum=0.0, nesterov=True)
+
+
+# ------------------------------------------------------------------ LR schedules
+
+
+def _sched_cfg(**lr):
+    cfg = _opt_cfg(num_epochs=10)
+    for key, value in lr.items():
+        cfg.param_schedulers.lr[key] = value
+    return cfg
+
+
+def test_cosine_with_fractional_warmup():
+    cfg = _sched_cfg(
+        name="cosine", base_value=0.1, end_value=0.001, warmup_epochs=1.5, start_warmup_value=0.01
+    )
+    lr = build_lr_schedule(cfg, iterations_per_epoch=10)  # 100 iterations, warmup 15
+    assert lr(0) == pytest.approx(0.01)
+    assert lr(5) == pytest.approx(0.01 + 0.09 * 5 / 15)
+    assert lr(15) == pytest.approx(0.1)
+    expected = 0.001 + 0.5 * 0.099 * (1 + math.cos(math.pi * (50 - 15) / 85))
+    assert lr(50) == pytest.approx(expected)
+    assert lr(99) == pytest.approx(0.001 + 0.5 * 0.099 * (1 + math.cos(math.pi * 84 / 85)))
+    assert lr(100) == pytest.approx(0.001, abs=1e-12) and lr(1000) == pytest.approx(
+        0.001, abs=1e-12
+    )
+
+
+def test_cosine_without_warmup():
+    lr = build_lr_schedule(_sched_cfg(base_value=0.4, end_value=0.0), iterations_per_epoch=3)
+    assert (
+        lr(0) == pytest.approx(0.4)
+        and lr(15) == pytest.approx(0.2)
+        and lr(30) == pytest.approx(0.0, abs=1e-12)
+    )
+
+
+def test_multistep_boundaries_with_warmup():
+    cfg = _sched_cfg(
+        name="multistep",
+        base_value=1.0,
+        milestones=[3, 6.5],
+        gamma=0.1,
+        warmup_epochs=1,
+        start_warmup_value=0.0,
+    )
+    lr = build_lr_schedule(cfg, iterations_per_epoch=10)
+    assert lr(0) == 0.0 and lr(5) == pytest.approx(0.5)
+    expected = {10: 1.0, 29: 1.0, 30: 0.1, 64: 0.1, 65: 0.01, 99: 0.01, 100: 0.01}
+    assert {i: lr(i) for i in expected} == pytest.approx(expected)
+
+
+def test_constant_schedule():
+    lr = build_lr_schedule(_sched_cfg(name="constant", base_value=0.3), iterations_per_epoch=4)
+    assert [lr(i) for i in (0, 20, 39, 40, 100)] == [0.3] * 5
+
+
+def test_schedule_errors():
+    with pytest.raises(
+        ValueError,
+        match=r"unknown lr schedule 'linear'; valid: \['constant', 'cosine', 'multistep'\]",
+    ):
+        build_lr_schedule(_sched_cfg(name="linear"), 10)
+    with pytest.raises(ValueError, match="warmup_epochs"):
+        build_lr_schedule(_sched_cfg(warmup_epochs=10), 10)
+    with pytest.raises(ValueError, match="below num_epochs"):
+        build_lr_schedule(_sched_cfg(name="multistep", milestones=[3, 10]), 10)
+    with pytest.raises(ValueError, match="increasing"):
+        build_lr_schedule(_sched_cfg(name="multistep", milestones=[6, 3]), 10)
+    with pytest.raises(ValueError, match="iterations_per_epoch"):
+        build_lr_schedule(_sched_cfg(), 0)
+    with pytest.raises(ValueError, match="iteration must be >= 0"):
+        build_lr_schedule(_sched_cfg(), 5)(-1)

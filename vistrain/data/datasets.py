@@ -1,0 +1,273 @@
+"""Data sources (flat registry) and the dataset that turns a sample key into augmented views.
+
+Sources (``DATA.<split>.DATA_SOURCES``, one ``DATA_PATHS`` entry each; the entry is ignored by
+``synthetic`` and ``demo_digits``):
+
+* ``disk_folder``: ImageFolder layout ``<path>/<class>/**/<image>``; labels are the indices of the
+  sorted class folder names. If ``<path>`` holds both ``train/`` and ``val/``, ``SPLIT`` picks one.
+* ``disk_filelist``: a text file of ``<image path> <integer label>`` lines (blank lines and ``#``
+  comments skipped); relative image paths are relative to the list file's folder.
+* ``synthetic``: ``SYNTHETIC_SIZE`` deterministic images of ``IMAGE_SIZE`` pixels; sample ``i`` has
+  label ``i % SYNTHETIC_NUM_CLASSES`` and is its class's colour blended with noise seeded by
+  ``(SPLIT, i)``, so a linear probe can learn something in a dry run.
+* ``demo_digits``: scikit-learn's 1,797 digits, written once as PNGs (see ``demo_digits.py``) and
+  read through ``disk_folder`` with ``SPLIT`` train (1,437) or val (360).
+
+Several sources are concatenated in order, labels kept as each source gives them; ``DATA_LIMIT``
+keeps the first N samples of the concatenation.
+"""
+
+import bisect
+import logging
+import os
+import zlib
+from typing import Callable, Dict, List, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+from torchvision.datasets.folder import IMG_EXTENSIONS
+
+from vistrain.data.demo_digits import ensure_demo_digits
+from vistrain.data.sampler import mix_seed
+from vistrain.data.transforms import build_transform
+
+logger = logging.getLogger(__name__)
+MAX_CONSECUTIVE_BAD = 50  # give up when this many images in a row are unreadable
+
+
+class CorruptImageError(RuntimeError):
+    """An image file exists but cannot be decoded; the message names the file."""
+
+
+def read_image(path: str) -> Image.Image:
+    """Decode ``path`` fully into an RGB PIL image (truncated files fail here, not later)."""
+    try:
+        with open(path, "rb") as handle:
+            return Image.open(handle).convert("RGB")  # convert() forces the full decode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"image file not found: {path}") from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        raise CorruptImageError(f"cannot read image {path}: {err}") from None
+
+
+class FileSource:
+    """Image files with integer labels: ``load(i) -> (RGB image, label)``."""
+
+    def __init__(self, paths: List[str], labels: List[int], name: str):
+        self.paths, self.labels, self.name = paths, labels, name
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def describe(self, i: int) -> str:
+        return self.paths[i]
+
+    def load(self, i: int) -> Tuple[Image.Image, int]:
+        return read_image(self.paths[i]), self.labels[i]
+
+
+class SyntheticSource:
+    """Deterministic random RGB images (IMAGE_SIZE x IMAGE_SIZE) with balanced labels."""
+
+    def __init__(self, size: int, num_classes: int, image_size: int, split: str):
+        if size <= 0 or num_classes <= 0 or image_size <= 0:
+            raise ValueError(
+                f"synthetic: SYNTHETIC_SIZE ({size}), SYNTHETIC_NUM_CLASSES ({num_classes}) and "
+                f"IMAGE_SIZE ({image_size}) must be positive"
+            )
+        self.image_size, self.num_classes = image_size, num_classes
+        self.split_tag = zlib.crc32(split.encode())
+        self.labels = [i % num_classes for i in range(size)]
+        self.name = "synthetic"
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def describe(self, i: int) -> str:
+        return f"synthetic[{i}]"
+
+    def load(self, i: int) -> Tuple[Image.Image, int]:
+        label = self.labels[i]
+        colour = np.random.default_rng(mix_seed(0xC0105, label)).random(3)
+        noise = np.random.default_rng(mix_seed(self.split_tag, i)).random((self.image_size, self.image_size, 3))
+        pixels = np.round((0.5 * colour + 0.5 * noise) * 255).astype(np.uint8)
+        return Image.fromarray(pixels), label
+
+
+def _pick_split_folder(path: str, split: str) -> str:
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"disk_folder: folder not found: {path}")
+    subdirs = sorted(e.name for e in os.scandir(path) if e.is_dir())
+    if "train" in subdirs and "val" in subdirs:
+        if split not in subdirs:
+            raise ValueError(f"disk_folder: {path} has split folders {subdirs}; SPLIT {split!r} is not one of them")
+        return os.path.join(path, split)
+    return path
+
+
+def scan_image_folder(root: str) -> Tuple[List[str], List[int], List[str]]:
+    """ImageFolder scan: (image paths, labels, class names), classes and files in sorted order."""
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    if not classes:
+        raise ValueError(f"disk_folder: no class subfolders in {root}")
+    paths, labels = [], []
+    for label, name in enumerate(classes):
+        for folder, dirs, files in os.walk(os.path.join(root, name), followlinks=True):
+            dirs.sort()
+            for file in sorted(files):
+                if file.lower().endswith(IMG_EXTENSIONS):
+                    paths.append(os.path.join(folder, file))
+                    labels.append(label)
+    if not paths:
+        raise ValueError(f"disk_folder: no images ({', '.join(IMG_EXTENSIONS)}) under {root}")
+    return paths, labels, classes
+
+
+def read_filelist(list_path: str) -> Tuple[List[str], List[int]]:
+    """Parse ``<path> <label>`` lines; relative paths are joined to the list file's folder."""
+    if not os.path.isfile(list_path):
+        raise FileNotFoundError(f"disk_filelist: file list not found: {list_path}")
+    base = os.path.dirname(os.path.abspath(list_path))
+    paths, labels = [], []
+    with open(list_path) as handle:
+        for lineno, line in enumerate(handle, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            parts = line.rsplit(None, 1)  # the path itself may contain spaces
+            if len(parts) != 2 or not parts[1].lstrip("-").isdigit():
+                raise ValueError(f"{list_path}:{lineno}: expected '<path> <integer label>', got {line!r}")
+            paths.append(os.path.join(base, os.path.expanduser(parts[0])))
+            labels.append(int(parts[1]))
+    if not paths:
+        raise ValueError(f"disk_filelist: {list_path} lists no images")
+    return paths, labels
+
+
+def _disk_folder(split_cfg, path: str, cache_dir: str) -> FileSource:
+    if not path:
+        raise ValueError("disk_folder needs a folder in DATA_PATHS")
+    paths, labels, _ = scan_image_folder(_pick_split_folder(os.path.expanduser(path), split_cfg.SPLIT))
+    return FileSource(paths, labels, "disk_folder")
+
+
+def _disk_filelist(split_cfg, path: str, cache_dir: str) -> FileSource:
+    if not path:
+        raise ValueError("disk_filelist needs a text file in DATA_PATHS")
+    paths, labels = read_filelist(os.path.expanduser(path))
+    return FileSource(paths, labels, "disk_filelist")
+
+
+def _synthetic(split_cfg, path: str, cache_dir: str) -> SyntheticSource:
+    return SyntheticSource(
+        split_cfg.SYNTHETIC_SIZE, split_cfg.SYNTHETIC_NUM_CLASSES, split_cfg.IMAGE_SIZE, split_cfg.SPLIT
+    )
+
+
+def _demo_digits(split_cfg, path: str, cache_dir: str) -> FileSource:
+    root = ensure_demo_digits(cache_dir)
+    if split_cfg.SPLIT not in ("train", "val"):
+        raise ValueError(f"demo_digits: SPLIT must be 'train' or 'val', got {split_cfg.SPLIT!r}")
+    paths, labels, _ = scan_image_folder(os.path.join(root, split_cfg.SPLIT))
+    return FileSource(paths, labels, "demo_digits")
+
+
+SOURCES: Dict[str, Callable] = {
+    "disk_folder": _disk_folder,
+    "disk_filelist": _disk_filelist,
+    "synthetic": _synthetic,
+    "demo_digits": _demo_digits,
+}
+
+
+class SSLDataset(Dataset):
+    """Concatenated sources + a view transform; item ``(index, epoch)`` -> one sample dict.
+
+    A sample is ``{"crops": List[Tensor (3, h, w) float32], "label": int, "index": int,
+    "skipped": int}``. Augmentations are seeded per sample with ``mix_seed(seed, epoch, index)``
+    on torch's CPU generator (its state is saved and restored around the call), so the views
+    depend only on (seed, epoch, index): not on the worker count, the rank or the world size.
+    A plain int key means epoch 0.
+
+    Unreadable images (missing, truncated, not an image) raise an error naming the file, or with
+    ``skip_corrupt`` are logged with their path and replaced by the next readable sample in index
+    order; then ``"index"``/``"label"`` are the replacement's and ``"skipped"`` counts the images
+    passed over. ``num_skipped`` totals them in *this* process only: with DataLoader workers, sum
+    the batches' ``"num_skipped"`` instead.
+    """
+
+    def __init__(self, sources: Sequence, transform: Callable, seed: int = 0, skip_corrupt: bool = False,
+                 limit: int = -1):
+        self.sources = list(sources)
+        self.offsets = np.cumsum([0] + [len(s) for s in self.sources]).tolist()
+        total = self.offsets[-1]
+        self.length = total if limit is None or limit < 0 else min(limit, total)
+        if self.length == 0:
+            raise ValueError("the data set is empty (check DATA_SOURCES, DATA_PATHS and DATA_LIMIT)")
+        self.transform, self.seed, self.skip_corrupt = transform, seed, skip_corrupt
+        self.num_skipped = 0
+        self._reported = set()
+
+    def __len__(self) -> int:
+        return self.length
+
+    @property
+    def targets(self) -> List[int]:
+        """Labels of all samples in index order (no image is read)."""
+        labels = [label for source in self.sources for label in source.labels]
+        return labels[: self.length]
+
+    def _locate(self, index: int) -> Tuple[object, int]:
+        which = bisect.bisect_right(self.offsets, index) - 1
+        return self.sources[which], index - self.offsets[which]
+
+    def _load_readable(self, index: int) -> Tuple[Image.Image, int, int, int]:
+        """(image, label, index actually used, images skipped before it)."""
+        for skipped in range(min(self.length, MAX_CONSECUTIVE_BAD)):
+            current = (index + skipped) % self.length
+            source, local = self._locate(current)
+            try:
+                image, label = source.load(local)
+                self.num_skipped += skipped
+                return image, label, current, skipped
+            except (FileNotFoundError, CorruptImageError) as err:
+                if not self.skip_corrupt:
+                    raise
+                if current not in self._reported:  # one warning per bad file per process
+                    self._reported.add(current)
+                    logger.warning("skipping unreadable image (SKIP_CORRUPT): %s", err)
+        source, local = self._locate(index)
+        raise RuntimeError(
+            f"{min(self.length, MAX_CONSECUTIVE_BAD)} consecutive unreadable images starting at "
+            f"{source.describe(local)}; is the data set broken?"
+        )
+
+    def __getitem__(self, key: Union[int, Tuple[int, int]]) -> dict:
+        index, epoch = key if isinstance(key, tuple) else (key, 0)
+        if not 0 <= index < self.length:
+            raise IndexError(f"index {index} out of range for a data set of {self.length}")
+        image, label, used, skipped = self._load_readable(index)
+        with torch.random.fork_rng(devices=[]):
+            # default_generator only: torch.manual_seed would also reseed the trainer's CUDA RNG
+            torch.default_generator.manual_seed(mix_seed(self.seed, epoch, index))
+            crops = self.transform(image)
+        return {"crops": crops, "label": int(label), "index": used, "skipped": skipped}
+
+
+def build_dataset(split_cfg, cache_dir: str = "", seed: int = 0) -> SSLDataset:
+    """Dataset of one split from ``DATA.<split>`` (``cache_dir`` is ``DATA.CACHE_DIR``)."""
+    names, paths = list(split_cfg.DATA_SOURCES), list(split_cfg.DATA_PATHS)
+    if not names:
+        raise ValueError("DATA_SOURCES is empty; valid sources: " + ", ".join(sorted(SOURCES)))
+    if len(paths) > len(names):
+        raise ValueError(f"DATA_PATHS has {len(paths)} entries for {len(names)} DATA_SOURCES")
+    paths += [""] * (len(names) - len(paths))  # sources that need no path may omit it
+    sources = []
+    for name, path in zip(names, paths):
+        if name not in SOURCES:
+            raise ValueError(f"unknown data source {name!r}; valid sources: {sorted(SOURCES)}")
+        sources.append(SOURCES[name](split_cfg, path, cache_dir))
+    transform = build_transform(split_cfg.TRANSFORMS)
+    return SSLDataset(sources, transform, seed, split_cfg.SKIP_CORRUPT, split_cfg.DATA_LIMIT)

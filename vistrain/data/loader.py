@@ -1,0 +1,60 @@
+"""``build_loader``: dataset + transforms + distributed sampler + collator -> DataLoader of one rank."""
+
+import torch
+from torch.utils.data import DataLoader
+
+from vistrain.data.collate import collate_multicrop
+from vistrain.data.datasets import build_dataset
+from vistrain.data.sampler import DistributedSampler
+
+SPLITS = ("TRAIN", "TEST")
+
+
+def build_loader(data_cfg, split: str, seed: int, device: torch.device, rank=None, world_size=None) -> DataLoader:
+    """The DataLoader of ``data_cfg[split]`` for this rank.
+
+    Args:
+        data_cfg: the ``DATA`` config section.
+        split: ``"TRAIN"`` or ``"TEST"``.
+        seed: base of the data order and of the augmentations (``SEED_VALUE``); every rank passes
+            the same value: ranks differ by their part of the order, not by their seed.
+        device: where batches go; memory is pinned only for CUDA (and ``DATA.PIN_MEMORY``).
+        rank, world_size: default to ``vistrain.distributed.comm``.
+
+    Returns:
+        A DataLoader yielding ``collate_multicrop`` dicts. ``len(loader)`` is the number of
+        iterations of a full epoch on this rank (equal on all ranks). Call
+        ``loader.sampler.set_epoch(epoch, start_iteration)`` (or ``vistrain.data.set_epoch``)
+        before iterating each epoch; after ``start_iteration=k`` the pass yields
+        ``len(loader) - k`` batches, identical to the last ones of an uninterrupted epoch.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; valid splits: {list(SPLITS)}")
+    split_cfg = data_cfg[split]
+    dataset = build_dataset(split_cfg, cache_dir=data_cfg.CACHE_DIR, seed=seed)
+    batch_size = split_cfg.BATCHSIZE_PER_REPLICA
+    sampler = DistributedSampler(
+        len(dataset), batch_size, shuffle=split_cfg.SHUFFLE, drop_last=split_cfg.DROP_LAST,
+        seed=seed, rank=rank, world_size=world_size,
+    )
+    workers = data_cfg.NUM_DATALOADER_WORKERS
+    if workers < 0:
+        raise ValueError(f"DATA.NUM_DATALOADER_WORKERS must be >= 0, got {workers}")
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=split_cfg.DROP_LAST,  # the sampler already holds whole batches only; kept for clarity
+        num_workers=workers,
+        collate_fn=collate_multicrop,
+        pin_memory=bool(data_cfg.PIN_MEMORY) and torch.device(device).type == "cuda",
+        persistent_workers=workers > 0,
+    )
+
+
+def set_epoch(loader: DataLoader, epoch: int, start_iteration: int = 0) -> None:
+    """Prepare ``loader`` (from ``build_loader``) for ``epoch``, skipping its first ``start_iteration`` batches."""
+    sampler = getattr(loader, "sampler", None)
+    if not hasattr(sampler, "set_epoch"):
+        raise TypeError(f"the loader's sampler {type(sampler).__name__} has no set_epoch; build it with build_loader")
+    sampler.set_epoch(epoch, start_iteration)

@@ -1,0 +1,142 @@
+"""Parameter groups: which parameters get weight decay, a head learning-rate multiplier, LARS.
+
+A parameter's group is decided from its clean name (fqn, relative to the root model) and its owning
+module, so the same rule classifies
+
+* plain / DDP models, parameter by parameter, and
+* models sharded by ``vistrain.fsdp``: the engine calls :func:`param_group_key` at wrap time so
+  every flat shard holds parameters of ONE group; the optimizer then reads the group back from the
+  shard's ``_fsdp_origins`` (objects with ``.fqn``, ``.module`` and ``.shape``).
+"""
+
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+
+# Norm layers whose affine parameters follow ``regularize_bn``; _NormBase covers every BatchNorm,
+# SyncBatchNorm (ours too) and InstanceNorm.
+_NORM_TYPES: Tuple[type, ...] = tuple(
+    t
+    for t in (_NormBase, nn.GroupNorm, nn.LayerNorm, getattr(nn, "RMSNorm", None))
+    if t is not None
+)
+
+
+@dataclass(frozen=True)
+class GroupTraits:
+    """What the optimizer needs to know about one group of parameters."""
+
+    head: bool  # under the model's ``head`` with head_lr_multiplier != 1
+    decay: bool  # receives weight decay
+    lars_exclude: bool  # LARS: plain SGD (no trust ratio)
+
+    @property
+    def key(self) -> str:
+        """e.g. ``decay``, ``no_decay``, ``head_decay``, ``no_decay_lars_exclude``."""
+        parts = (["head"] if self.head else []) + ["decay" if self.decay else "no_decay"]
+        return "_".join(parts + (["lars_exclude"] if self.lars_exclude else []))
+
+    def options(self, opt_cfg) -> dict:
+        """Per-group optimizer options: weight_decay, lr_multiplier (and lars_exclude for LARS)."""
+        out = {
+            "name": self.key,
+            "weight_decay": float(opt_cfg.weight_decay) if self.decay else 0.0,
+            "lr_multiplier": float(opt_cfg.head_lr_multiplier) if self.head else 1.0,
+        }
+        if opt_cfg.name == "lars":
+            out["lars_exclude"] = self.lars_exclude
+        return out
+
+
+def classify(fqn: str, module: nn.Module, opt_cfg) -> GroupTraits:
+    """Group traits of the original parameter ``fqn`` owned (directly) by ``module``."""
+    is_norm = isinstance(module, _NORM_TYPES)
+    is_bias = not is_norm and fqn.rsplit(".", 1)[-1] == "bias"
+    if is_norm:
+        decay = bool(opt_cfg.regularize_bn)
+    elif is_bias:
+        decay = bool(opt_cfg.regularize_bias)
+    else:
+        decay = True
+    head = fqn.startswith("head.") and float(opt_cfg.head_lr_multiplier) != 1.0
+    # Only LARS needs the split; other optimizers would just get more (smaller) flat shards.
+    lars_exclude = (
+        opt_cfg.name == "lars" and bool(opt_cfg.lars_exclude_bias_and_norm) and (is_norm or is_bias)
+    )
+    return GroupTraits(head=head, decay=decay, lars_exclude=lars_exclude)
+
+
+def param_group_key(fqn: str, module: nn.Module, param: Optional[torch.Tensor], opt_cfg) -> str:
+    """Group name of one ORIGINAL parameter (``param`` may be None; the rules use name and module).
+
+    Args:
+        fqn: clean name relative to the root model, e.g. ``trunk.stem.1.weight``, ``head.0.bias``.
+        module: the module that owns the parameter directly (``fqn`` minus its last component).
+        param: the parameter itself (unused by the current rules; kept for richer rules).
+        opt_cfg: ``cfg.OPTIMIZER``.
+    Returns:
+        ``[head_](decay|no_decay)[_lars_exclude]``: norm parameters decay only when
+        ``regularize_bn``, biases only when ``regularize_bias``; ``head_`` when ``fqn`` starts with
+        ``head.`` and ``head_lr_multiplier != 1``; ``_lars_exclude`` for biases and norm parameters
+        under LARS with ``lars_exclude_bias_and_norm``.
+    """
+    del param
+    return classify(fqn, module, opt_cfg).key
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    # DDP / DataParallel keep the real model under ``.module``; names then start with "module.".
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    return model.module if isinstance(model, wrappers) else model
+
+
+def _iter_owned_params(model: nn.Module) -> Iterator[Tuple[str, nn.Module, nn.Parameter]]:
+    """(fqn, owning module, param) for every distinct parameter, in ``named_parameters`` order."""
+    seen = set()
+    for module_name, module in _unwrap(model).named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            yield (f"{module_name}.{name}" if module_name else name), module, param
+
+
+def _shard_traits(param, opt_cfg) -> GroupTraits:
+    """Traits of a flat shard: every original parameter it holds must fall in the same group."""
+    origins = list(param._fsdp_origins)
+    if not origins:
+        raise ValueError("flat shard has an empty _fsdp_origins list; cannot pick its param group")
+    traits = classify(origins[0].fqn, origins[0].module, opt_cfg)
+    for origin in origins[1:]:
+        other = classify(origin.fqn, origin.module, opt_cfg)
+        if other != traits:
+            raise ValueError(
+                f"flat shard mixes param groups: {origins[0].fqn} is '{traits.key}' but "
+                f"{origin.fqn} is '{other.key}'; wrap the model with param_group_key so each "
+                "shard holds one group"
+            )
+    return traits
+
+
+def build_param_groups(opt_cfg, model: nn.Module) -> List[dict]:
+    """torch.optim parameter groups for ``model`` (plain, DDP-wrapped or sharded by vistrain.fsdp).
+
+    Returns dicts ``{"params", "name", "weight_decay", "lr_multiplier"[, "lars_exclude"]}`` in
+    order of first appearance; parameters with ``requires_grad=False`` are skipped and empty
+    groups are dropped. Raises ValueError when nothing is trainable.
+    """
+    groups: Dict[str, Tuple[GroupTraits, List[nn.Parameter]]] = {}
+    for fqn, module, param in _iter_owned_params(model):
+        if not param.requires_grad:
+            continue
+        if hasattr(param, "_fsdp_origins"):
+            traits = _shard_traits(param, opt_cfg)
+        else:
+            traits = classify(fqn, module, opt_cfg)
+        groups.setdefault(traits.key, (traits, []))[1].append(param)
+    if not groups:
+        raise ValueError("model has no trainable parameters (all have requires_grad=False)")
+    return [dict(params=params, **traits.options(opt_cfg)) for traits, params in groups.values()]

@@ -1,0 +1,103 @@
+"""Learning-rate schedules on fvcore's param schedulers, evaluated per global iteration.
+
+fvcore schedulers map training progress ``where`` in [0, 1) to a value. We convert a global
+iteration to ``where = iteration / (num_epochs * iterations_per_epoch)`` and compose an optional
+linear warmup with the main schedule (cosine, multistep or constant).
+"""
+
+from typing import Callable, Dict
+
+from fvcore.common.param_scheduler import (
+    CompositeParamScheduler,
+    ConstantParamScheduler,
+    CosineParamScheduler,
+    LinearParamScheduler,
+    MultiStepParamScheduler,
+    ParamScheduler,
+)
+from torch.optim import Optimizer
+
+# fvcore's constant schedule rejects where >= 1; just below 1 the cosine is end_value to ~1e-17.
+_LAST_WHERE = 1.0 - 1e-9
+
+
+def _cosine(lr_cfg, num_epochs: float, iters_per_epoch: int) -> ParamScheduler:
+    """Half cosine from base_value (end of warmup) to end_value (end of training)."""
+    del num_epochs, iters_per_epoch
+    return CosineParamScheduler(float(lr_cfg.base_value), float(lr_cfg.end_value))
+
+
+def _multistep(lr_cfg, num_epochs: float, iters_per_epoch: int) -> ParamScheduler:
+    """base_value * gamma**k after the k-th milestone (epochs from the start of training)."""
+    epochs = [float(m) for m in lr_cfg.milestones]
+    if any(b <= a for a, b in zip([0.0] + epochs, epochs)):
+        raise ValueError(f"multistep milestones must be increasing and > 0, got {epochs}")
+    if epochs and epochs[-1] >= num_epochs:
+        raise ValueError(f"multistep milestone {epochs[-1]} must be below num_epochs={num_epochs}")
+    milestones = [round(m * iters_per_epoch) for m in epochs]
+    values = [float(lr_cfg.base_value) * float(lr_cfg.gamma) ** k for k in range(len(epochs) + 1)]
+    total_iters = round(num_epochs * iters_per_epoch)
+    return MultiStepParamScheduler(values, num_updates=total_iters, milestones=milestones)
+
+
+def _constant(lr_cfg, num_epochs: float, iters_per_epoch: int) -> ParamScheduler:
+    del num_epochs, iters_per_epoch
+    return ConstantParamScheduler(float(lr_cfg.base_value))
+
+
+# name -> (builder(lr_cfg, num_epochs, iters_per_epoch), fvcore interval scaling after a warmup).
+# Cosine is "rescaled" so it starts at base_value when warmup ends; multistep is "fixed" so its
+# milestones stay absolute epochs.
+_SCHEDULES: Dict[str, tuple] = {
+    "cosine": (_cosine, "rescaled"),
+    "multistep": (_multistep, "fixed"),
+    "constant": (_constant, "fixed"),
+}
+
+
+class LRSchedule:
+    """Callable ``iteration -> lr`` over ``total_iters`` iterations (later ones: the final lr)."""
+
+    def __init__(self, scheduler: ParamScheduler, total_iters: int):
+        self.scheduler = scheduler
+        self.total_iters = total_iters
+
+    def __call__(self, iteration: int) -> float:
+        if iteration < 0:
+            raise ValueError(f"iteration must be >= 0, got {iteration}")
+        return float(self.scheduler(min(iteration / self.total_iters, _LAST_WHERE)))
+
+
+def build_lr_schedule(opt_cfg, iterations_per_epoch: int) -> Callable[[int], float]:
+    """lr at a global iteration from ``opt_cfg.param_schedulers.lr`` (``cfg.OPTIMIZER``).
+
+    Linear warmup from ``start_warmup_value`` to ``base_value`` over ``warmup_epochs`` (fractions
+    allowed), then ``name``: cosine ``base_value -> end_value`` at the last iteration, multistep
+    (``lr = base_value * gamma**k`` once ``k`` milestones, in epochs, have passed) or constant.
+    """
+    lr_cfg, num_epochs = opt_cfg.param_schedulers.lr, float(opt_cfg.num_epochs)
+    if iterations_per_epoch <= 0 or num_epochs <= 0:
+        raise ValueError(
+            f"need iterations_per_epoch > 0 and num_epochs > 0, got {iterations_per_epoch} "
+            f"and {opt_cfg.num_epochs}"
+        )
+    if lr_cfg.name not in _SCHEDULES:
+        raise ValueError(f"unknown lr schedule '{lr_cfg.name}'; valid: {sorted(_SCHEDULES)}")
+    build, scaling = _SCHEDULES[lr_cfg.name]
+    main = build(lr_cfg, num_epochs, iterations_per_epoch)
+    warmup = float(lr_cfg.warmup_epochs)
+    if not 0 <= warmup < num_epochs:
+        raise ValueError(
+            f"warmup_epochs must be in [0, num_epochs={opt_cfg.num_epochs}), got {warmup}"
+        )
+    if warmup > 0:
+        ramp = LinearParamScheduler(float(lr_cfg.start_warmup_value), float(lr_cfg.base_value))
+        frac = warmup / num_epochs
+        main = CompositeParamScheduler([ramp, main], [frac, 1.0 - frac], ["rescaled", scaling])
+    return LRSchedule(main, round(num_epochs * iterations_per_epoch))
+
+
+def set_lr(optimizer: Optimizer, lr: float) -> None:
+    """Set every group's lr to ``lr * group["lr_multiplier"]`` (multiplier 1 when absent)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_multiplier", 1.0)
