@@ -45,14 +45,25 @@ def auto_wrap(module: nn.Module, policy: Policy, wrap_root: bool = True, **fsdp_
     return FullyShardedDataParallel(module, **fsdp_kwargs) if wrap_root else module
 
 
-def _wrap_children(module: nn.Module, policy: Policy, defaults: dict) -> None:
+def _wrap_children(module: nn.Module, policy: Policy, defaults: dict, prefix: str = "") -> None:
     for name, child in list(module.named_children()):
         if isinstance(child, FullyShardedDataParallel):
             continue
-        _wrap_children(child, policy, defaults)
+        _wrap_children(child, policy, defaults, f"{prefix}{name}.")
         overrides = policy(child)
         if overrides is not None:
-            setattr(module, name, FullyShardedDataParallel(child, **{**defaults, **overrides}))
+            kwargs = {**defaults, **overrides}
+            if kwargs.get("param_group_fn") is not None:
+                kwargs["param_group_fn"] = _from_root(kwargs["param_group_fn"], f"{prefix}{name}.")
+            setattr(module, name, FullyShardedDataParallel(child, **kwargs))
+
+
+def _from_root(group_fn: Callable, prefix: str) -> Callable:
+    """A unit sees names relative to itself; grouping rules (e.g. "head.") need root names."""
+    def grouped(fqn, module, param):
+        return group_fn(prefix + fqn, module, param)
+
+    return grouped
 
 
 def _owner(module: nn.Module) -> Optional[FullyShardedDataParallel]:

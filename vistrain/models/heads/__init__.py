@@ -1,0 +1,49 @@
+"""Heads: ``build_head(cfg.MODEL.HEAD)`` picks a builder from the flat ``HEADS`` registry.
+
+A head declares ``in_feature``: the trunk output it consumes (``"avgpool"``), or ``None`` to
+receive the trunk's whole feature dict (the benchmarks' "identity").
+"""
+
+from typing import Dict
+
+import torch
+from torch import nn
+
+from vistrain.models.heads.mlp import MLP, build_simclr_head
+from vistrain.models.heads.swav import SwAVHead, SwAVPrototypes, build_swav_head
+
+
+class IdentityHead(nn.Module):
+    """Returns the trunk's feature dict unchanged (feature extraction, linear eval, kNN)."""
+
+    in_feature = None
+
+    def forward(self, features: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        return features
+
+
+def build_identity_head(head_cfg) -> IdentityHead:
+    return IdentityHead()
+
+
+HEADS = {"simclr": build_simclr_head, "swav": build_swav_head, "identity": build_identity_head}
+
+# Head classes holding parameters, for wrap policies that shard "each head" by class.
+HEAD_CLASSES = (MLP, SwAVHead)  # SwAVPrototypes: its own (fp32) unit inside SwAVHead
+
+
+def build_head(head_cfg) -> nn.Module:
+    if head_cfg.NAME not in HEADS:
+        raise ValueError(f"unknown MODEL.HEAD.NAME {head_cfg.NAME!r}; valid names: {sorted(HEADS)}")
+    return HEADS[head_cfg.NAME](head_cfg)
+
+
+__all__ = [
+    "HEADS",
+    "HEAD_CLASSES",
+    "IdentityHead",
+    "MLP",
+    "SwAVHead",
+    "SwAVPrototypes",
+    "build_head",
+]

@@ -1,0 +1,165 @@
+"""AUTO_SETUP_FSDP on SimCLR/SwAV RegNets equals DDP on the same recipe (real gloo ranks)."""
+
+import functools
+
+import pytest
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from fsdp_models import max_rel_diff
+from vistrain.config import load_config
+from vistrain.distributed.sync_batchnorm import convert_sync_batchnorm
+from vistrain.distributed.testing import run_on_ranks
+from vistrain.engine.sharding import apply_activation_checkpointing, shard_model
+from vistrain.fsdp import FullyShardedDataParallel as FSDP
+from vistrain.losses import build_loss
+from vistrain.models import build_model
+from vistrain.optim import build_optimizer, param_group_key
+
+STEPS = 10
+PER_RANK = 4
+
+
+def recipe(method, *overrides):
+    return load_config([f"config=test/{method}_tiny", *overrides])
+
+
+def crops_for(cfg, step, rank, world):
+    """The same global batch whatever the world size; rank r takes its slice of every crop."""
+    gen = torch.Generator().manual_seed(step)
+    crops = []
+    for count, size in zip(cfg.DATA.TRAIN.TRANSFORMS.NUM_CROPS, cfg.DATA.TRAIN.TRANSFORMS.SIZE_CROPS):
+        for _ in range(count):
+            crop = torch.randn(world * PER_RANK, 3, size, size, generator=gen)
+            crops.append(crop[rank * PER_RANK:(rank + 1) * PER_RANK])
+    return crops
+
+
+def build(cfg, sharded):
+    torch.manual_seed(cfg.SEED_VALUE)
+    model = build_model(cfg.MODEL)
+    if cfg.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN:
+        model = convert_sync_batchnorm(model)
+    if cfg.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING:
+        apply_activation_checkpointing(model, cfg.MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY)
+    if sharded:
+        group_fn = functools.partial(param_group_key, opt_cfg=cfg.OPTIMIZER)
+        return shard_model(model, cfg.MODEL, group_fn)
+    return DDP(model, broadcast_buffers=False)
+
+
+def run(cfg, sharded, rank, world):
+    model = build(cfg, sharded)
+    optimizer = build_optimizer(cfg.OPTIMIZER, model)
+    criterion = build_loss(cfg.LOSS)
+    num_crops = sum(cfg.DATA.TRAIN.TRANSFORMS.NUM_CROPS)
+    losses = []
+    for step in range(STEPS):
+        with torch.autocast("cpu", torch.bfloat16, enabled=cfg.MODEL.AMP_PARAMS.USE_AMP):
+            loss = criterion(model(crops_for(cfg, step, rank, world)), num_crops)
+        loss.backward()
+        criterion.before_optimizer_step(model, step)
+        optimizer.step()
+        criterion.after_optimizer_step(model)
+        optimizer.zero_grad(set_to_none=True)
+        reported = loss.detach().float().clone()
+        torch.distributed.all_reduce(reported)
+        losses.append(reported.item() / world)
+    state = model.state_dict() if sharded else model.module.state_dict()
+    return losses, state, model
+
+
+def _parity_worker(rank, world, method, overrides):
+    cfg = recipe(method, "config.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN=True", *overrides)
+    ref_losses, ref_state, _ = run(cfg, False, rank, world)
+    losses, state, _ = run(cfg, True, rank, world)
+    return max_rel_diff(losses, ref_losses), max_rel_diff(state, ref_state), losses
+
+
+CASES = {
+    "sgd": [],
+    "lars_param_groups": ["config.OPTIMIZER.name=lars", "config.OPTIMIZER.regularize_bn=False",
+                          "config.OPTIMIZER.regularize_bias=False",
+                          "config.OPTIMIZER.head_lr_multiplier=2.0"],
+    "checkpointing_no_reshard": ["config.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING=True",
+                                 "config.MODEL.FSDP_CONFIG.reshard_after_forward=False"],
+    "stage_checkpointing_unflattened": [
+        "config.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING=True",
+        "config.MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY=stage",
+        "config.MODEL.FSDP_CONFIG.flatten_parameters=False"],
+}
+
+
+@pytest.mark.parametrize("method", ["simclr", "swav"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_auto_setup_equals_ddp(method, case):
+    world = 3 if case == "sgd" else 2
+    loss_diff, state_diff, losses = run_on_ranks(_parity_worker, world, method, CASES[case])[0]
+    assert loss_diff < 1e-5 and state_diff < 1e-5, (loss_diff, state_diff)
+    assert losses[-1] < losses[0]
+
+
+def _amp_worker(rank, world, method):
+    # A small learning rate keeps the two trajectories from diverging chaotically, so the
+    # comparison measures bf16 arithmetic rather than the tiny model's sensitivity.
+    base = ["config.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN=True",
+            "config.OPTIMIZER.param_schedulers.lr.base_value=0.005"]
+    ref_losses, _, _ = run(recipe(method, *base), False, rank, world)
+    amp = recipe(method, *base,
+                 "config.MODEL.AMP_PARAMS.USE_AMP=True", "config.MODEL.FSDP_CONFIG.mixed_precision=True",
+                 "config.MODEL.FSDP_CONFIG.compute_dtype=bfloat16")
+    losses, state, model = run(amp, True, rank, world)
+    seen = []  # dtypes BatchNorm really computes with
+
+    def record(module, inputs, output):
+        seen.append((inputs[0].dtype, module.weight.dtype, module.running_mean.dtype, output.dtype))
+
+    for module in model.modules():
+        if isinstance(module, _BatchNorm):
+            module.register_forward_hook(record)
+    with torch.autocast("cpu", torch.bfloat16):
+        model(crops_for(amp, 0, rank, world))
+    bn_units = [u for u in model.units() if isinstance(u.module, _BatchNorm)]
+    bn_keys = [k for k in state if "running" in k or k.endswith(("bn.weight", "bn.bias"))]
+    # Step 0 compares arithmetic on identical weights; later steps follow slightly different
+    # trajectories (a 4-image batch per rank makes the tiny model's loss jumpy), so compare
+    # the run's mean loss there.
+    first = abs(losses[0] - ref_losses[0]) / ref_losses[0]
+    mean = abs(sum(losses) - sum(ref_losses)) / sum(ref_losses)
+    return (max(first, mean), {d for s in seen for d in s},
+            all(u.keep_fp32 for u in bn_units) and len(bn_units) > 0,
+            {state[k].dtype for k in bn_keys}, model.units()[1].compute_dtype)
+
+
+@pytest.mark.parametrize("method", ["simclr", "swav"])
+def test_bf16_amp_tracks_fp32_with_batchnorm_in_fp32(method):
+    loss_diff, bn_dtypes, bn_units_fp32, bn_state_dtypes, compute_dtype = \
+        run_on_ranks(_amp_worker, 2, method)[0]
+    assert loss_diff < 1e-2
+    assert bn_units_fp32 and bn_dtypes == {torch.float32} and bn_state_dtypes == {torch.float32}
+    assert compute_dtype == torch.bfloat16
+
+
+def _torch_backend_worker(rank, world):
+    cfg = recipe("simclr")
+    ref_losses, ref_state, _ = run(cfg, False, rank, world)
+    losses, state, _ = run(recipe("simclr", "config.MODEL.FSDP_CONFIG.BACKEND=torch"), True, rank, world)
+    return max_rel_diff(losses, ref_losses), max_rel_diff(state, ref_state)
+
+
+def test_torch_fully_shard_backend_gives_the_same_losses():
+    loss_diff, state_diff = run_on_ranks(_torch_backend_worker, 2)[0]
+    assert loss_diff < 1e-5 and state_diff < 1e-5
+
+
+def _unit_worker(rank, world):
+    model = build(recipe("swav"), True)
+    kinds = sorted({type(u.module).__name__ for u in model.units()})
+    return kinds, isinstance(model, FSDP)
+
+
+def test_policy_wraps_blocks_stem_heads_and_prototypes():
+    kinds, is_root = run_on_ranks(_unit_worker, 1)[0]
+    assert is_root
+    assert {"ResBottleneckBlock", "SimpleStemIN", "MLP", "SwAVPrototypes", "SSLModel"} <= set(kinds)

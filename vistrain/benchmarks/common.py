@@ -1,0 +1,230 @@
+"""What every benchmark shares: the frozen trunk, its pooled features, labels, and exact counting
+over ranks whose data was padded.
+
+The trunk is built from ``cfg.MODEL`` with the "identity" head, so it returns the feature dict of
+``BENCHMARK.FEATURES``; pretrained weights come from ``MODEL.WEIGHTS_INIT`` (any checkpoint
+format, see :func:`vistrain.checkpoint.load_pretrained`). It is then frozen: ``requires_grad``
+False, eval mode (BatchNorm uses and keeps its running statistics), every forward under
+``no_grad``. With ``MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP`` it is sharded by our engine, which under
+``no_grad`` gathers each unit's weights for its forward and frees them right after, so a trunk
+larger than one device's memory can be evaluated. Without it every rank holds a plain copy (DDP
+refuses a module with nothing to train, and a frozen trunk has no gradients to synchronise).
+"""
+
+import json
+import os
+import random
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vistrain.distributed import comm
+from vistrain.distributed.launch import resolve_device
+from vistrain.engine.logger import logger
+from vistrain.engine.parallel import parallelize
+from vistrain.models import build_model
+
+_AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def current_device(machine_cfg) -> torch.device:
+    """This rank's device (launch has already selected the local CUDA device)."""
+    if resolve_device(machine_cfg) == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank: identical head initialisation (DDP also broadcasts it)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# --------------------------------------------------------------------------------------------
+# the frozen trunk
+
+
+def trunk_model_config(cfg):
+    """``cfg.MODEL`` for a frozen feature extractor: identity head returning BENCHMARK.FEATURES.
+
+    Sync BatchNorm and activation checkpointing are switched off: in eval mode BatchNorm reads its
+    running statistics (nothing to synchronise) and nothing is back-propagated through the trunk.
+    """
+    model_cfg = cfg.MODEL.clone()
+    model_cfg.defrost()
+    model_cfg.HEAD.NAME = "identity"
+    model_cfg.TRUNK.OUT_FEATURES = list(cfg.BENCHMARK.FEATURES)
+    model_cfg.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN = False
+    model_cfg.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING = False
+    model_cfg.freeze()
+    return model_cfg
+
+
+def build_frozen_trunk(cfg, device: torch.device) -> Tuple[nn.Module, Dict[str, int]]:
+    """The trunk of ``cfg.MODEL`` with ``MODEL.WEIGHTS_INIT`` loaded, frozen, on ``device``.
+
+    Returns (module, dims): the module maps images (N, 3, H, W) to ``{name: feature}`` for
+    BENCHMARK.FEATURES (sharded by our engine with AUTO_SETUP_FSDP, else plain; call it only under
+    ``no_grad``); dims gives each feature's width after :func:`pool_feature`.
+    """
+    pool_size = cfg.BENCHMARK.POOL_SIZE
+    if pool_size < 1:
+        raise ValueError(f"BENCHMARK.POOL_SIZE must be >= 1, got {pool_size}")
+    model_cfg = trunk_model_config(cfg)
+    model = build_model(model_cfg)
+    dims = pooled_dims(model.trunk.feature_dims, cfg.BENCHMARK.FEATURES, pool_size)
+    load_weights(model, cfg.MODEL.WEIGHTS_INIT)
+    for param in model.parameters():
+        param.requires_grad_(False)  # before sharding: the engine then builds gradient-free shards
+    if model_cfg.FSDP_CONFIG.AUTO_SETUP_FSDP:
+        model = parallelize(model, model_cfg, device)
+    else:
+        model = model.to(device)
+    return model.eval(), dims
+
+
+def load_weights(model: nn.Module, weights_cfg) -> None:
+    """Load ``WEIGHTS_INIT.PARAMS_FILE`` into the plain model; keep the random init when it is ""."""
+    if not weights_cfg.PARAMS_FILE:
+        logger.warning("MODEL.WEIGHTS_INIT.PARAMS_FILE is empty: evaluating a RANDOMLY INITIALISED trunk")
+        return
+    from vistrain.checkpoint import load_pretrained  # raises a clear error on missing or mismatched keys
+
+    load_pretrained(model, weights_cfg)
+    logger.info(f"loaded trunk weights from {weights_cfg.PARAMS_FILE}")
+
+
+def amp_dtype(cfg):
+    """Autocast dtype of the trunk forward (None: fp32), from MODEL.AMP_PARAMS."""
+    amp_cfg = cfg.MODEL.AMP_PARAMS
+    if not amp_cfg.USE_AMP:
+        return None
+    if amp_cfg.AMP_DTYPE not in _AMP_DTYPES:
+        raise ValueError(f"MODEL.AMP_PARAMS.AMP_DTYPE must be one of {sorted(_AMP_DTYPES)}, got {amp_cfg.AMP_DTYPE!r}")
+    return _AMP_DTYPES[amp_cfg.AMP_DTYPE]
+
+
+@torch.no_grad()
+def trunk_features(trunk: nn.Module, images: torch.Tensor, names: Sequence[str], pool_size: int,
+                   dtype=None) -> Dict[str, torch.Tensor]:
+    """Pooled float32 features ``{name: (N, D_name)}`` of ``images`` (N, 3, H, W) from the frozen trunk.
+
+    Stage maps (N, C, h, w) are average-pooled to (N, C, P, P) with P = ``pool_size`` and flattened
+    to D = C * P * P (VISSL's linear-eval protocol); "avgpool" is already (N, C).
+    """
+    with torch.autocast(images.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+        out = trunk(images)
+    return {name: pool_feature(out[name], pool_size).float() for name in names}
+
+
+def pool_feature(feature: torch.Tensor, pool_size: int) -> torch.Tensor:
+    """(N, C, h, w) -> (N, C * P * P) by adaptive average pooling; (N, C) unchanged."""
+    if feature.dim() == 2:
+        return feature
+    return torch.flatten(F.adaptive_avg_pool2d(feature, pool_size), 1)
+
+
+def pooled_dims(channels: Dict[str, int], names: Sequence[str], pool_size: int) -> Dict[str, int]:
+    """Width of each pooled feature: C * P * P for stage maps, C for "avgpool" (``channels``: the
+    trunk's ``feature_dims``)."""
+    return {name: channels[name] * (1 if name == "avgpool" else pool_size**2) for name in names}
+
+
+# --------------------------------------------------------------------------------------------
+# labels
+
+
+def check_labels(dataset, split: str) -> int:
+    """Number of classes of a labelled ``dataset``; ValueError when some images carry no label.
+
+    A label is missing when it is negative (-1 is the "unlabelled" convention of file lists).
+    """
+    labels = torch.as_tensor(dataset.targets, dtype=torch.long)
+    missing = int((labels < 0).sum())
+    if missing:
+        raise ValueError(
+            f"DATA.{split} has {missing} of {len(labels)} images without a label (label < 0); "
+            "evaluation needs a labelled data set"
+        )
+    return int(labels.max()) + 1
+
+
+# --------------------------------------------------------------------------------------------
+# exact results over padded, distributed data
+
+
+def gather_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` (N_r, ...) along dim 0, in rank order; N_r may differ."""
+    if comm.get_world_size() == 1:
+        return tensor
+    sizes = comm.all_gather_object(tensor.shape[0])
+    padded = tensor.new_zeros((max(sizes),) + tuple(tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    gathered = comm.all_gather_no_grad(padded).view(len(sizes), max(sizes), *tensor.shape[1:])
+    return torch.cat([gathered[r, :n] for r, n in enumerate(sizes)])
+
+
+def first_occurrence(indices: torch.Tensor) -> torch.Tensor:
+    """Bool mask (N,) of the first position of every distinct value of ``indices`` (N,) int64.
+
+    The sampler pads the last batches by repeating samples, so counting each data set index once
+    (its first appearance in rank order) gives exactly the single-process result.
+    """
+    order = torch.sort(indices, stable=True).indices
+    ordered = indices[order]
+    new_value = torch.ones_like(ordered, dtype=torch.bool)
+    new_value[1:] = ordered[1:] != ordered[:-1]
+    mask = torch.empty_like(new_value)
+    mask[order] = new_value
+    return mask
+
+
+def unique_on_this_rank(indices: torch.Tensor) -> torch.Tensor:
+    """Collective: mask of this rank's samples (N_r,) that count (first occurrence over all ranks)."""
+    sizes = comm.all_gather_object(indices.shape[0])
+    start = sum(sizes[: comm.get_rank()])
+    everything = gather_rows(indices)
+    return first_occurrence(everything)[start : start + indices.shape[0]]
+
+
+def topk_correct(logits: torch.Tensor, labels: torch.Tensor, ks: Sequence[int] = (1, 5)) -> torch.Tensor:
+    """Bool (N, len(ks)): the label is among the ``k`` highest ``logits`` (N, C) (k capped at C)."""
+    k_max = min(max(ks), logits.shape[1])
+    top = logits.topk(k_max, dim=1).indices  # (N, k_max)
+    hits = top == labels[:, None]
+    return torch.stack([hits[:, : min(k, k_max)].any(dim=1) for k in ks], dim=1)
+
+
+# --------------------------------------------------------------------------------------------
+# results
+
+
+def write_metrics(run_dir: str, record: dict, name: str = "metrics.json") -> str:
+    """Rank 0 writes ``record`` as JSON to ``run_dir/name`` (atomically). Returns the path."""
+    path = os.path.join(run_dir, name)
+    if comm.is_main_process():
+        os.makedirs(run_dir, exist_ok=True)
+        with open(f"{path}.tmp", "w") as f:
+            json.dump(record, f, indent=1)
+        os.replace(f"{path}.tmp", path)
+    return path
+
+
+def log_accuracy_table(title: str, results: Dict[str, dict]) -> None:
+    """One log line per feature: top-1 / top-5 in percent."""
+    logger.info(title)
+    for name, res in results.items():
+        logger.info(f"  {name:>8}: top-1 {res['top1']:6.2f}%  top-5 {res['top5']:6.2f}%  ({res['num_images']} images)")
+
+
+def summarise(counts: torch.Tensor, names: List[str]) -> Dict[str, dict]:
+    """counts (F, 3) float64 [top-1 hits, top-5 hits, images], summed over ranks -> percentages."""
+    out = {}
+    for name, (top1, top5, total) in zip(names, counts.tolist()):
+        scale = 100.0 / max(total, 1.0)
+        out[name] = {"top1": top1 * scale, "top5": top5 * scale, "num_images": int(total)}
+    return out

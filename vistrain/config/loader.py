@@ -1,0 +1,311 @@
+"""Build a run's config: defaults <- configs/NAME.yaml (its ``_BASE_`` chain first) <- overrides.
+
+Command line grammar (the same as VISSL's, without Hydra)::
+
+    config=pretrain/simclr_regnet          # configs/pretrain/simclr_regnet.yaml, or a path to a .yaml
+    config.OPTIMIZER.num_epochs=2          # any existing key; the value is a YAML literal
+
+Every key must already exist in ``vistrain/config/defaults.py`` (except below nodes created with
+``new_allowed``), and every value must have the default's type (an int is accepted for a float).
+Anything else is a :class:`ConfigError` whose one-line message names the key, and for a misspelled
+key the closest valid one, so a typo never silently trains the wrong model.
+"""
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
+
+import yaml
+from fvcore.common.config import CfgNode
+
+from vistrain.config.defaults import get_defaults
+
+CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+BASE_KEY = "_BASE_"
+_NO_RAW = object()  # marks values that did not come from command-line text
+
+
+class ConfigError(ValueError):
+    """Bad config input; the message is one line and names the offending key, value or file."""
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+
+
+def load_config(argv: Sequence[str]) -> CfgNode:
+    """Resolve ``argv`` (``config=NAME`` and ``config.A.B=VALUE`` items) into a frozen CfgNode.
+
+    The recipe is applied first, then the overrides in order, whatever their position in argv.
+    Raises ConfigError for any bad item.
+    """
+    name, overrides = _parse_argv(argv)
+    cfg = get_defaults()
+    if name is not None:
+        _merge_file(cfg, resolve_config_path(name), chain=())
+    for key, text in overrides:
+        _set_key(cfg, key, _parse_literal(key, text), raw=text, where="command line")
+    cfg.freeze()
+    return cfg
+
+
+def save_config(cfg: CfgNode, path: str) -> None:
+    """Write the resolved ``cfg`` as YAML to ``path`` (atomically); ``config=path`` reloads it."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(cfg.dump())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def available_configs() -> List[str]:
+    """Names accepted by ``config=NAME``: YAML files below configs/, without the suffix."""
+    return sorted(str(p.relative_to(CONFIGS_DIR).with_suffix("")) for p in CONFIGS_DIR.rglob("*.yaml"))
+
+
+def resolve_config_path(name: str) -> Path:
+    """``config=`` value -> YAML file: a path to a .yaml file, or a name below configs/."""
+    if name.endswith((".yaml", ".yml")):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            path = CONFIGS_DIR / name  # also accept "test/tiny.yaml" relative to configs/
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {name}")
+        return path
+    path = CONFIGS_DIR / f"{name}.yaml"
+    if not name or not path.is_file():
+        names = ", ".join(available_configs()) or f"none (no .yaml files below {CONFIGS_DIR})"
+        raise ConfigError(f"unknown config '{name}'; available: {names}")
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# command line
+
+
+def _parse_argv(argv: Sequence[str]) -> Tuple[Optional[str], List[Tuple[str, str]]]:
+    """Split argv into the recipe name (or None) and (KEY, VALUE-text) overrides."""
+    name, overrides = None, []
+    for arg in argv:
+        if arg == "config" or arg.startswith("config="):
+            if name is not None:
+                raise ConfigError(f"config= given twice ('{name}' and '{arg[7:]}')")
+            name = arg[len("config=") :]
+            if not name:
+                raise ConfigError("config= needs a name, e.g. config=regnet_fsdp")
+        elif arg.startswith("config."):
+            key, sep, text = arg[len("config.") :].partition("=")
+            if not sep:
+                raise ConfigError(f"override {arg} has no value; write {arg}=VALUE")
+            if not key:
+                raise ConfigError(f"override {arg} names no key; write config.A.B=VALUE")
+            overrides.append((key, text))
+        else:
+            raise ConfigError(
+                f"argument '{arg}' must start with config: config=NAME or config.KEY=VALUE"
+            )
+    return name, overrides
+
+
+def _parse_literal(key: str, text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"cannot parse value of {key}: {text!r} is not a YAML literal ({problem})")
+
+
+# --------------------------------------------------------------------------------------------
+# YAML files
+
+
+def _merge_file(cfg: CfgNode, path: Path, chain: Tuple[Path, ...]) -> None:
+    """Merge ``path`` into ``cfg``: its ``_BASE_`` files first (in order), then its own keys.
+
+    Applying files one after the other with recursive merging gives the same result as fvcore's
+    ``load_yaml_with_base`` dict merge, but lets every error name the file it comes from.
+    """
+    path = path.resolve()
+    if path in chain:
+        cycle = " -> ".join(_show(p) for p in chain + (path,))
+        raise ConfigError(f"_BASE_ chain is cyclic: {cycle}")
+    data = _read_yaml(path)
+    bases = data.pop(BASE_KEY, [])
+    for base in bases if isinstance(bases, list) else [bases]:
+        _merge_file(cfg, _resolve_base(path, base), chain + (path,))
+    _merge_mapping(cfg, data, where=_show(path))
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{_show(path)}: invalid YAML: {' '.join(str(e).split())}")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{_show(path)}: top level must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def _resolve_base(path: Path, base: Any) -> Path:
+    if not isinstance(base, str):
+        raise ConfigError(f"{_show(path)}: _BASE_ must be a file name or a list of them, got {base!r}")
+    # like fvcore: absolute or ~ paths as given, others relative to the including file
+    target = Path(base).expanduser()
+    if not target.is_absolute():
+        target = path.parent / target
+    if not target.is_file():
+        raise ConfigError(f"{_show(path)}: _BASE_ file not found: {base}")
+    return target
+
+
+def _show(path: Path) -> str:
+    try:
+        return str(path.relative_to(CONFIGS_DIR))
+    except ValueError:
+        return str(path)
+
+
+# --------------------------------------------------------------------------------------------
+# key lookup and type checking
+
+
+def _merge_mapping(cfg: CfgNode, data: dict, where: str) -> None:
+    for key, value in data.items():
+        _set_key(cfg, str(key), value, raw=_NO_RAW, where=where)
+
+
+def _set_key(cfg: CfgNode, key: str, value: Any, raw: Any, where: str) -> None:
+    """Set dotted ``key`` of ``cfg`` to ``value`` after checking that it exists and its type.
+
+    A mapping given for a section is merged key by key (YAML files); ``raw`` is the command-line
+    text of the value, or _NO_RAW.
+    """
+    parts = key.split(".")
+    node = cfg
+    for depth, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None and node.is_new_allowed():
+            _insert_new(node, parts[depth:], value)
+            return
+        if not isinstance(child, CfgNode):
+            raise ConfigError(f"{_where(where)}{_unknown_key_message(key, value)}")
+        node = child
+    if parts[-1] not in node:
+        if not node.is_new_allowed():
+            raise ConfigError(f"{_where(where)}{_unknown_key_message(key, value)}")
+        _insert_new(node, parts[-1:], value)
+        return
+    old = node[parts[-1]]
+    if isinstance(old, CfgNode):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{_where(where)}{key} is a section, not a value; set one of its keys")
+        for sub, sub_value in value.items():
+            _set_key(cfg, f"{key}.{sub}", sub_value, raw=_NO_RAW, where=where)
+        return
+    node[parts[-1]] = _checked(key, old, value, raw, where)
+
+
+def _insert_new(node: CfgNode, parts: List[str], value: Any) -> None:
+    """Below a ``new_allowed`` node, keys unknown to the defaults are created (no type to check)."""
+    for part in parts[:-1]:
+        node = node.setdefault(part, CfgNode(new_allowed=True))
+    node[parts[-1]] = CfgNode(value, new_allowed=True) if isinstance(value, dict) else value
+
+
+def _checked(key: str, default: Any, value: Any, raw: Any, where: str) -> Any:
+    """``value`` converted to the type of ``default``; ConfigError naming key and value if it can't be."""
+    # Command-line text for a str key is taken verbatim (RUN_ID=10.0.0.1:2950, DIR=2024), so users
+    # need no YAML quoting in their shell.
+    if isinstance(default, str) and raw is not _NO_RAW and not isinstance(value, str):
+        return raw
+    converted = _convert(default, value)
+    if converted is _MISMATCH:
+        shown = raw if raw is not _NO_RAW else value
+        raise ConfigError(f"{_where(where)}config key {key} expects {_type_name(default)}, got {shown!r}")
+    return converted
+
+
+_MISMATCH = object()
+
+
+def _convert(default: Any, value: Any) -> Any:
+    if isinstance(default, bool):
+        return value if isinstance(value, bool) else _MISMATCH
+    if isinstance(default, int):
+        return value if isinstance(value, int) and not isinstance(value, bool) else _MISMATCH
+    if isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return float(value) if ok else _MISMATCH
+    if isinstance(default, str):
+        return value if isinstance(value, str) else _MISMATCH
+    if isinstance(default, (list, tuple)):
+        return _convert_list(default, value)
+    return value if type(value) is type(default) else _MISMATCH
+
+
+def _convert_list(default: Sequence, value: Any) -> Any:
+    if not isinstance(value, (list, tuple)):
+        return _MISMATCH
+    # elements are checked against the default's first element when the default is homogeneous
+    proto = default[0] if default and all(type(d) is type(default[0]) for d in default) else None
+    if proto is None:
+        return list(value)
+    items = [_convert(proto, v) for v in value]
+    return _MISMATCH if any(i is _MISMATCH for i in items) else items
+
+
+def _type_name(default: Any) -> str:
+    if isinstance(default, (list, tuple)):
+        if default and all(type(d) is type(default[0]) for d in default):
+            return f"a list of {_type_name(default[0])}"
+        return "a list"
+    return type(default).__name__
+
+
+def _where(where: str) -> str:
+    return "" if where == "command line" else f"{where}: "
+
+
+def _unknown_key_message(key: str, value: Any = None) -> str:
+    while isinstance(value, dict) and value:  # name a full leaf path: "MODEL.HAED.NAME", not "MODEL.HAED"
+        sub, value = next(iter(value.items()))
+        key = f"{key}.{sub}"
+    # Full paths share long prefixes, so also ask the last names to look alike: "OPTIMIZER.zzz"
+    # should not suggest "OPTIMIZER.name".
+    scored = []
+    for candidate in _all_key_paths(get_defaults()):
+        full = difflib.SequenceMatcher(None, key, candidate).ratio()
+        leaf = difflib.SequenceMatcher(None, key.rsplit(".", 1)[-1], candidate.rsplit(".", 1)[-1]).ratio()
+        if full >= 0.6 and leaf >= 0.5:
+            scored.append((full + leaf, candidate))
+    if scored:
+        return f"unknown config key {key}; did you mean {max(scored)[1]}?"
+    section = _deepest_section(get_defaults(), key)
+    where = f" in {section[0]}" if section[0] else ""
+    return f"unknown config key {key}; valid keys{where}: {', '.join(sorted(section[1].keys()))}"
+
+
+def _all_key_paths(node: CfgNode, prefix: str = "") -> Iterator[str]:
+    """Full dotted paths of the leaf keys below ``node``."""
+    for name, value in node.items():
+        if isinstance(value, CfgNode):
+            yield from _all_key_paths(value, f"{prefix}{name}.")
+        else:
+            yield prefix + name
+
+
+def _deepest_section(root: CfgNode, key: str) -> Tuple[str, CfgNode]:
+    node, path = root, []
+    for part in key.split(".")[:-1]:
+        child = node.get(part)
+        if not isinstance(child, CfgNode):
+            break
+        node = child
+        path.append(part)
+    return ".".join(path), node

@@ -1,0 +1,294 @@
+"""Start the ranks of a run: join torchrun / SLURM, or spawn local processes and watch them.
+
+``launch(main_fn, cfg)`` always ends with ``main_fn(cfg)`` running on every rank inside an
+initialised process group (also for a single process), so the engine never special-cases
+"not distributed". When the launcher spawns the ranks itself it watches them: as soon as one rank
+exits non-zero (an exception, a SIGKILL, the OOM killer) the others are stopped and
+:class:`RankFailedError` carries the failing rank's traceback. A dead rank therefore never leaves
+its peers waiting in a collective until the timeout.
+"""
+
+import dataclasses
+import datetime
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import tempfile
+import time
+from typing import Callable, Dict, List, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from fvcore.common.config import CfgNode
+
+from vistrain.config.loader import ConfigError
+
+STOP_GRACE_SECONDS = 5.0  # after a failure, time the other ranks get to exit on their own, then SIGTERM
+
+
+class RankFailedError(RuntimeError):
+    """A rank of a spawned job failed; the message holds its traceback (or exit code / signal)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """How this machine's ranks join the job. ``spawn`` False: this process is one rank already."""
+
+    world_size: int
+    first_rank: int  # global rank of local rank 0 on this machine (NODE_ID * per-node ranks)
+    local_ranks: int  # processes started here (1 when joining)
+    local_rank: int  # this process' local rank when joining, else 0
+    init_method: str  # tcp://host:port | env:// | file://path
+    backend: str  # nccl | gloo
+    device: str  # cuda | cpu
+    timeout_seconds: int
+    spawn: bool
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+
+
+def launch(main_fn: Callable[[CfgNode], object], cfg: CfgNode) -> None:
+    """Run ``main_fn(cfg)`` on every rank of the job described by ``cfg.DISTRIBUTED``.
+
+    ``main_fn`` must be a module-level function (it is pickled for spawned processes).
+    Raises ConfigError (before anything starts) for impossible settings and RankFailedError when
+    a spawned rank fails.
+    """
+    plan = plan_launch(cfg.DISTRIBUTED, cfg.MACHINE, os.environ)
+    if not plan.spawn:
+        _run_rank(plan.local_rank, main_fn, cfg, plan)
+    elif plan.local_ranks == 1:
+        _run_rank(0, main_fn, cfg, plan)  # in-process: faster start, debuggers work
+    else:
+        _spawn_and_watch(main_fn, cfg, plan)
+
+
+def resolve_device(machine_cfg: CfgNode) -> str:
+    """MACHINE.DEVICE -> "cuda" | "cpu" ("auto": cuda when available)."""
+    choice = machine_cfg.DEVICE
+    if choice not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"MACHINE.DEVICE must be auto, cpu or cuda, got {choice!r}")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("MACHINE.DEVICE=cuda but no CUDA device is available")
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return choice
+
+
+def plan_launch(dist_cfg: CfgNode, machine_cfg: CfgNode, environ: Mapping[str, str]) -> LaunchPlan:
+    """Decide ranks, rendezvous and backend from the config and the environment (pure but for CUDA queries)."""
+    device = resolve_device(machine_cfg)
+    backend = _backend(dist_cfg.BACKEND, device)
+    if dist_cfg.TIMEOUT_SECONDS <= 0:
+        raise ConfigError(f"DISTRIBUTED.TIMEOUT_SECONDS must be > 0, got {dist_cfg.TIMEOUT_SECONDS}")
+    common = dict(backend=backend, device=device, timeout_seconds=dist_cfg.TIMEOUT_SECONDS)
+    joined = _joined_env(dist_cfg, environ)
+    if joined is not None:
+        world, rank, local_rank, init_method = joined
+        _check_local_devices(device, local_rank + 1)
+        return LaunchPlan(world, rank, 1, local_rank, init_method, spawn=False, **common)
+    per_node, nodes, node_id = _check_sizes(dist_cfg)
+    _check_local_devices(device, per_node)
+    init_method = _init_method(dist_cfg, environ, nodes)
+    return LaunchPlan(nodes * per_node, node_id * per_node, per_node, 0, init_method, spawn=True, **common)
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM node list: "gpu[003-005,9],cpu1" -> "gpu003"."""
+    head = nodelist.strip()
+    depth = 0
+    for i, ch in enumerate(head):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            head = head[:i]
+            break
+    if "[" not in head:
+        return head
+    prefix, ranges = head.split("[", 1)
+    return prefix + ranges.rstrip("]").split(",")[0].split("-")[0]
+
+
+# --------------------------------------------------------------------------------------------
+# planning
+
+
+def _backend(choice: str, device: str) -> str:
+    if choice == "auto":
+        return "nccl" if device == "cuda" else "gloo"
+    if choice not in ("nccl", "gloo"):
+        raise ConfigError(f"DISTRIBUTED.BACKEND must be auto, nccl or gloo, got {choice!r}")
+    if choice == "nccl" and device != "cuda":
+        raise ConfigError("DISTRIBUTED.BACKEND=nccl needs CUDA; use gloo (or auto) on CPU")
+    return choice
+
+
+def _check_sizes(dist_cfg: CfgNode):
+    per_node, nodes, node_id = dist_cfg.NUM_PROC_PER_NODE, dist_cfg.NUM_NODES, dist_cfg.NODE_ID
+    if per_node < 1 or nodes < 1:
+        raise ConfigError(f"DISTRIBUTED.NUM_PROC_PER_NODE ({per_node}) and NUM_NODES ({nodes}) must be >= 1")
+    if not 0 <= node_id < nodes:
+        raise ConfigError(f"DISTRIBUTED.NODE_ID must be in [0, {nodes}), got {node_id}")
+    return per_node, nodes, node_id
+
+
+def _check_local_devices(device: str, needed: int) -> None:
+    if device == "cuda" and needed > torch.cuda.device_count():
+        raise ConfigError(f"{needed} ranks on this machine need {needed} GPUs; {torch.cuda.device_count()} visible")
+
+
+def _joined_env(dist_cfg: CfgNode, environ: Mapping[str, str]):
+    """(world, rank, local_rank, init_method) when torchrun or SLURM already started this rank."""
+    if all(k in environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        local = int(environ.get("LOCAL_RANK", 0))
+        return int(environ["WORLD_SIZE"]), int(environ["RANK"]), local, "env://"
+    if "SLURM_PROCID" not in environ or int(environ.get("SLURM_NTASKS", 1)) <= 1:
+        return None  # not under srun, or one task that spawns its local ranks itself
+    ntasks = int(environ["SLURM_NTASKS"])
+    wanted = dist_cfg.NUM_NODES * dist_cfg.NUM_PROC_PER_NODE
+    if ntasks != wanted:
+        raise ConfigError(
+            f"SLURM started {ntasks} tasks but DISTRIBUTED asks for {wanted} ranks "
+            f"(NUM_NODES x NUM_PROC_PER_NODE); start one task per rank"
+        )
+    if dist_cfg.RUN_ID != "auto":
+        host, port = _host_port(dist_cfg.RUN_ID)
+    else:
+        # every task derives the same rendezvous from the job: first node, port from the job id
+        host = first_slurm_host(environ["SLURM_JOB_NODELIST"])
+        port = 20000 + int(environ.get("SLURM_JOB_ID", 0)) % 20000
+    local = int(environ.get("SLURM_LOCALID", 0))
+    return ntasks, int(environ["SLURM_PROCID"]), local, f"tcp://{host}:{port}"
+
+
+def _init_method(dist_cfg: CfgNode, environ: Mapping[str, str], nodes: int) -> str:
+    method, run_id = dist_cfg.INIT_METHOD, dist_cfg.RUN_ID
+    if method not in ("tcp", "env", "file"):
+        raise ConfigError(f"DISTRIBUTED.INIT_METHOD must be tcp, env or file, got {method!r}")
+    if run_id == "auto" and nodes > 1 and not (method == "env" and "MASTER_ADDR" in environ):
+        raise ConfigError("a multi-node run needs DISTRIBUTED.RUN_ID (tcp: host:port of node 0; file: a shared path)")
+    if method == "file":
+        path = os.path.join(tempfile.mkdtemp(prefix="vistrain_init_"), "store") if run_id == "auto" else run_id
+        return f"file://{os.path.abspath(path)}"
+    if method == "env" and run_id == "auto" and "MASTER_ADDR" in environ and "MASTER_PORT" in environ:
+        return "env://"
+    host, port = ("127.0.0.1", _free_port()) if run_id == "auto" else _host_port(run_id)
+    return f"tcp://{host}:{port}"
+
+
+def _host_port(run_id: str):
+    host, sep, port = run_id.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"DISTRIBUTED.RUN_ID must be host:port (or auto), got {run_id!r}")
+    return host, int(port)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --------------------------------------------------------------------------------------------
+# running ranks
+
+
+def _run_rank(local_rank: int, main_fn, cfg: CfgNode, plan: LaunchPlan) -> None:
+    """Body of every rank: device, process group, ``main_fn(cfg)``."""
+    rank = plan.first_rank + local_rank
+    if plan.device == "cuda":
+        torch.cuda.set_device(local_rank)  # one GPU per local rank
+    elif plan.local_ranks > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # CPU ranks sharing a machine: split the cores (as torchrun does); oversubscribed OpenMP
+        # threads spin against each other and can be 100x slower
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.local_ranks))
+    dist.init_process_group(
+        plan.backend,
+        init_method=plan.init_method,
+        rank=rank,
+        world_size=plan.world_size,
+        timeout=datetime.timedelta(seconds=plan.timeout_seconds),
+    )
+    main_fn(cfg)
+    # Only on success: tearing down after a failure can block on peers; process exit frees it.
+    dist.destroy_process_group()
+
+
+def _spawn_and_watch(main_fn, cfg: CfgNode, plan: LaunchPlan) -> None:
+    context = mp.start_processes(
+        _run_rank, args=(main_fn, cfg, plan), nprocs=plan.local_ranks, join=False, start_method="spawn"
+    )
+    processes = context.processes
+    try:
+        failed = _wait_for_failure(processes)
+    except BaseException:  # Ctrl-C in the launcher: take the ranks down with it
+        _stop(processes)
+        raise
+    if failed:
+        _stop(processes)
+        raise RankFailedError(_failure_report(failed, processes, context.error_files, plan.first_rank))
+    _remove_files(context.error_files)
+
+
+def _wait_for_failure(processes) -> List[int]:
+    """Block until every process exited 0 (returns []) or some exited non-zero (their indices)."""
+    while True:
+        running = [p.sentinel for p in processes if p.exitcode is None]
+        failed = [i for i, p in enumerate(processes) if p.exitcode not in (None, 0)]
+        if failed or not running:
+            return failed
+        multiprocessing.connection.wait(running, timeout=5.0)
+
+
+def _stop(processes, grace: float = STOP_GRACE_SECONDS) -> None:
+    """Let the other ranks exit on their own for ``grace`` s, then SIGTERM, then SIGKILL."""
+    for escalate in (None, "terminate", "kill"):
+        for p in processes:
+            if escalate and p.is_alive():
+                getattr(p, escalate)()
+        deadline = time.monotonic() + grace
+        for p in processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+        if not any(p.is_alive() for p in processes):
+            return
+
+
+def _failure_report(failed: List[int], processes, error_files: List[str], first_rank: int) -> str:
+    """Describe the rank that failed first: its traceback if it raised, its signal if it was killed."""
+    tracebacks: Dict[int, str] = {}
+    written: Dict[int, float] = {}
+    for i in failed:
+        if os.path.exists(error_files[i]):
+            written[i] = os.path.getmtime(error_files[i])
+            with open(error_files[i], "rb") as f:
+                tracebacks[i] = pickle.load(f)
+    _remove_files(error_files)
+    # A rank without a traceback died from a signal or os._exit; its peers then fail in
+    # collectives, so it is the likelier cause. Among tracebacks, the earliest written wins.
+    silent = [i for i in failed if i not in tracebacks]
+    culprit = silent[0] if silent else min(written, key=written.get)
+    others = sorted(first_rank + i for i in failed if i != culprit)
+    tail = f" (also failed: ranks {others})" if others else ""
+    if culprit in tracebacks:
+        return f"rank {first_rank + culprit} failed{tail}:\n{tracebacks[culprit].rstrip()}"
+    return f"rank {first_rank + culprit} {_describe_exit(processes[culprit].exitcode)}{tail}"
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code} without a traceback"
+
+
+def _remove_files(paths: List[str]) -> None:
+    for path in paths:
+        if os.path.exists(path):
+            os.remove(path)

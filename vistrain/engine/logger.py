@@ -1,0 +1,159 @@
+"""Watching a run: console/file log lines, metrics.jsonl and TensorBoard scalars (rank 0 writes).
+
+Per iteration the trainer only adds tensors on the device (no host sync). Every LOG_FREQUENCY
+iterations :meth:`TrainingMeter.log` reduces the window over ranks in one all-reduce and rank 0
+writes one line, one JSON object and the TensorBoard scalars. The same reduction catches a NaN/inf
+loss on any rank in the window and stops every rank with the same error.
+"""
+
+import datetime
+import json
+import logging
+import os
+import resource
+import sys
+import time
+from typing import Optional
+
+import torch
+
+from vistrain.distributed import comm
+
+logger = logging.getLogger("vistrain")
+
+
+def setup_logging(run_dir: str) -> logging.Logger:
+    """INFO lines from rank 0 to stdout and ``run_dir/log.txt``; other ranks log warnings only."""
+    logger.handlers.clear()
+    logger.propagate = False
+    if not comm.is_main_process():
+        logger.setLevel(logging.WARNING)
+        logger.addHandler(logging.StreamHandler(sys.stderr))
+        return logger
+    logger.setLevel(logging.INFO)
+    os.makedirs(run_dir, exist_ok=True)
+    fmt = logging.Formatter("[%(asctime)s vistrain] %(message)s", datefmt="%H:%M:%S")
+    for handler in (logging.StreamHandler(sys.stdout), logging.FileHandler(os.path.join(run_dir, "log.txt"))):
+        handler.setFormatter(fmt)
+        logger.addHandler(handler)
+    return logger
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak CUDA memory allocated by tensors, or on CPU the peak resident set of this process (MiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The training loss became NaN or infinite."""
+
+
+class TrainingMeter:
+    """Accumulates per-iteration loss and image counts; reduces and writes them every ``log_frequency``."""
+
+    # slots of the window tensor summed over ranks in one all-reduce
+    _LOSS_SUM, _ITERS, _IMAGES, _SKIPPED, _NONFINITE, _LAST_LOSS = range(6)
+
+    def __init__(self, run_dir: str, log_frequency: int, total_iterations: int, device: torch.device):
+        if log_frequency < 1:
+            raise ValueError(f"LOG_FREQUENCY must be >= 1, got {log_frequency}")
+        self.run_dir, self.log_frequency, self.total = run_dir, log_frequency, total_iterations
+        self.device = device
+        self.window = torch.zeros(6, dtype=torch.float64, device=device)
+        self.window_start = self.run_start = time.perf_counter()
+        self.images_seen = 0.0  # this run, all ranks
+        self.skipped_total = 0.0
+        self.last_loss: Optional[float] = None
+        self.writer = self.metrics_file = None
+        if comm.is_main_process():
+            from torch.utils.tensorboard import SummaryWriter  # slow import: rank 0 only
+
+            self.writer = SummaryWriter(log_dir=os.path.join(run_dir, "tb"))
+            self.metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+
+    def update(self, loss: torch.Tensor, num_images: int, num_skipped: int = 0) -> None:
+        """Add one iteration's (this rank's) loss and batch size. No host sync."""
+        loss = loss.detach().to(torch.float64)
+        finite = torch.isfinite(loss)
+        w = self.window
+        w[self._LOSS_SUM] += torch.where(finite, loss, torch.zeros_like(loss))
+        w[self._NONFINITE] += (~finite).to(torch.float64)
+        w[self._LAST_LOSS] = loss
+        w[self._ITERS] += 1
+        w[self._IMAGES] += num_images
+        w[self._SKIPPED] += num_skipped
+
+    def should_log(self, iteration: int) -> bool:
+        """``iteration`` counts completed iterations (1-based); the last one is always logged."""
+        return iteration % self.log_frequency == 0 or iteration == self.total
+
+    def check_finite(self, iteration: int, epoch: int) -> None:
+        """Collective: raise on every rank if any rank saw a NaN/inf loss in the current window."""
+        bad = comm.all_reduce_sum(self.window[self._NONFINITE].clone())
+        if bad.item() > 0:
+            raise NonFiniteLossError(
+                f"loss became NaN/inf by iteration {iteration} (epoch {epoch}); stopping. Lower the learning "
+                f"rate (OPTIMIZER.param_schedulers.lr.base_value), enable clipping (OPTIMIZER.clip_grad_norm) "
+                f"or check the data"
+            )
+
+    def log(self, iteration: int, epoch: int, num_epochs: int, lr: float) -> None:
+        """Collective: reduce the window over ranks; rank 0 writes the line, metrics.jsonl and TensorBoard."""
+        self.check_finite(iteration, epoch)
+        window = comm.all_reduce_sum(self.window.clone()).tolist()
+        peak = comm.all_reduce_max(torch.tensor([peak_memory_mib(self.device)], device=self.device)).item()
+        now = time.perf_counter()
+        elapsed, self.window_start = now - self.window_start, now
+        self.window.zero_()
+        world = comm.get_world_size()
+        iters = window[self._ITERS] / world
+        self.images_seen += window[self._IMAGES]
+        self.skipped_total += window[self._SKIPPED]
+        self.last_loss = window[self._LAST_LOSS] / world
+        record = {
+            "iteration": iteration,
+            "epoch": epoch,
+            "loss": self.last_loss,  # this iteration, mean over ranks
+            "loss_avg": window[self._LOSS_SUM] / max(window[self._ITERS], 1),  # window mean
+            "lr": lr,
+            "images_per_sec": window[self._IMAGES] / max(elapsed, 1e-9),
+            "eta_seconds": (self.total - iteration) * elapsed / max(iters, 1),
+            "peak_mem_mib": peak,
+            "skipped_images": int(self.skipped_total),
+        }
+        if comm.is_main_process():
+            self._write(record, num_epochs)
+
+    def _write(self, record: dict, num_epochs: int) -> None:
+        eta = datetime.timedelta(seconds=int(record["eta_seconds"]))
+        skipped = f"  skipped {record['skipped_images']}" if record["skipped_images"] else ""
+        logger.info(
+            f"epoch {record['epoch'] + 1}/{num_epochs}  it {record['iteration']}/{self.total}  "
+            f"loss {record['loss']:.4f} (avg {record['loss_avg']:.4f})  lr {record['lr']:.4g}  "
+            f"{record['images_per_sec']:.1f} img/s  eta {eta}  mem {record['peak_mem_mib']:.0f} MiB{skipped}"
+        )
+        self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics_file.flush()
+        for name in ("loss", "loss_avg", "lr", "images_per_sec", "peak_mem_mib", "skipped_images"):
+            self.writer.add_scalar(f"train/{name}", record[name], record["iteration"])
+        self.writer.flush()
+
+    def summary(self) -> None:
+        """Rank 0: one closing line (time, final loss, throughput); closes the files."""
+        total = time.perf_counter() - self.run_start
+        if comm.is_main_process():
+            loss = "n/a" if self.last_loss is None else f"{self.last_loss:.4f}"
+            logger.info(
+                f"done in {datetime.timedelta(seconds=int(total))}: final loss {loss}, "
+                f"{self.images_seen / max(total, 1e-9):.1f} img/s overall, "
+                f"{int(self.skipped_total)} corrupt images skipped"
+            )
+        self.close()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.metrics_file.close()
+            self.writer = self.metrics_file = None

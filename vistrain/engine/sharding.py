@@ -1,0 +1,137 @@
+"""AUTO_SETUP_FSDP: turn a built SSL model into a sharded one (a transform; models stay plain).
+
+Units: every RegNet block, the stem, each head MLP and each SwAV prototype layer (full
+precision: it is re-normalised after every step and feeds Sinkhorn's exp(score / eps)), plus
+the whole model as root. Under AMP or the engine's mixed precision every BatchNorm also becomes
+its own fp32 unit (parameters, buffers and arithmetic), so statistics never see bf16/fp16.
+"""
+
+import functools
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import checkpoint
+from torchvision.models.regnet import AnyStage, ResBottleneckBlock, SimpleStemIN
+
+from vistrain.fsdp import auto_wrap, by_class
+from vistrain.models.heads.mlp import MLP
+from vistrain.models.heads.swav import SwAVPrototypes
+
+BACKENDS = ("builtin", "torch")
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def unit_classes(fp32_batchnorm: bool) -> dict:
+    """Module class -> unit options of the RegNet SSL wrap policy."""
+    classes = {ResBottleneckBlock: {}, SimpleStemIN: {}, MLP: {},
+               SwAVPrototypes: {"keep_fp32": True}}
+    if fp32_batchnorm:
+        classes[_BatchNorm] = {"keep_fp32": True}
+    return classes
+
+
+def apply_activation_checkpointing(model: nn.Module, granularity: str) -> nn.Module:
+    """Recompute each RegNet block ("block") or stage ("stage") in backward instead of storing
+    its activations. Patches ``forward`` in place, so parameter names do not change."""
+    targets = {"block": ResBottleneckBlock, "stage": AnyStage}
+    if granularity not in targets:
+        raise ValueError(f"MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY must be one of "
+                         f"{sorted(targets)}, got {granularity!r}")
+    for module in model.modules():
+        if isinstance(module, targets[granularity]):
+            module.forward = functools.partial(_checkpointed, module.forward)
+    return model
+
+
+def _checkpointed(forward: Callable, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def shard_model(model: nn.Module, model_cfg, param_group_fn: Optional[Callable] = None) -> nn.Module:
+    """Wrap ``model`` (already on its device, BN already converted) as configured.
+
+    ``model_cfg`` is the MODEL section; ``param_group_fn(fqn, module, param) -> key`` keeps
+    optimizer groups apart in the flat shards (builtin backend).
+    """
+    fsdp_cfg = model_cfg.FSDP_CONFIG
+    if fsdp_cfg.BACKEND not in BACKENDS:
+        raise ValueError(f"MODEL.FSDP_CONFIG.BACKEND must be one of {BACKENDS}, got {fsdp_cfg.BACKEND!r}")
+    if fsdp_cfg.compute_dtype not in _DTYPES:
+        raise ValueError(f"MODEL.FSDP_CONFIG.compute_dtype must be one of {sorted(_DTYPES)}, "
+                         f"got {fsdp_cfg.compute_dtype!r}")
+    low_precision = fsdp_cfg.mixed_precision or model_cfg.AMP_PARAMS.USE_AMP
+    classes = unit_classes(fp32_batchnorm=low_precision)
+    if fsdp_cfg.BACKEND == "torch":
+        return torch_fully_shard(model, fsdp_cfg, classes)
+    mixed = fsdp_cfg.mixed_precision and _DTYPES[fsdp_cfg.compute_dtype] != torch.float32
+    return auto_wrap(
+        model, by_class(classes),
+        reshard_after_forward=fsdp_cfg.reshard_after_forward,
+        mixed_precision=mixed,
+        fp32_reduce_scatter=fsdp_cfg.fp32_reduce_scatter,
+        flatten_parameters=fsdp_cfg.flatten_parameters,
+        compute_dtype=_DTYPES[fsdp_cfg.compute_dtype] if mixed else None,
+        move_params_to_cpu=fsdp_cfg.move_params_to_cpu,
+        param_group_fn=param_group_fn,
+    )
+
+
+def torch_fully_shard(model: nn.Module, fsdp_cfg, classes: dict) -> nn.Module:
+    """The same wrap policy through PyTorch's ``fully_shard`` (FSDP2), for comparison."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    device = next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mixed = fsdp_cfg.mixed_precision and _DTYPES[fsdp_cfg.compute_dtype] != torch.float32
+    low = MixedPrecisionPolicy(
+        param_dtype=_DTYPES[fsdp_cfg.compute_dtype] if mixed else None,
+        reduce_dtype=torch.float32 if fsdp_cfg.fp32_reduce_scatter else None)
+    full = MixedPrecisionPolicy()
+    for module in list(model.modules())[::-1]:  # children before parents
+        options = next((opts for cls, opts in classes.items() if isinstance(module, cls)), None)
+        if options is not None:
+            fully_shard(module, mesh=mesh, reshard_after_forward=fsdp_cfg.reshard_after_forward,
+                        mp_policy=full if options.get("keep_fp32") else low)
+    fully_shard(model, mesh=mesh, reshard_after_forward=fsdp_cfg.reshard_after_forward, mp_policy=low)
+    return TorchShardedModel(model)
+
+
+class TorchShardedModel(nn.Module):
+    """Gives a ``fully_shard`` model the interface the trainer uses (DDP/our engine's names)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def no_sync(self):
+        return _NoGradientSync(self.module)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0):
+        return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type)
+
+    def state_dict(self, *args, **kwargs):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        return set_model_state_dict(self.module, state_dict,
+                                    options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+class _NoGradientSync:
+    def __init__(self, module):
+        self.module = module
+
+    def __enter__(self):
+        self.module.set_requires_gradient_sync(False)
+
+    def __exit__(self, *exc):
+        self.module.set_requires_gradient_sync(True)

@@ -1,0 +1,256 @@
+"""Self-supervised pre-training, one rank: ``train(cfg)``.
+
+The loop reads top to bottom: build (data, model, loss, optimizer, schedule), resume, then for
+every batch: forward under autocast -> loss -> backward (accumulating over ``update_freq``
+micro-batches without gradient sync) -> clip -> step -> log -> checkpoint. Method state (SwAV
+queue, prototype freezing and normalisation) lives on the criterion and is called explicitly.
+
+Iterations are counted per data batch; ``iteration`` in logs, metrics and checkpoint names is the
+number of completed iterations.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import os
+import random
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from vistrain.config import save_config
+from vistrain.data import build_loader, set_epoch
+from vistrain.distributed import comm
+from vistrain.distributed.launch import resolve_device
+from vistrain.engine.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+from vistrain.engine.logger import NonFiniteLossError, TrainingMeter, logger, setup_logging
+from vistrain.engine.parallel import parallelize
+from vistrain.losses import build_loss
+from vistrain.models import build_model
+from vistrain.optim import build_lr_schedule, build_optimizer, param_group_key, set_lr
+
+_AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass
+class StepSettings:
+    """What every optimizer step needs besides model, loss and optimizer."""
+
+    device: torch.device
+    amp_dtype: Optional[torch.dtype]  # None: no autocast
+    scaler: Optional[torch.amp.GradScaler]  # float16 only
+    update_freq: int
+    clip_grad_norm: float
+
+
+def train(cfg) -> None:
+    """Pre-train ``cfg.MODEL`` with ``cfg.LOSS`` on ``cfg.DATA.TRAIN``; call on every rank (see launch)."""
+    run_dir = cfg.CHECKPOINT.DIR
+    setup_logging(run_dir)
+    device = _current_device(cfg.MACHINE)
+    if comm.is_main_process():
+        save_config(cfg, os.path.join(run_dir, "config.yaml"))
+    _seed_everything(cfg.SEED_VALUE)
+
+    # ---- build
+    loader = build_loader(cfg.DATA, "TRAIN", seed=cfg.SEED_VALUE, device=device)
+    iters_per_epoch = len(loader)
+    if iters_per_epoch == 0:
+        raise ValueError("DATA.TRAIN yields no full batch per rank: add data or lower BATCHSIZE_PER_REPLICA")
+    group_key = functools.partial(param_group_key, opt_cfg=cfg.OPTIMIZER)
+    model = parallelize(build_model(cfg.MODEL), cfg.MODEL, device, group_key)
+    criterion = build_loss(cfg.LOSS).to(device)
+    optimizer = build_optimizer(cfg.OPTIMIZER, model)
+    lr_schedule = build_lr_schedule(cfg.OPTIMIZER, iters_per_epoch)
+    settings = _step_settings(cfg, model, device)
+    num_epochs = cfg.OPTIMIZER.num_epochs
+    total_iterations = num_epochs * iters_per_epoch
+
+    # ---- resume
+    iteration = 0
+    if cfg.CHECKPOINT.AUTO_RESUME:
+        iteration = _resume(run_dir, model, optimizer, criterion, settings.scaler, iters_per_epoch)
+    if iteration >= total_iterations:
+        logger.info(f"nothing to do: {run_dir} already holds iteration {iteration} of {total_iterations}")
+        return
+    logger.info(
+        f"training {num_epochs} epochs x {iters_per_epoch} iterations on {comm.get_world_size()} ranks "
+        f"({device.type}), from iteration {iteration}"
+    )
+
+    # ---- loop
+    meter = TrainingMeter(run_dir, cfg.LOG_FREQUENCY, total_iterations, device)
+    saved_at = iteration
+    start_epoch, skip = divmod(iteration, iters_per_epoch)
+    for epoch in range(start_epoch, num_epochs):
+        set_epoch(loader, epoch, start_iteration=skip if epoch == start_epoch else 0)
+        criterion.set_epoch(epoch)
+        for batch in loader:
+            lr = lr_schedule(iteration)
+            set_lr(optimizer, lr)
+            in_epoch = iteration - epoch * iters_per_epoch
+            group = _accumulation_group(in_epoch, iters_per_epoch, settings.update_freq)
+            loss = _forward_backward(model, criterion, batch, settings, group)
+            meter.update(loss, num_images=batch["index"].shape[0], num_skipped=batch.get("num_skipped", 0))
+            if group.is_last:
+                _optimizer_step(model, criterion, optimizer, settings, iteration)
+            iteration += 1
+            if meter.should_log(iteration):
+                meter.log(iteration, epoch, num_epochs, lr)
+            if group.is_last and _crossed(saved_at, iteration, cfg.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY):
+                saved_at = _checkpoint(cfg, meter, model, optimizer, criterion, settings, iteration, iters_per_epoch)
+        last_epoch = epoch + 1 == num_epochs
+        if saved_at != iteration and (last_epoch or _every(epoch + 1, cfg.CHECKPOINT.CHECKPOINT_FREQUENCY)):
+            saved_at = _checkpoint(cfg, meter, model, optimizer, criterion, settings, iteration, iters_per_epoch)
+    meter.summary()
+
+
+# --------------------------------------------------------------------------------------------
+# the step
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """The gradient-accumulation group of one micro-batch."""
+
+    size: int  # micro-batches in the group (fewer than update_freq at the end of an epoch)
+    is_last: bool  # this micro-batch completes the group: sync gradients and step
+
+
+def _accumulation_group(in_epoch: int, iters_per_epoch: int, update_freq: int) -> _Group:
+    start = in_epoch // update_freq * update_freq
+    size = min(update_freq, iters_per_epoch - start)
+    return _Group(size=size, is_last=in_epoch + 1 == start + size)
+
+
+def _forward_backward(model: nn.Module, criterion, batch: dict, s: StepSettings, group: _Group) -> torch.Tensor:
+    """Forward + loss under autocast, backward of loss / group size. Returns the (unscaled) loss."""
+    crops = [c.to(s.device, non_blocking=True) for c in batch["crops"]]
+    # DDP and the sharded engine skip the gradient all-reduce / reduce-scatter inside no_sync()
+    sync = contextlib.nullcontext() if group.is_last else model.no_sync()
+    with sync:
+        with torch.autocast(s.device.type, dtype=s.amp_dtype or torch.float32, enabled=s.amp_dtype is not None):
+            loss = criterion(model(crops), len(crops))
+        # dividing by the group size makes the accumulated gradient the mean over its micro-batches
+        scaled = loss / group.size
+        (s.scaler.scale(scaled) if s.scaler is not None else scaled).backward()
+    return loss.detach()
+
+
+def _optimizer_step(model: nn.Module, criterion, optimizer, s: StepSettings, iteration: int) -> None:
+    criterion.before_optimizer_step(model, iteration)
+    if s.clip_grad_norm > 0:
+        if s.scaler is not None:
+            s.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+        if hasattr(model, "clip_grad_norm_"):  # sharded engine: the norm spans all shards
+            model.clip_grad_norm_(s.clip_grad_norm)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip_grad_norm)
+    if s.scaler is not None:
+        s.scaler.step(optimizer)
+        s.scaler.update()
+    else:
+        optimizer.step()
+    criterion.after_optimizer_step(model)
+    optimizer.zero_grad(set_to_none=True)
+
+
+# --------------------------------------------------------------------------------------------
+# setup helpers
+
+
+def _current_device(machine_cfg) -> torch.device:
+    if resolve_device(machine_cfg) == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())  # set per local rank by launch
+    return torch.device("cpu")
+
+
+def _seed_everything(seed: int) -> None:
+    # the same seed on every rank: identical initial weights (DDP also broadcasts them); the data
+    # layer derives per-rank orders and augmentations from the same seed itself
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _step_settings(cfg, model: nn.Module, device: torch.device) -> StepSettings:
+    amp_cfg = cfg.MODEL.AMP_PARAMS
+    amp_dtype = None
+    if amp_cfg.USE_AMP:
+        if amp_cfg.AMP_DTYPE not in _AMP_DTYPES:
+            valid = sorted(_AMP_DTYPES)
+            raise ValueError(f"MODEL.AMP_PARAMS.AMP_DTYPE must be one of {valid}, got {amp_cfg.AMP_DTYPE!r}")
+        amp_dtype = _AMP_DTYPES[amp_cfg.AMP_DTYPE]
+        if amp_dtype == torch.float16 and device.type != "cuda":
+            raise ValueError("MODEL.AMP_PARAMS.AMP_DTYPE=float16 needs CUDA; use bfloat16 on CPU")
+    update_freq = cfg.OPTIMIZER.update_freq
+    if update_freq < 1:
+        raise ValueError(f"OPTIMIZER.update_freq must be >= 1, got {update_freq}")
+    scaler = _grad_scaler(model) if amp_dtype == torch.float16 else None
+    return StepSettings(device, amp_dtype, scaler, update_freq, float(cfg.OPTIMIZER.clip_grad_norm))
+
+
+def _grad_scaler(model: nn.Module) -> torch.amp.GradScaler:
+    """float16 loss scaling; the sharded engine needs its own scaler (inf checks across shards)."""
+    from vistrain.fsdp import FullyShardedDataParallel, ShardedGradScaler
+
+    return ShardedGradScaler() if isinstance(model, FullyShardedDataParallel) else torch.amp.GradScaler("cuda")
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def _every(count: int, frequency: int) -> bool:
+    return frequency > 0 and count % frequency == 0
+
+
+def _crossed(saved_at: int, iteration: int, frequency: int) -> bool:
+    """A multiple of ``frequency`` lies in (saved_at, iteration] (accumulation may step past it)."""
+    return frequency > 0 and iteration // frequency > saved_at // frequency
+
+
+def _checkpoint(cfg, meter, model, optimizer, criterion, s: StepSettings, iteration: int, iters_per_epoch: int) -> int:
+    """Save ``checkpoint_<iteration>`` (collective); returns ``iteration``."""
+    # never save a run that diverged: the loss window, and the weights (a step can make them NaN
+    # before any loss shows it)
+    meter.check_finite(iteration, iteration // iters_per_epoch)
+    _check_finite_weights(model, iteration)
+    extra = {"loss": criterion.state_dict(), "iters_per_epoch": iters_per_epoch}
+    if s.scaler is not None:
+        extra["grad_scaler"] = s.scaler.state_dict()
+    path = save_checkpoint(
+        cfg.CHECKPOINT.DIR, iteration, iteration // iters_per_epoch, model, optimizer, extra,
+        meta={"config": cfg.dump()}, keep_last=cfg.CHECKPOINT.KEEP_LAST,
+    )
+    logger.info(f"saved {path}")
+    return iteration
+
+
+def _check_finite_weights(model: nn.Module, iteration: int) -> None:
+    """Collective: raise on every rank if any rank's parameters (or shards) hold NaN/inf."""
+    bad = torch.zeros(1, device=next(model.parameters()).device)
+    for param in model.parameters():
+        bad += (~torch.isfinite(param.detach())).any()
+    if comm.all_reduce_sum(bad).item() > 0:
+        raise NonFiniteLossError(f"model weights became NaN/inf by iteration {iteration}; not saving a checkpoint")
+
+
+def _resume(run_dir: str, model, optimizer, criterion, scaler, iters_per_epoch: int) -> int:
+    """Load the latest complete checkpoint of ``run_dir``; return its iteration (0 when none)."""
+    path = find_latest_checkpoint(run_dir)
+    if path is None:
+        return 0
+    state = load_checkpoint(path, model, optimizer)
+    if state["iters_per_epoch"] != iters_per_epoch:
+        raise ValueError(
+            f"{path} was trained with {state['iters_per_epoch']} iterations per epoch, this run has "
+            f"{iters_per_epoch} (data size or batch size changed); start a new CHECKPOINT.DIR"
+        )
+    criterion.load_state_dict(state["loss"])
+    if scaler is not None and "grad_scaler" in state:
+        scaler.load_state_dict(state["grad_scaler"])
+    logger.info(f"resumed from {path}")
+    return state["meta"]["iteration"]

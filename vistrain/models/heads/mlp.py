@@ -1,0 +1,47 @@
+"""Projection MLP (SimCLR's g(.), also the first part of the SwAV head)."""
+
+from typing import List, Sequence
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    """``Linear -> [BatchNorm1d] -> ReLU`` for every hidden layer, then a plain ``Linear``.
+
+    SimCLR (Chen et al., 2020): "a MLP with one hidden layer to obtain z_i = g(h_i) =
+    W2 relu(W1 h_i)"; BatchNorm after the hidden Linear follows SimCLR v2 / SwAV.
+    ``forward(x)``: x (N, dims[0]) -> (N, dims[-1]) in the input's dtype (or autocast's).
+    Reads the trunk's ``"avgpool"`` feature (``in_feature``).
+    """
+
+    in_feature = "avgpool"
+
+    def __init__(self, dims: Sequence[int], use_bn: bool = True):
+        super().__init__()
+        dims = _check_dims(dims)
+        layers: List[nn.Module] = []
+        for d_in, d_out in zip(dims[:-2], dims[1:-1]):
+            layers.append(nn.Linear(d_in, d_out))
+            if use_bn:
+                layers.append(nn.BatchNorm1d(d_out))
+            layers.append(nn.ReLU(inplace=True))
+        layers.append(nn.Linear(dims[-2], dims[-1]))
+        self.layers = nn.Sequential(*layers)
+        self.dims = dims
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def _check_dims(dims: Sequence[int]) -> List[int]:
+    dims = [int(d) for d in dims]
+    if len(dims) < 2 or min(dims) <= 0:
+        raise ValueError(
+            f"MODEL.HEAD.DIMS needs at least two positive sizes (input, output), got {dims}"
+        )
+    return dims
+
+
+def build_simclr_head(head_cfg) -> MLP:
+    return MLP(head_cfg.DIMS, head_cfg.USE_BN)

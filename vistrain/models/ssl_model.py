@@ -1,0 +1,68 @@
+"""Trunk + head, with multi-crop batching. A plain nn.Module: it knows nothing about sharding."""
+
+from typing import List, Sequence, Union
+
+import torch
+from torch import nn
+
+Crops = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+class SSLModel(nn.Module):
+    """``forward(crops)`` with crops a Tensor (N, 3, H, W) or a list of C such tensors (views).
+
+    Consecutive crops of the same resolution are concatenated and go through the trunk together
+    (as in SwAV's multi-crop), so the trunk runs once per run of equal resolutions; the head then
+    runs once on all crops' features, concatenated in crop order (rows c*N .. (c+1)*N-1 belong to
+    crop c). Output, by head:
+
+    * MLP ("simclr"): embeddings (C*N, D);
+    * SwAVHead ("swav"): (embeddings (C*N, D) L2-normalised, [scores (C*N, K_j) per layer]);
+    * IdentityHead ("identity"): the trunk's feature dict of a single tensor input.
+    """
+
+    def __init__(self, trunk: nn.Module, head: nn.Module):
+        super().__init__()
+        self.trunk = trunk
+        self.head = head
+        in_feature = getattr(head, "in_feature", None)
+        if in_feature is not None and in_feature not in trunk.out_features:
+            raise ValueError(
+                f"the head reads trunk feature {in_feature!r}: add it to MODEL.TRUNK.OUT_FEATURES "
+                f"(now {trunk.out_features})"
+            )
+
+    def forward(self, crops: Crops):
+        crops = _as_crop_list(crops)
+        in_feature = getattr(self.head, "in_feature", None)
+        if in_feature is None:
+            if len(crops) != 1:
+                raise ValueError(f"a feature-dict head takes one tensor, got {len(crops)} crops")
+            return self.head(self.trunk(crops[0]))
+        features = [
+            self.trunk(torch.cat(group))[in_feature] for group in _same_resolution_runs(crops)
+        ]
+        return self.head(torch.cat(features))
+
+
+def _as_crop_list(crops: Crops) -> List[torch.Tensor]:
+    crops = [crops] if isinstance(crops, torch.Tensor) else list(crops)
+    if not crops or any(c.dim() != 4 for c in crops):
+        raise ValueError("SSLModel expects a (N, 3, H, W) tensor or a non-empty list of them")
+    sizes = {c.shape[0] for c in crops}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"all crops must hold the same number of images, got {[c.shape[0] for c in crops]}"
+        )
+    return crops
+
+
+def _same_resolution_runs(crops: List[torch.Tensor]) -> List[List[torch.Tensor]]:
+    """Split the crop list into maximal runs of consecutive crops with equal (H, W)."""
+    runs = [[crops[0]]]
+    for crop in crops[1:]:
+        if crop.shape[-2:] == runs[-1][-1].shape[-2:]:
+            runs[-1].append(crop)
+        else:
+            runs.append([crop])
+    return runs
