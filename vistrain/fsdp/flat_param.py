@@ -199,9 +199,12 @@ class FlatParamHandle:
             self._set_attributes(self._placeholders)
 
     def _set_attributes(self, tensors) -> None:
+        # Plain instance attributes (the parameters were unregistered at wrap time); writing
+        # __dict__ directly skips nn.Module.__setattr__'s checks on this hot path.
         for o, tensor in zip(self.origins, tensors):
-            o.module._parameters.pop(o.attr, None)
-            setattr(o.module, o.attr, tensor)
+            if o.attr in o.module._parameters:  # registered by summon_full_params
+                del o.module._parameters[o.attr]
+            o.module.__dict__[o.attr] = tensor
 
     def expose_as_parameters(self, source: torch.Tensor) -> None:
         """Register views of ``source`` (a full copy) as ordinary parameters of their modules."""

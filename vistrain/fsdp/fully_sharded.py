@@ -187,9 +187,7 @@ class FullyShardedDataParallel(nn.Module):
         training = torch.is_grad_enabled() and not state.in_backward
         if training and not state.exec_order_final and self not in state.exec_order:
             state.exec_order.append(self)
-        self._unshard()
-        for handle in self._handles:
-            handle.set_views()
+        self._unshard()  # the gather also points the modules at fresh views of the weights
         if training:
             self._prefetch(+1)
         if self.mixed_precision:
