@@ -44,7 +44,7 @@ def _split_defaults(batch_size, shuffle):
     split.SHUFFLE = shuffle  # reshuffle every epoch (order depends only on seed and epoch)
     split.DROP_LAST = shuffle  # drop the incomplete last batch
     split.SKIP_CORRUPT = False  # True: skip unreadable images (counted in logs); False: stop the run
-    split.TRANSFORMS = CN(new_allowed=True)  # see vistrain/data/transforms.py; keys below
+    split.TRANSFORMS = CN()  # see vistrain/data/transforms.py
     split.TRANSFORMS.NAME = "multicrop" if shuffle else "eval"  # multicrop (SSL views) | eval (resize+center crop)
     split.TRANSFORMS.NUM_CROPS = [2]  # crops per resolution, e.g. [2, 6]
     split.TRANSFORMS.SIZE_CROPS = [32]  # crop side per resolution, e.g. [224, 96]
@@ -164,12 +164,13 @@ _C.CHECKPOINT.KEEP_LAST = 3  # complete checkpoints kept (older ones deleted)
 
 # ---------------------------------------------------------------------------------------------
 _C.BENCHMARK = CN()
-_C.BENCHMARK.FEATURES = ["s3", "s4", "avgpool"]  # linear eval / kNN: trunk outputs evaluated
-_C.BENCHMARK.POOL_SIZE = 2  # linear eval: adaptive average pool side for stage feature maps
+_C.BENCHMARK.FEATURES = ["s3", "s4", "avgpool"]  # trunk outputs evaluated / extracted (stem, s1..s4, avgpool)
+_C.BENCHMARK.POOL_SIZE = 2  # stage maps are average-pooled to POOL_SIZE x POOL_SIZE, then flattened
 _C.BENCHMARK.KNN_K = 20  # kNN: neighbours voting
 _C.BENCHMARK.KNN_TEMPERATURE = 0.07  # kNN: vote weight exp(sim / T)
 _C.BENCHMARK.KNN_CHUNK_SIZE = 256  # kNN: test features compared per chunk (bounds memory)
 _C.BENCHMARK.OUTPUT_DIR = ""  # extract_features: where features go ("" -> CHECKPOINT.DIR/features)
+_C.BENCHMARK.EXTRACT_SPLITS = ["TRAIN", "TEST"]  # extract_features: DATA splits written (TRAIN and/or TEST)
 
 
 def get_defaults() -> CN:

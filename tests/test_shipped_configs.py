@@ -1,0 +1,49 @@
+"""Smoke runs of every shipped training recipe (shrunk to a few iterations), on 2 gloo ranks."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from vistrain.config import load_config
+from vistrain.distributed.testing import run_on_ranks
+from vistrain.engine.trainer import train
+
+TRAINING_RECIPES = ["regnet_fsdp", "pretrain/simclr_regnet_demo", "pretrain/swav_regnet_demo"]
+
+
+def shrunk(name, run_dir, cache_dir, *overrides):
+    return [f"config={name}", f"config.CHECKPOINT.DIR={run_dir}", f"config.DATA.CACHE_DIR={cache_dir}",
+            "config.DATA.TRAIN.DATA_LIMIT=48", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
+            "config.OPTIMIZER.num_epochs=1", "config.LOG_FREQUENCY=1", *overrides]
+
+
+def _train(rank, world, argv):
+    train(load_config(argv))
+
+
+def losses(run_dir):
+    lines = Path(run_dir, "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.mark.parametrize("name", TRAINING_RECIPES)
+def test_recipe_trains_and_checkpoints(name, tmp_path, cache_dir):
+    run_on_ranks(_train, 2, shrunk(name, tmp_path, cache_dir))
+    assert len(losses(tmp_path)) == 3  # 48 images / (8 per rank x 2 ranks)
+    assert (tmp_path / "config.yaml").exists()
+    assert any(p.name.startswith("checkpoint_") for p in tmp_path.iterdir())
+
+
+def test_quick_start_sharded_equals_ddp(tmp_path, cache_dir):
+    """The quick start under AUTO_SETUP_FSDP and under DDP: the same losses."""
+    run_on_ranks(_train, 2, shrunk("regnet_fsdp", tmp_path / "sharded", cache_dir))
+    run_on_ranks(_train, 2, shrunk("regnet_fsdp", tmp_path / "ddp", cache_dir,
+                                   "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False"))
+    torch.testing.assert_close(losses(tmp_path / "sharded"), losses(tmp_path / "ddp"), rtol=1e-5, atol=0)
