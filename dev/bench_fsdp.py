@@ -24,7 +24,7 @@ from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import auto_wrap, by_class
 from vistrain.fsdp.flat_param import GatheredBytes
 
-UNIT_CLASSES = (ResBottleneckBlock, SimpleStemIN)
+UNIT_CLASSES = (ResBottleneckBlock, SimpleStemIN, nn.Linear)  # blocks, stem, classifier
 
 
 def build(name):

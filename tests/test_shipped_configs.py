@@ -47,3 +47,16 @@ def test_quick_start_sharded_equals_ddp(tmp_path, cache_dir):
     run_on_ranks(_train, 2, shrunk("regnet_fsdp", tmp_path / "ddp", cache_dir,
                                    "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False"))
     torch.testing.assert_close(losses(tmp_path / "sharded"), losses(tmp_path / "ddp"), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("variant", [
+    ["config.OPTIMIZER.update_freq=2"],  # gradient accumulation through no_sync
+    ["config.MODEL.FSDP_CONFIG.BACKEND=torch"],  # PyTorch's fully_shard, same wrap policy
+    ["config.OPTIMIZER.name=lars", "config.OPTIMIZER.head_lr_multiplier=0.5"],
+])
+def test_trainer_variants_sharded_equal_ddp(variant, tmp_path, cache_dir):
+    run_on_ranks(_train, 2, shrunk("regnet_fsdp", tmp_path / "sharded", cache_dir, *variant))
+    ddp_variant = [v for v in variant if "BACKEND" not in v]
+    run_on_ranks(_train, 2, shrunk("regnet_fsdp", tmp_path / "ddp", cache_dir, *ddp_variant,
+                                   "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False"))
+    torch.testing.assert_close(losses(tmp_path / "sharded"), losses(tmp_path / "ddp"), rtol=1e-5, atol=0)

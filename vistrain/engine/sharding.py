@@ -103,6 +103,8 @@ def torch_fully_shard(model: nn.Module, fsdp_cfg, classes: dict) -> nn.Module:
 class TorchShardedModel(nn.Module):
     """Gives a ``fully_shard`` model the interface the trainer uses (DDP/our engine's names)."""
 
+    is_data_parallel_wrapper = True  # parameter names are those of ``self.module``
+
     def __init__(self, module: nn.Module):
         super().__init__()
         self.module = module

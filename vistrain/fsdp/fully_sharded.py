@@ -23,7 +23,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from vistrain.fsdp.flat_param import FlatParamHandle, ParamOrigin
-from vistrain.fsdp.mixed_precision import cast_floating, default_compute_dtype
+from vistrain.fsdp.mixed_precision import cast_floating, default_compute_dtype, low_precision_dtype
 
 WRAPPED_NAME = "_fsdp_wrapped_module"
 FLAT_PARAM_PREFIX = "flat_param_"
@@ -55,6 +55,8 @@ class FullyShardedDataParallel(nn.Module):
         reshard_after_forward: free the gathered weights after forward (ZeRO-3); else keep them
             until the end of backward (ZeRO-2: one gather per step instead of two).
         mixed_precision: gather and compute in ``compute_dtype``; shards stay fp32 masters.
+            A unit without it gathers fp32 weights, upcasts fp16/bf16 inputs to fp32 and casts
+            its outputs back to the incoming dtype (a full-precision island).
         fp32_reduce_scatter: reduce gradients in fp32 under mixed precision.
         flatten_parameters: one flat tensor per parameter group; False: one per parameter.
         compute_dtype: float16 / bfloat16 (default: float16 on CUDA, bfloat16 on CPU).
@@ -192,10 +194,13 @@ class FullyShardedDataParallel(nn.Module):
             self._prefetch(+1)
         if self.mixed_precision:
             args, kwargs = cast_floating((args, kwargs), self.compute_dtype)
-        if self.keep_fp32:
+        incoming = None if self.mixed_precision else low_precision_dtype((args, kwargs))
+        if incoming is not None:  # a full-precision island inside a mixed-precision network
             args, kwargs = cast_floating((args, kwargs), torch.float32, only_low_precision=True)
         with _autocast_off(self.compute_device) if self.keep_fp32 else contextlib.nullcontext():
             outputs = self.module(*args, **kwargs)
+        if incoming is not None:  # hand the parent back the precision it computes in
+            outputs = cast_floating(outputs, incoming, only_full_precision=True)
         if not state.in_backward and (not torch.is_grad_enabled()
                                       or (self.reshard_after_forward and not self._is_root)):
             self._reshard()

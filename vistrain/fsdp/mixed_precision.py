@@ -13,24 +13,36 @@ def default_compute_dtype(device: torch.device) -> torch.dtype:
     return torch.float16 if device.type == "cuda" else torch.bfloat16
 
 
-def cast_floating(obj: Any, dtype: torch.dtype, only_low_precision: bool = False) -> Any:
-    """Cast every floating tensor inside nested tuples/lists/dicts to ``dtype``.
+def cast_floating(obj: Any, dtype: torch.dtype, only_low_precision: bool = False,
+                  only_full_precision: bool = False) -> Any:
+    """Cast floating tensors inside nested tuples/lists/dicts to ``dtype``.
 
-    ``only_low_precision`` upcasts fp16/bf16 tensors and leaves others alone (fp32 islands).
+    ``only_low_precision`` touches only fp16/bf16 tensors, ``only_full_precision`` only the others.
     """
     if isinstance(obj, torch.Tensor):
         if not obj.is_floating_point() or obj.dtype == dtype:
             return obj
-        if only_low_precision and obj.dtype not in _LOW_PRECISION:
+        low = obj.dtype in _LOW_PRECISION
+        if (only_low_precision and not low) or (only_full_precision and low):
             return obj
         return obj.to(dtype)
-    if isinstance(obj, tuple):
-        return tuple(cast_floating(o, dtype, only_low_precision) for o in obj)
-    if isinstance(obj, list):
-        return [cast_floating(o, dtype, only_low_precision) for o in obj]
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(cast_floating(o, dtype, only_low_precision, only_full_precision) for o in obj)
     if isinstance(obj, dict):
-        return {k: cast_floating(v, dtype, only_low_precision) for k, v in obj.items()}
+        return {k: cast_floating(v, dtype, only_low_precision, only_full_precision) for k, v in obj.items()}
     return obj
+
+
+def low_precision_dtype(obj: Any):
+    """The first fp16/bf16 dtype among the floating tensors in ``obj`` (None if there is none)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.dtype if obj.dtype in _LOW_PRECISION else None
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
+    for item in items:
+        found = low_precision_dtype(item)
+        if found is not None:
+            return found
+    return None
 
 
 class ShardedGradScaler(torch.amp.GradScaler):

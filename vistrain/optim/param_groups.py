@@ -88,9 +88,11 @@ def param_group_key(fqn: str, module: nn.Module, param: Optional[torch.Tensor], 
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    # DDP / DataParallel keep the real model under ``.module``; names then start with "module.".
+    # DDP / DataParallel / the fully_shard adapter keep the real model under ``.module``; names
+    # would start with "module.".
     wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
-    return model.module if isinstance(model, wrappers) else model
+    is_wrapper = isinstance(model, wrappers) or getattr(model, "is_data_parallel_wrapper", False)
+    return model.module if is_wrapper else model
 
 
 def _iter_owned_params(model: nn.Module) -> Iterator[Tuple[str, nn.Module, nn.Parameter]]:
