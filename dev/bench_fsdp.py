@@ -109,7 +109,8 @@ def main():
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--model", default="regnet_y_400mf")
     args = parser.parse_args()
-    results = run_on_ranks(worker, args.world, args)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    results = run_on_ranks(worker, args.world, args, backend=backend)
     r0 = results[0]
     ddp_time = max(r["median_s"]["ddp"] for r in results)
     ddp_bytes = r0["bytes"]["ddp"]

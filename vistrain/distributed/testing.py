@@ -16,10 +16,12 @@ def find_free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, result_dir):
+def _worker(rank, world_size, port, fn, args, result_dir, backend):
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
     try:
         result = fn(rank, world_size, *args)
@@ -31,8 +33,8 @@ def _worker(rank, world_size, port, fn, args, result_dir):
         dist.destroy_process_group()
 
 
-def run_on_ranks(fn, world_size: int, *args):
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return their results.
+def run_on_ranks(fn, world_size: int, *args, backend: str = "gloo"):
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results.
 
     ``fn`` must be importable (module level). Results travel through ``torch.save``, so return
     tensors, numbers, lists and dicts. A failure on any rank raises with that rank's traceback.
@@ -41,7 +43,7 @@ def run_on_ranks(fn, world_size: int, *args):
         try:
             mp.start_processes(
                 _worker,
-                args=(world_size, find_free_port(), fn, args, result_dir),
+                args=(world_size, find_free_port(), fn, args, result_dir, backend),
                 nprocs=world_size,
                 start_method="fork" if _can_fork() else "spawn",
             )
