@@ -1,0 +1,14 @@
+"""Benchmarks of a frozen, pretrained trunk, run through the same launcher as training.
+
+    python tools/run_distributed.py config=benchmark/linear_eval_regnet \
+        config.MODEL.WEIGHTS_INIT.PARAMS_FILE=./checkpoints/regnet_fsdp
+
+Engines (``ENGINE_NAME``): ``linear_eval`` (one linear head per trunk feature), ``knn`` (weighted
+k-nearest neighbours) and ``extract_features`` (features, labels and indices to disk).
+"""
+
+from vistrain.benchmarks.extract_features import extract_features
+from vistrain.benchmarks.knn import knn, knn_class_scores, knn_topk_hits
+from vistrain.benchmarks.linear_eval import LinearHeads, linear_eval
+
+__all__ = ["LinearHeads", "extract_features", "knn", "knn_class_scores", "knn_topk_hits", "linear_eval"]

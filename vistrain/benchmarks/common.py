@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vistrain.data import set_epoch
 from vistrain.distributed import comm
 from vistrain.distributed.launch import resolve_device
 from vistrain.engine.logger import logger
@@ -88,14 +89,33 @@ def build_frozen_trunk(cfg, device: torch.device) -> Tuple[nn.Module, Dict[str, 
 
 
 def load_weights(model: nn.Module, weights_cfg) -> None:
-    """Load ``WEIGHTS_INIT.PARAMS_FILE`` into the plain model; keep the random init when it is ""."""
-    if not weights_cfg.PARAMS_FILE:
-        logger.warning("MODEL.WEIGHTS_INIT.PARAMS_FILE is empty: evaluating a RANDOMLY INITIALISED trunk")
-        return
-    from vistrain.checkpoint import load_pretrained  # raises a clear error on missing or mismatched keys
+    """Load ``WEIGHTS_INIT.PARAMS_FILE`` (any checkpoint format) into the plain model; keep the
+    random initialisation when it is "".
 
-    load_pretrained(model, weights_cfg)
-    logger.info(f"loaded trunk weights from {weights_cfg.PARAMS_FILE}")
+    ``load_pretrained`` already rejects shape mismatches; a benchmark also refuses a trunk that
+    would be evaluated partly at random (missing keys) or a checkpoint of a bigger trunk
+    (unexpected ``trunk.`` keys), naming the keys.
+    """
+    if not weights_cfg.PARAMS_FILE:
+        if comm.is_main_process():
+            logger.warning("MODEL.WEIGHTS_INIT.PARAMS_FILE is empty: evaluating a RANDOMLY INITIALISED trunk")
+        return
+    from vistrain.checkpoint import load_pretrained
+
+    report = load_pretrained(model, weights_cfg)
+    unexpected = [key for key in report.unexpected if key.startswith("trunk.")]
+    if report.missing or unexpected:
+        raise ValueError(
+            f"{weights_cfg.PARAMS_FILE} does not match the trunk of MODEL.TRUNK: "
+            f"missing {_first(report.missing)}; unexpected {_first(unexpected)} "
+            "(a different trunk configuration, or check WEIGHTS_INIT.REMOVE_PREFIX / APPEND_PREFIX)"
+        )
+
+
+def _first(keys: List[str], shown: int = 5) -> str:
+    if not keys:
+        return "none"
+    return ", ".join(keys[:shown]) + (f", ... ({len(keys)} in all)" if len(keys) > shown else "")
 
 
 def amp_dtype(cfg):
@@ -134,6 +154,32 @@ def pooled_dims(channels: Dict[str, int], names: Sequence[str], pool_size: int) 
     return {name: channels[name] * (1 if name == "avgpool" else pool_size**2) for name in names}
 
 
+def check_complete_split(split_cfg, split: str) -> None:
+    """Feature banks need every image: a dropped last batch would silently lose some."""
+    if split_cfg.DROP_LAST:
+        raise ValueError(f"DATA.{split}.DROP_LAST must be False to use every image of the split")
+
+
+@torch.no_grad()
+def extract(trunk: nn.Module, loader, names: Sequence[str], pool_size: int, dtype,
+            device: torch.device) -> Tuple[Dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """This rank's pooled features ``{name: (N_r, D)}``, labels (N_r,) and indices (N_r,) of one pass."""
+    set_epoch(loader, 0)
+    feats = {name: [] for name in names}
+    labels, indices = [], []
+    for batch in loader:
+        if len(batch["crops"]) != 1:
+            raise ValueError(
+                f"feature extraction takes one view per image, got {len(batch['crops'])}: use TRANSFORMS.NAME=eval"
+            )
+        out = trunk_features(trunk, batch["crops"][0].to(device), names, pool_size, dtype)
+        for name in names:
+            feats[name].append(out[name])
+        labels.append(batch["label"].to(device))
+        indices.append(batch["index"].to(device))
+    return {name: torch.cat(feats[name]) for name in names}, torch.cat(labels), torch.cat(indices)
+
+
 # --------------------------------------------------------------------------------------------
 # labels
 
@@ -151,6 +197,18 @@ def check_labels(dataset, split: str) -> int:
             "evaluation needs a labelled data set"
         )
     return int(labels.max()) + 1
+
+
+def num_classes(train_dataset, test_dataset) -> int:
+    """Classes of a labelled train/test pair (labels 0..C-1 of the training split)."""
+    classes = check_labels(train_dataset, "TRAIN")
+    test_classes = check_labels(test_dataset, "TEST")
+    if test_classes > classes:
+        raise ValueError(
+            f"DATA.TEST has label {test_classes - 1} but DATA.TRAIN only labels 0..{classes - 1}; "
+            "the two splits must share their classes"
+        )
+    return classes
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,6 +239,18 @@ def first_occurrence(indices: torch.Tensor) -> torch.Tensor:
     mask = torch.empty_like(new_value)
     mask[order] = new_value
     return mask
+
+
+def gather_unique(indices: torch.Tensor, *tensors: torch.Tensor):
+    """Collective: rows of every rank, each data set index once, sorted by index.
+
+    ``indices`` (N_r,) int64 and each of ``tensors`` (N_r, ...) hold this rank's samples. Returns
+    (indices (N,), [tensor (N, ...)...]), the same on all ranks and for any world size.
+    """
+    everything = gather_rows(indices)
+    keep = first_occurrence(everything)
+    order = everything[keep].argsort()
+    return everything[keep][order], [gather_rows(t)[keep][order] for t in tensors]
 
 
 def unique_on_this_rank(indices: torch.Tensor) -> torch.Tensor:

@@ -2,11 +2,17 @@
 
 from typing import Callable, Dict
 
+from vistrain.benchmarks import extract_features, knn, linear_eval
 from vistrain.config import ConfigError
 from vistrain.engine.trainer import train
 
 # ENGINE_NAME -> function(cfg) run on every rank by vistrain.distributed.launch
-ENGINES: Dict[str, Callable] = {"train": train}
+ENGINES: Dict[str, Callable] = {
+    "train": train,
+    "linear_eval": linear_eval,
+    "knn": knn,
+    "extract_features": extract_features,
+}
 
 
 def get_engine(name: str) -> Callable:

@@ -1,0 +1,295 @@
+"""Benchmarks: linear evaluation, kNN and feature extraction of a frozen trunk.
+
+Multi-rank paths run on real gloo processes (``run_on_ranks``) and are compared with one process;
+one test goes through ``tools/run_distributed.py`` as a user would. All on the tiny recipe
+configs/test/benchmark_tiny.yaml (a 2-stage RegNet on 16px synthetic images).
+"""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from vistrain.benchmarks import LinearHeads, common, extract_features, knn_class_scores, knn_topk_hits, linear_eval
+from vistrain.benchmarks.knn import build_bank, knn_counts
+from vistrain.checkpoint import CheckpointError
+from vistrain.config import load_config
+from vistrain.data import build_loader, rank_indices
+from vistrain.distributed.testing import run_on_ranks
+from vistrain.models import build_model
+
+REPO = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+
+
+def _tiny(run_dir, *overrides):
+    return ["config=test/benchmark_tiny", f"config.CHECKPOINT.DIR={run_dir}", *overrides]
+
+
+def _save_pretrained(path, *overrides, randomise_bn=True):
+    """A consolidated checkpoint of a tiny SimCLR model (trunk + head), with non-trivial BN buffers."""
+    cfg = load_config(["config=test/simclr_tiny", *overrides])
+    torch.manual_seed(1)
+    model = build_model(cfg.MODEL)
+    state = model.state_dict()
+    if randomise_bn:
+        for key, value in state.items():
+            if key.endswith(("running_mean", "running_var")):
+                value.copy_(torch.rand_like(value) + 0.5)
+    torch.save(state, path)
+    return state
+
+
+# --------------------------------------------------------------------------------------------
+# linear evaluation
+
+
+@pytest.mark.parametrize("pool_size", [1, 2])
+def test_linear_heads_see_pooled_features_of_each_requested_stage(pool_size):
+    cfg = load_config(_tiny(
+        "unused", "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False", "config.BENCHMARK.FEATURES=[stem, s1, s2, avgpool]",
+        f"config.BENCHMARK.POOL_SIZE={pool_size}",
+    ))
+    trunk, dims = common.build_frozen_trunk(cfg, CPU)
+    p2 = pool_size**2
+    assert dims == {"stem": 8 * p2, "s1": 8 * p2, "s2": 16 * p2, "avgpool": 16}  # widths 8 (stem), 8, 16
+    images = torch.randn(3, 3, 16, 16)
+    features = common.trunk_features(trunk, images, list(dims), pool_size)
+    maps = trunk(images)  # stem 8x8, s1 4x4, s2 2x2 maps; avgpool (3, 16)
+    for name in ("stem", "s1", "s2"):
+        side = maps[name].shape[-1]
+        expected = F.avg_pool2d(maps[name], side // pool_size).flatten(1)
+        torch.testing.assert_close(features[name], expected)
+    torch.testing.assert_close(features["avgpool"], maps["s2"].mean(dim=(2, 3)))
+
+    heads = LinearHeads(dims, num_classes=10)
+    seen = {}
+    for name, head in heads.heads.items():
+        head.register_forward_pre_hook(lambda mod, args, name=name: seen.__setitem__(name, tuple(args[0].shape)))
+    logits = heads(features)
+    assert seen == {name: (3, dim) for name, dim in dims.items()}
+    assert {name: tuple(t.shape) for name, t in logits.items()} == {name: (3, 10) for name in dims}
+
+
+def _linear_eval_watching_the_trunk(rank, world_size, argv):
+    """Run the engine; return the trunk's weights and buffers after it, and its modes."""
+    seen = {}
+    build = common.build_frozen_trunk
+
+    def keep(cfg, device):
+        trunk, dims = build(cfg, device)
+        seen["trunk"] = trunk
+        return trunk, dims
+
+    common.build_frozen_trunk = keep  # this process only (forked test worker)
+    try:
+        linear_eval(load_config(argv))
+    finally:
+        common.build_frozen_trunk = build
+    trunk = seen["trunk"]
+    return {
+        "state": trunk.state_dict(),  # collective for the sharded trunk: full weights and buffers
+        "training": [m.training for m in trunk.modules()],
+        "requires_grad": [p.requires_grad for p in trunk.parameters()],
+    }
+
+
+def test_trunk_stays_frozen_through_an_epoch_of_linear_eval(tmp_path):
+    """Sharded trunk on 2 ranks: weights AND BatchNorm buffers are exactly the pretrained ones afterwards."""
+    pretrained = _save_pretrained(tmp_path / "pretrained.pt")
+    argv = _tiny(tmp_path / "run", f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={tmp_path / 'pretrained.pt'}",
+                 "config.MODEL.WEIGHTS_INIT.SKIP_LAYERS=[head.]")
+    results = run_on_ranks(_linear_eval_watching_the_trunk, 2, argv)
+    trunk_keys = [k for k in pretrained if k.startswith("trunk.")]
+    assert any(k.endswith("running_var") for k in trunk_keys)
+    for result in results:
+        assert sorted(result["state"]) == sorted(trunk_keys)
+        for key in trunk_keys:
+            torch.testing.assert_close(result["state"][key], pretrained[key], rtol=0, atol=0, msg=key)
+        assert not any(result["training"]) and not any(result["requires_grad"])
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["iteration"] == 4  # 32 images / (2 ranks x 4): the heads did train
+
+
+def test_linear_eval_through_the_launcher_writes_metrics(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "run_distributed.py"), *_tiny(run_dir)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["engine"] == "linear_eval" and metrics["world_size"] == 2 and metrics["num_classes"] == 10
+    assert list(metrics["results"]) == ["s1", "s2", "avgpool"]
+    for result in metrics["results"].values():
+        assert result["num_images"] == 21  # 22 padded samples over 2 ranks, each image counted once
+        assert 0 <= result["top1"] <= result["top5"] <= 100
+        assert math.isclose(result["top1"] * 21 / 100, round(result["top1"] * 21 / 100), abs_tol=1e-6)
+    assert [metrics["results"][n]["dim"] for n in ("s1", "s2", "avgpool")] == [32, 64, 16]
+    assert "s1: top-1" in proc.stdout
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+    heads = torch.load(run_dir / "linear_heads.pt", weights_only=True)
+    assert heads["heads.s2.1.weight"].shape == (10, 64)
+
+
+def test_linear_eval_takes_one_view_per_image(tmp_path):
+    cfg = load_config(_tiny(tmp_path, "config.DATA.TRAIN.TRANSFORMS.NAME=multicrop"))  # 2 crops (simclr_tiny)
+    with pytest.raises(ValueError, match=r"one view per image.*NUM_CROPS=\[1\]"):
+        linear_eval(cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# kNN maths
+
+
+def test_knn_weighted_vote_on_known_neighbours():
+    bank = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.8, 0.6]])
+    labels = torch.tensor([0, 1, 2, 1])
+    queries = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    t = 0.5
+    scores = knn_class_scores(queries, bank, labels, num_classes=3, k=2, temperature=t)
+    # query 0: neighbours 0 (sim 1.0, class 0) and 3 (sim 0.8, class 1)
+    # query 1: neighbours 1 (sim 1.0, class 1) and 3 (sim 0.6, class 1)
+    e = math.exp
+    expected = torch.tensor([[e(1.0 / t), e(0.8 / t), 0.0], [0.0, e(1.0 / t) + e(0.6 / t), 0.0]])
+    torch.testing.assert_close(scores, expected)
+    hits = knn_topk_hits(queries, torch.tensor([0, 1]), bank, labels, 3, k=2, temperature=t, chunk_size=1, ks=(1,))
+    assert hits[:, 0].tolist() == [True, True]
+
+
+def test_knn_vote_is_weighted_not_a_majority():
+    # two far neighbours of class 1 against one very close neighbour of class 0
+    bank = F.normalize(torch.tensor([[1.0, 0.05], [0.2, 1.0], [-0.2, 1.0]]), dim=1)
+    labels = torch.tensor([0, 1, 1])
+    query = torch.tensor([[1.0, 0.0]])
+    weighted = knn_class_scores(query, bank, labels, 2, k=3, temperature=0.07)
+    assert weighted.argmax(1).item() == 0
+    flat = knn_class_scores(query, bank, labels, 2, k=3, temperature=1e6)  # ~equal weights: majority wins
+    assert flat.argmax(1).item() == 1
+
+
+def test_knn_chunks_and_large_k_change_nothing():
+    torch.manual_seed(0)
+    bank, queries = F.normalize(torch.randn(30, 8), dim=1), F.normalize(torch.randn(17, 8), dim=1)
+    labels, query_labels = torch.randint(0, 6, (30,)), torch.randint(0, 6, (17,))
+    whole = knn_topk_hits(queries, query_labels, bank, labels, 6, k=7, temperature=0.1, chunk_size=100)
+    for chunk in (1, 4, 16):
+        assert torch.equal(knn_topk_hits(queries, query_labels, bank, labels, 6, 7, 0.1, chunk), whole)
+    capped = knn_class_scores(queries, bank, labels, 6, k=1000, temperature=0.1)  # k > N: every bank entry votes
+    torch.testing.assert_close(capped.sum(1), (queries @ bank.T / 0.1).exp().sum(1))
+
+
+def _toy_split(seed, n, dim=8, classes=5):
+    g = torch.Generator().manual_seed(seed)
+    return F.normalize(torch.randn(n, dim, generator=g), dim=1), torch.randint(0, classes, (n,), generator=g)
+
+
+def _knn_on_ranks(rank, world_size):
+    """Each rank holds the sampler's (padded) share of a 23-image bank and 10 test images."""
+    train_x, train_y = _toy_split(0, 23)
+    test_x, test_y = _toy_split(1, 10)
+    mine = {}
+    for split, n in (("train", 23), ("test", 10)):
+        order = rank_indices(n, world_size, rank, 4, seed=0, epoch=0, shuffle=False, drop_last=False)
+        mine[split] = torch.tensor(order)
+    bank, bank_labels = build_bank(train_x[mine["train"]], train_y[mine["train"]], mine["train"])
+    t = mine["test"]
+    counts = knn_counts(test_x[t], test_y[t], t, bank, bank_labels, 5, k=4, temperature=0.1, chunk_size=3)
+    return {"counts": counts, "bank": bank, "bank_labels": bank_labels}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_multi_rank_knn_equals_single_rank(world_size):
+    [single] = run_on_ranks(_knn_on_ranks, 1)
+    train_x, train_y = _toy_split(0, 23)
+    torch.testing.assert_close(single["bank"], train_x)  # one process: the whole set, in index order
+    many = run_on_ranks(_knn_on_ranks, world_size)  # 23 and 10 don't divide: padded repeats
+    for result in many:
+        assert torch.equal(result["bank"], single["bank"]) and torch.equal(result["bank_labels"], train_y)
+        assert result["counts"].tolist() == single["counts"].tolist()
+    assert single["counts"][2].item() == 10
+
+
+# --------------------------------------------------------------------------------------------
+# feature extraction and kNN engines
+
+
+def _engine_on_ranks(rank, world_size, engine, argv):
+    engine(load_config(argv))
+    return rank
+
+
+def test_extract_features_merged_file_is_the_same_on_any_world_size(tmp_path):
+    for world in (1, 2):
+        argv = _tiny(tmp_path / str(world), "config.ENGINE_NAME=extract_features")
+        run_on_ranks(_engine_on_ranks, world, extract_features, argv)
+    one = torch.load(tmp_path / "1" / "features" / "test.pt", weights_only=True)
+    two = torch.load(tmp_path / "2" / "features" / "test.pt", weights_only=True)
+    assert one["index"].tolist() == two["index"].tolist() == list(range(21))
+    assert torch.equal(one["label"], two["label"]) and one["label"].tolist() == [i % 10 for i in range(21)]
+    for name, shape in (("s1", (21, 32)), ("s2", (21, 64)), ("avgpool", (21, 16))):
+        assert tuple(two["features"][name].shape) == shape
+        torch.testing.assert_close(two["features"][name], one["features"][name], rtol=1e-5, atol=1e-6)
+    ranks = [torch.load(tmp_path / "2" / "features" / f"test_rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert [len(r["index"]) for r in ranks] == [11, 11]  # 21 images: one padded repeat
+    assert (tmp_path / "2" / "features" / "train.pt").exists()
+
+
+def test_knn_engine_counts_every_test_image_once(tmp_path):
+    from vistrain.benchmarks import knn
+
+    argv = _tiny(tmp_path, "config.ENGINE_NAME=knn")
+    run_on_ranks(_engine_on_ranks, 2, knn, argv)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    for result in metrics["results"].values():
+        assert result["num_images"] == 21 and result["bank_size"] == 32
+        assert 0 <= result["top1"] <= result["top5"] <= 100
+
+
+# --------------------------------------------------------------------------------------------
+# bad input
+
+
+def test_unlabelled_data_is_refused(tmp_path):
+    lines = []
+    for i in range(4):
+        Image.new("RGB", (16, 16), (i * 40, 0, 0)).save(tmp_path / f"{i}.png")
+        lines.append(f"{i}.png -1")
+    (tmp_path / "list.txt").write_text("\n".join(lines) + "\n")
+    unlabelled = ["config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]",
+                  f"config.DATA.TRAIN.DATA_PATHS=[{tmp_path / 'list.txt'}]"]
+    cfg = load_config(_tiny(tmp_path / "run", *unlabelled))
+    with pytest.raises(ValueError, match=r"DATA.TRAIN has 4 of 4 images without a label"):
+        common.check_labels(build_loader(cfg.DATA, "TRAIN", seed=0, device=CPU).dataset, "TRAIN")
+    with pytest.raises(RuntimeError, match=r"without a label"):  # the engine says so before any work
+        run_on_ranks(_engine_on_ranks, 1, linear_eval, _tiny(tmp_path / "run", *unlabelled))
+
+
+def _frozen(weights, *overrides):
+    cfg = load_config(_tiny("unused", "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False",
+                            f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={weights}", *overrides))
+    return common.build_frozen_trunk(cfg, CPU)
+
+
+def test_mismatched_checkpoint_is_refused(tmp_path):
+    wider = tmp_path / "wider.pt"
+    _save_pretrained(wider, "config.MODEL.TRUNK.REGNET.W_0=16", "config.MODEL.HEAD.DIMS=[32,32,16]")
+    with pytest.raises(CheckpointError, match=r"block1-0.proj.0.weight has shape \(16, 8, 1, 1\).*\(8, 8, 1, 1\)"):
+        _frozen(wider)
+    deeper = tmp_path / "deeper.pt"  # one more stage: the shared keys match, the extra ones don't
+    _save_pretrained(deeper, "config.MODEL.TRUNK.REGNET.DEPTH=3", "config.MODEL.HEAD.DIMS=[32,32,16]")
+    with pytest.raises(ValueError, match=r"does not match the trunk.*missing none; unexpected trunk.trunk_output"):
+        _frozen(deeper)
+    partial = tmp_path / "partial.pt"
+    state = _save_pretrained(partial)
+    torch.save({k: v for k, v in state.items() if "block2" not in k}, partial)
+    with pytest.raises(ValueError, match=r"missing trunk.trunk_output.block2"):
+        _frozen(partial)
+    trunk, _ = _frozen(tmp_path / "deeper.pt", "config.MODEL.TRUNK.REGNET.DEPTH=3")  # the right config loads
+    assert not any(p.requires_grad for p in trunk.parameters())

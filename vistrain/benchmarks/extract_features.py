@@ -1,0 +1,72 @@
+"""Write a frozen trunk's features to disk: ``extract_features(cfg)`` (``ENGINE_NAME: extract_features``).
+
+For every split in ``BENCHMARK.EXTRACT_SPLITS`` the pooled features of ``BENCHMARK.FEATURES``
+(see :func:`vistrain.benchmarks.common.trunk_features`) go to ``BENCHMARK.OUTPUT_DIR`` (default
+``CHECKPOINT.DIR/features``):
+
+    <split>_rank<r>.pt   this rank's samples, in its loader order (padding repeats included)
+    <split>.pt           rank 0: every sample once, sorted by data set index
+
+Each file is ``torch.save`` of ``{"features": {name: float32 (N, D)}, "label": int64 (N,),
+"index": int64 (N,), "split": "train" | "test"}``; read it with ``torch.load(path)``. Labels may be
+-1 for unlabelled data (extraction does not need labels). The merged file is built from the
+ranks' tensors by a collective, so the ranks need no shared file system.
+"""
+
+import os
+
+import torch
+
+from vistrain.benchmarks import common
+from vistrain.config import save_config
+from vistrain.data import build_loader
+from vistrain.distributed import comm
+from vistrain.engine.logger import logger, setup_logging
+
+SPLITS = ("TRAIN", "TEST")
+
+
+def extract_features(cfg) -> None:
+    """Extract BENCHMARK.FEATURES of every BENCHMARK.EXTRACT_SPLITS split; see the module docstring."""
+    splits = list(cfg.BENCHMARK.EXTRACT_SPLITS)
+    if not splits or any(split not in SPLITS for split in splits):
+        raise ValueError(f"BENCHMARK.EXTRACT_SPLITS must be a non-empty subset of {list(SPLITS)}, got {splits}")
+    run_dir = cfg.CHECKPOINT.DIR
+    out_dir = cfg.BENCHMARK.OUTPUT_DIR or os.path.join(run_dir, "features")
+    setup_logging(run_dir)
+    device = common.current_device(cfg.MACHINE)
+    if comm.is_main_process():
+        save_config(cfg, os.path.join(run_dir, "config.yaml"))
+    os.makedirs(out_dir, exist_ok=True)
+    common.seed_everything(cfg.SEED_VALUE)
+
+    trunk, dims = common.build_frozen_trunk(cfg, device)
+    names, dtype = list(dims), common.amp_dtype(cfg)
+    for split in splits:
+        common.check_complete_split(cfg.DATA[split], split)
+        loader = build_loader(cfg.DATA, split, seed=cfg.SEED_VALUE, device=device)
+        features, labels, indices = common.extract(trunk, loader, names, cfg.BENCHMARK.POOL_SIZE, dtype, device)
+        mine = {"features": features, "label": labels, "index": indices, "split": split.lower()}
+        torch.save(_to_cpu(mine), os.path.join(out_dir, f"{split.lower()}_rank{comm.get_rank()}.pt"))
+        merged = merge(mine)  # collective
+        if comm.is_main_process():
+            path = os.path.join(out_dir, f"{split.lower()}.pt")
+            torch.save(_to_cpu(merged), path)
+            shapes = {name: tuple(t.shape) for name, t in merged["features"].items()}
+            logger.info(f"wrote {path}: {shapes}")
+
+
+def merge(part: dict) -> dict:
+    """Collective: every rank's part -> the whole split, each index once, sorted by index."""
+    names = list(part["features"])
+    indices, tensors = common.gather_unique(part["index"], part["label"], *(part["features"][n] for n in names))
+    return {"features": dict(zip(names, tensors[1:])), "label": tensors[0], "index": indices, "split": part["split"]}
+
+
+def _to_cpu(record: dict) -> dict:
+    return {
+        "features": {name: t.cpu() for name, t in record["features"].items()},
+        "label": record["label"].cpu(),
+        "index": record["index"].cpu(),
+        "split": record["split"],
+    }

@@ -1,0 +1,148 @@
+"""Weighted k-nearest-neighbour evaluation of a frozen trunk: ``knn(cfg)`` (``ENGINE_NAME: knn``).
+
+Wu et al., "Unsupervised Feature Learning via Non-Parametric Instance Discrimination" (2018), as
+used by DINO: with L2-normalised features, a test image ``q`` is compared with every training
+image ``x_i`` by cosine similarity ``s_i = q . x_i``; its ``k`` most similar neighbours vote for
+their labels with weight ``exp(s_i / T)``, and the classes are ranked by total vote:
+
+    score_c(q) = sum_{i in topk(q)} exp(s_i / T) * [y_i == c]
+
+The maths lives in pure functions (:func:`knn_class_scores`, :func:`knn_topk_hits`); test
+images are scored ``KNN_CHUNK_SIZE`` at a time, so memory is O(chunk x N_train), not
+O(N_test x N_train). Multi-rank: every rank extracts its part of both splits; the training bank
+is gathered on every rank (de-duplicated and sorted by data set index, so it equals the
+single-process bank exactly), each rank scores its own test images, and the de-duplicated hit
+counts are summed. Results go to the log, TensorBoard (``knn/<feature>/top1``) and
+``CHECKPOINT.DIR/metrics.json``.
+"""
+
+import os
+import time
+from typing import Dict, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from vistrain.benchmarks import common
+from vistrain.config import save_config
+from vistrain.data import build_loader
+from vistrain.distributed import comm
+from vistrain.engine.logger import logger, setup_logging
+
+# --------------------------------------------------------------------------------------------
+# pure maths
+
+
+def knn_class_scores(queries: torch.Tensor, bank: torch.Tensor, bank_labels: torch.Tensor, num_classes: int,
+                     k: int, temperature: float) -> torch.Tensor:
+    """Vote of the ``k`` nearest bank entries for each query.
+
+    Args:
+        queries: (Q, D) float, L2-normalised rows.
+        bank: (N, D) float, L2-normalised rows (the training set).
+        bank_labels: (N,) int64 in [0, num_classes).
+        k: neighbours voting (capped at N); temperature: T in ``exp(sim / T)``.
+    Returns:
+        (Q, num_classes) float scores ``sum_{i in topk} exp(s_i / T) [y_i == c]``.
+    """
+    sims = queries @ bank.T  # (Q, N) cosine similarities
+    top_sims, top_idx = sims.topk(min(k, bank.shape[0]), dim=1)  # (Q, k)
+    weights = (top_sims / temperature).exp()
+    scores = torch.zeros(queries.shape[0], num_classes, dtype=weights.dtype, device=queries.device)
+    return scores.scatter_add_(1, bank_labels[top_idx], weights)
+
+
+def knn_topk_hits(queries: torch.Tensor, labels: torch.Tensor, bank: torch.Tensor, bank_labels: torch.Tensor,
+                  num_classes: int, k: int, temperature: float, chunk_size: int,
+                  ks: Sequence[int] = (1, 5)) -> torch.Tensor:
+    """Bool (Q, len(ks)): the true label (Q,) is among the top-k voted classes, scored in chunks."""
+    if chunk_size < 1:
+        raise ValueError(f"BENCHMARK.KNN_CHUNK_SIZE must be >= 1, got {chunk_size}")
+    hits = [torch.zeros(0, len(ks), dtype=torch.bool, device=queries.device)]
+    for lo in range(0, queries.shape[0], chunk_size):
+        scores = knn_class_scores(queries[lo : lo + chunk_size], bank, bank_labels, num_classes, k, temperature)
+        hits.append(common.topk_correct(scores, labels[lo : lo + chunk_size], ks))
+    return torch.cat(hits)
+
+
+def build_bank(features: torch.Tensor, labels: torch.Tensor,
+               indices: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Collective: this rank's training features (N_r, D), labels and data set indices (N_r,) ->
+    the de-duplicated bank of all ranks, rows sorted by index: ((N, D), (N,)), equal on all ranks."""
+    _, (features, labels) = common.gather_unique(indices, features, labels)
+    return features, labels
+
+
+def knn_counts(test_features: torch.Tensor, test_labels: torch.Tensor, test_indices: torch.Tensor,
+               bank: torch.Tensor, bank_labels: torch.Tensor, num_classes: int, k: int, temperature: float,
+               chunk_size: int) -> torch.Tensor:
+    """Collective: float64 [top-1 hits, top-5 hits, images] over every rank's test images, each once."""
+    hits = knn_topk_hits(test_features, test_labels, bank, bank_labels, num_classes, k, temperature, chunk_size)
+    keep = common.unique_on_this_rank(test_indices)
+    counts = torch.zeros(3, dtype=torch.float64, device=test_features.device)
+    counts[:2] = hits[keep].sum(dim=0).to(torch.float64)
+    counts[2] = keep.sum()
+    return comm.all_reduce_sum(counts)
+
+
+# --------------------------------------------------------------------------------------------
+# the engine
+
+
+def knn(cfg) -> None:
+    """k-NN top-1/top-5 on DATA.TEST with DATA.TRAIN as the neighbour bank, per BENCHMARK.FEATURES."""
+    start = time.perf_counter()
+    bench = cfg.BENCHMARK
+    if bench.KNN_K < 1 or bench.KNN_TEMPERATURE <= 0:
+        raise ValueError(
+            f"BENCHMARK.KNN_K must be >= 1 and KNN_TEMPERATURE > 0, got {bench.KNN_K}, {bench.KNN_TEMPERATURE}"
+        )
+    run_dir = cfg.CHECKPOINT.DIR
+    setup_logging(run_dir)
+    device = common.current_device(cfg.MACHINE)
+    if comm.is_main_process():
+        save_config(cfg, os.path.join(run_dir, "config.yaml"))
+    common.seed_everything(cfg.SEED_VALUE)
+
+    loaders = {}
+    for split in ("TRAIN", "TEST"):
+        common.check_complete_split(cfg.DATA[split], split)
+        loaders[split] = build_loader(cfg.DATA, split, seed=cfg.SEED_VALUE, device=device)
+    num_classes = common.num_classes(loaders["TRAIN"].dataset, loaders["TEST"].dataset)
+    trunk, dims = common.build_frozen_trunk(cfg, device)
+    names = list(dims)
+    pool, dtype = bench.POOL_SIZE, common.amp_dtype(cfg)
+    train_feats, train_labels, train_indices = common.extract(trunk, loaders["TRAIN"], names, pool, dtype, device)
+    test_feats, test_labels, test_indices = common.extract(trunk, loaders["TEST"], names, pool, dtype, device)
+    logger.info(f"kNN (k={bench.KNN_K}, T={bench.KNN_TEMPERATURE}) on {names}, {num_classes} classes")
+
+    results = {}
+    for name in names:
+        bank, bank_labels = build_bank(F.normalize(train_feats[name], dim=1), train_labels, train_indices)
+        counts = knn_counts(F.normalize(test_feats[name], dim=1), test_labels, test_indices, bank, bank_labels,
+                            num_classes, bench.KNN_K, bench.KNN_TEMPERATURE, bench.KNN_CHUNK_SIZE)
+        results.update(common.summarise(counts[None], [name]))
+        results[name]["bank_size"] = bank.shape[0]
+    _report(cfg, results, time.perf_counter() - start)
+
+
+def _report(cfg, results: Dict[str, dict], seconds: float) -> None:
+    common.log_accuracy_table(f"kNN on DATA.TEST ({cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE or 'random init'}):", results)
+    record = {
+        "engine": "knn",
+        "weights": cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE,
+        "k": cfg.BENCHMARK.KNN_K,
+        "temperature": cfg.BENCHMARK.KNN_TEMPERATURE,
+        "world_size": comm.get_world_size(),
+        "results": results,
+        "total_seconds": seconds,
+    }
+    path = common.write_metrics(cfg.CHECKPOINT.DIR, record)
+    if comm.is_main_process():
+        from torch.utils.tensorboard import SummaryWriter
+
+        with SummaryWriter(log_dir=os.path.join(cfg.CHECKPOINT.DIR, "tb")) as writer:
+            for name, res in results.items():
+                writer.add_scalar(f"knn/{name}/top1", res["top1"], 0)
+                writer.add_scalar(f"knn/{name}/top5", res["top5"], 0)
+    logger.info(f"wrote {path}")
