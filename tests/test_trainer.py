@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from vistrain.checkpoint import consolidated_state_dict
 from vistrain.config import load_config
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed.testing import run_on_ranks
@@ -38,7 +39,7 @@ def _metrics(run_dir) -> list:
 
 
 def _weights(checkpoint_dir) -> dict:
-    return torch.load(Path(checkpoint_dir, "model.pt"), weights_only=True)
+    return consolidated_state_dict(str(checkpoint_dir))
 
 
 def _tiny(run_dir, *overrides):
@@ -116,7 +117,7 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(tmp_path):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     freq = ["config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=2", "config.CHECKPOINT.KEEP_LAST=10"]
     run_on_ranks(_train_on_rank, 2, _tiny(full, *freq))
-    assert sorted(os.listdir(full / "checkpoint_2")) == ["meta.json", "model.pt", "optim_rank0.pt", "optim_rank1.pt"]
+    assert sorted(os.listdir(full / "checkpoint_2")) == ["metadata.json", "rank0.pt", "rank1.pt"]
     shutil.copytree(full / "checkpoint_2", resumed / "checkpoint_2")  # iteration 2: inside epoch 0
     run_on_ranks(_train_on_rank, 2, _tiny(resumed, *freq))
     assert [m["iteration"] for m in _metrics(resumed)] == [4, 6, 8]  # continued, did not start over
@@ -124,11 +125,13 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(tmp_path):
     final_full, final_resumed = _weights(full / "checkpoint_8"), _weights(resumed / "checkpoint_8")
     for key in final_full:
         torch.testing.assert_close(final_resumed[key], final_full[key], rtol=0, atol=0, msg=key)
-    # a finished run has nothing left to do; a different world size is refused
+    # a finished run has nothing left to do; another world size with the same global batch
+    # continues at the same position (tests/test_checkpoint.py checks the state itself)
     run_on_ranks(_train_on_rank, 2, _tiny(resumed, *freq))
     assert len(_metrics(resumed)) == 3
-    with pytest.raises(RuntimeError, match="written by 2 ranks but this run has 1"):
-        run_on_ranks(_train_on_rank, 1, _tiny(resumed, *freq, "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8"))
+    shutil.copytree(full / "checkpoint_2", tmp_path / "one" / "checkpoint_2")
+    run_on_ranks(_train_on_rank, 1, _tiny(tmp_path / "one", *freq, "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8"))
+    assert [m["iteration"] for m in _metrics(tmp_path / "one")] == [4, 6, 8]
 
 
 def test_nan_loss_stops_every_rank_with_a_clear_error(tmp_path):
@@ -214,11 +217,11 @@ def test_swav_recipe_trains_and_checkpoints_each_ranks_queue(tmp_path):
     losses = [m["loss"] for m in _metrics(tmp_path)]
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
     for rank in (0, 1):
-        state = torch.load(tmp_path / "checkpoint_8" / f"optim_rank{rank}.pt", weights_only=True)
+        state = torch.load(tmp_path / "checkpoint_8" / f"rank{rank}.pt", weights_only=True)["extra"]
         queue = state["loss"]["loss._extra_state"]["queue"]
         assert queue.shape == (2, 8, 16)  # (crops_for_assign, queue_length, embedding dim), per rank
-    assert not torch.equal(*(torch.load(tmp_path / "checkpoint_8" / f"optim_rank{r}.pt", weights_only=True)
-                             ["loss"]["loss._extra_state"]["queue"] for r in (0, 1)))
+    assert not torch.equal(*(torch.load(tmp_path / "checkpoint_8" / f"rank{r}.pt", weights_only=True)
+                             ["extra"]["loss"]["loss._extra_state"]["queue"] for r in (0, 1)))
 
 
 def test_bfloat16_autocast_on_cpu(tmp_path):

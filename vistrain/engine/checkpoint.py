@@ -1,143 +1,96 @@
-"""Training checkpoints: ``CHECKPOINT.DIR/checkpoint_<iteration>/``.
+"""Training checkpoints: ``CHECKPOINT.DIR/checkpoint_<iteration>/``, world-size independent.
 
-Layout of one checkpoint::
+Layout of one checkpoint (see :mod:`vistrain.checkpoint` for the code)::
 
-    model.pt             full (consolidated) model weights, written by rank 0
-    optim_rank<r>.pt     rank r's optimizer state (differs per rank under sharding), grad scaler
-                         and loss state (e.g. the SwAV queue, which is per rank)
-    meta.json            epoch, iteration, world size, config; written LAST by rank 0
+    rank<r>.pt      written by rank r, in parallel with the others: for every ORIGINAL parameter
+                    slice rank r owns, ``params[fqn] = {"start", "values"}`` (1-D), the same for
+                    each optimizer state tensor (``optimizer["tensors"][key][fqn]``, e.g.
+                    momentum_buffer / exp_avg / exp_avg_sq) and per-shard scalars such as
+                    ``step`` (``optimizer["scalars"][fqn]``); rank r's RNG states; rank r's extra
+                    state (``extra["loss"]``: the loss's state dict, e.g. the SwAV queue;
+                    ``extra["grad_scaler"]``). Rank 0 also writes the buffers (BatchNorm
+                    statistics). A DDP (replicated) model is written whole by rank 0.
+    metadata.json   written LAST by rank 0: every original parameter (fqn, shape, dtype,
+                    requires_grad, and ``slices`` = [rank, start, length] of the files holding
+                    it), buffers, the optimizer class / state kinds / param groups, iteration,
+                    epoch, iteration_in_epoch, iters_per_epoch, global batch, data set size,
+                    world size, config, vistrain and torch versions.
 
-A checkpoint counts only once meta.json exists, and every file is written to a temporary name,
-fsync'd and renamed, so a job killed at any moment leaves either a complete checkpoint or one that
-is ignored. Resuming needs the same world size (the per-rank optimizer files).
+A save writes into ``checkpoint_<it>.tmp/`` (files fsync'd) and rank 0 renames the folder after
+every rank finished, so a crash or a full disk never leaves a half checkpoint under a final name.
+
+Resume on any world size M (saved by N ranks): each rank reads only the rank files overlapping
+its shards and rebuilds its shards and optimizer state exactly. The position in the epoch is
+mapped through the number of samples already seen: iteration ``t`` of every run covers global
+positions ``[t*B, (t+1)*B)`` of the epoch's order (B = global batch, see vistrain.data.sampler),
+so with an unchanged global batch the resume is exact; with another global batch the run resumes
+at the last batch boundary not after the saved position (at most B' - 1 samples of that epoch are
+seen twice; logged). Per-rank state (RNG, the SwAV queue) is restored only when the world size is
+unchanged; otherwise the queue refills and the grad scaler comes from rank 0.
 """
 
-import json
-import os
-import re
-import shutil
-from typing import List, Optional
+import dataclasses
+import logging
 
-import torch
+from vistrain.checkpoint import find_latest_checkpoint, load_sharded_checkpoint, read_metadata  # noqa: F401
+from vistrain.checkpoint import save_sharded_checkpoint
 
-from vistrain.distributed import comm
-from vistrain.engine.parallel import full_state_dict, load_full_state_dict
+logger = logging.getLogger("vistrain")
 
-META = "meta.json"
-_NAME = re.compile(r"^checkpoint_(\d+)$")
+
+@dataclasses.dataclass(frozen=True)
+class EpochLayout:
+    """How a run walks through its data: what the position in an epoch means."""
+
+    iters_per_epoch: int
+    global_batch: int  # images per iteration over all ranks
+    num_samples: int  # size of the training set
+    update_freq: int = 1  # optimizer steps happen every update_freq iterations
+
+    def as_meta(self) -> dict:
+        return {"iters_per_epoch": self.iters_per_epoch, "global_batch": self.global_batch,
+                "num_samples": self.num_samples}
 
 
 def save_checkpoint(ckpt_dir: str, iteration: int, epoch: int, model, optimizer, extra: dict,
                     meta: dict, keep_last: int) -> str:
     """Write ``checkpoint_<iteration>`` (collective: every rank calls it). Returns its path.
 
-    ``extra`` is per-rank state saved next to the optimizer's (grad scaler, loss state dicts);
-    ``meta`` is added to meta.json (e.g. the config). Afterwards only the ``keep_last`` newest
-    complete checkpoints remain.
+    ``extra`` is this rank's state (loss state dict, grad scaler); ``meta`` is added to
+    metadata.json (config, position). Afterwards only the ``keep_last`` newest complete
+    checkpoints remain.
     """
-    path = os.path.join(ckpt_dir, f"checkpoint_{iteration}")
-    rank = comm.get_rank()
-    model_state = full_state_dict(model)  # collective under sharding: on every rank
-    if rank == 0:
-        os.makedirs(path, exist_ok=True)
-        _remove(os.path.join(path, META))  # re-saving an iteration: incomplete until the end
-    comm.barrier()
-    if rank == 0:
-        _atomic_save(model_state, os.path.join(path, "model.pt"))
-    _atomic_save({"optimizer": optimizer.state_dict(), **extra}, os.path.join(path, f"optim_rank{rank}.pt"))
-    comm.barrier()  # every rank's files are on disk before meta.json makes the checkpoint count
-    if rank == 0:
-        info = {"iteration": iteration, "epoch": epoch, "world_size": comm.get_world_size(), **meta}
-        _atomic_write_text(json.dumps(info, indent=1), os.path.join(path, META))
-        _prune(ckpt_dir, keep_last)
-    comm.barrier()
-    return path
-
-
-def find_latest_checkpoint(ckpt_dir: str) -> Optional[str]:
-    """Path of the complete checkpoint with the highest iteration in ``ckpt_dir``, or None."""
-    complete = [p for _, p in _listed(ckpt_dir) if os.path.exists(os.path.join(p, META))]
-    return complete[-1] if complete else None
+    return save_sharded_checkpoint(ckpt_dir, iteration, model, optimizer, extra,
+                                   {"epoch": epoch, **meta}, keep_last)
 
 
 def read_meta(path: str) -> dict:
-    with open(os.path.join(path, META)) as f:
-        return json.load(f)
+    """metadata.json of checkpoint ``path``."""
+    return read_metadata(path)
 
 
 def load_checkpoint(path: str, model, optimizer) -> dict:
-    """Load weights and this rank's optimizer state from ``path``; return this rank's extra state + meta.
-
-    Raises ValueError when the checkpoint was written by a different number of ranks.
-    """
-    meta = read_meta(path)
-    world = comm.get_world_size()
-    if meta["world_size"] != world:
-        raise ValueError(
-            f"checkpoint {path} was written by {meta['world_size']} ranks but this run has {world}; "
-            f"resuming on a different world size is not supported (use the same DISTRIBUTED sizes)"
-        )
-    model_state = torch.load(os.path.join(path, "model.pt"), map_location="cpu", weights_only=True)
-    load_full_state_dict(model, model_state)
-    rank_file = os.path.join(path, f"optim_rank{comm.get_rank()}.pt")
-    state = torch.load(rank_file, map_location="cpu", weights_only=True)
-    optimizer.load_state_dict(state.pop("optimizer"))
-    state["meta"] = meta
-    return state
+    """Load weights and optimizer state (any world size). Returns the extra state saved by this
+    rank (rank 0's when the world size changed) plus ``meta``, ``rng`` (None when the world size
+    changed) and ``same_world_size``."""
+    loaded = load_sharded_checkpoint(path, model, optimizer)
+    return {**loaded["extra"], "meta": loaded["metadata"], "rng": loaded["rng"],
+            "same_world_size": loaded["same_world_size"]}
 
 
-# --------------------------------------------------------------------------------------------
-
-
-def _listed(ckpt_dir: str) -> List:
-    """(iteration, path) of every checkpoint_<n> folder, oldest first."""
-    if not os.path.isdir(ckpt_dir):
-        return []
-    found = [(int(m.group(1)), os.path.join(ckpt_dir, n)) for n in os.listdir(ckpt_dir) if (m := _NAME.match(n))]
-    return sorted(found)
-
-
-def _prune(ckpt_dir: str, keep_last: int) -> None:
-    """Keep the ``keep_last`` newest complete checkpoints; also drop incomplete ones older than them."""
-    listed = _listed(ckpt_dir)
-    complete = [it for it, p in listed if os.path.exists(os.path.join(p, META))]
-    if keep_last <= 0 or len(complete) <= keep_last:
-        return
-    oldest_kept = complete[-keep_last]
-    for iteration, path in listed:
-        if iteration < oldest_kept:
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _atomic_save(obj, path: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
-
-
-def _atomic_write_text(text: str, path: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
-
-
-def _fsync_dir(path: str) -> None:
-    # the rename itself is durable only once the directory entry is flushed
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove(path: str) -> None:
-    if os.path.exists(path):
-        os.remove(path)
+def resume_iteration(meta: dict, now: EpochLayout, path: str) -> int:
+    """The iteration of this run equivalent to where checkpoint ``meta`` stopped (module docstring)."""
+    if meta.get("num_samples") not in (None, now.num_samples):
+        raise ValueError(f"{path} was trained on {meta['num_samples']} samples, this run has "
+                         f"{now.num_samples} (the data changed); start a new CHECKPOINT.DIR")
+    epoch, done = meta["epoch"], meta.get("iteration_in_epoch", 0)
+    before = (meta.get("iters_per_epoch"), meta.get("global_batch"))
+    if before == (now.iters_per_epoch, now.global_batch):
+        return meta["iteration"]
+    samples = done * meta["global_batch"]
+    position = min(samples // now.global_batch // now.update_freq * now.update_freq, now.iters_per_epoch)
+    if samples != position * now.global_batch:
+        logger.warning(f"{path}: {samples} samples of epoch {epoch} were done with a global batch of "
+                       f"{meta['global_batch']}; with {now.global_batch} this run restarts that epoch at "
+                       f"iteration {position} ({samples - position * now.global_batch} samples seen again)")
+    return epoch * now.iters_per_epoch + position

@@ -24,7 +24,9 @@ from vistrain.config import save_config
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed import comm
 from vistrain.distributed.launch import resolve_device
-from vistrain.engine.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+from vistrain.checkpoint import load_pretrained, restore_rng
+from vistrain.engine.checkpoint import (EpochLayout, find_latest_checkpoint, load_checkpoint, resume_iteration,
+                                       save_checkpoint)
 from vistrain.engine.logger import NonFiniteLossError, TrainingMeter, logger, setup_logging
 from vistrain.engine.parallel import parallelize
 from vistrain.losses import build_loss
@@ -60,18 +62,23 @@ def train(cfg) -> None:
     if iters_per_epoch == 0:
         raise ValueError("DATA.TRAIN yields no full batch per rank: add data or lower BATCHSIZE_PER_REPLICA")
     group_key = functools.partial(param_group_key, opt_cfg=cfg.OPTIMIZER)
-    model = parallelize(build_model(cfg.MODEL), cfg.MODEL, device, group_key)
+    model = build_model(cfg.MODEL)
+    if cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE:
+        load_pretrained(model, cfg.MODEL.WEIGHTS_INIT)  # on the plain model, before sharding
+    model = parallelize(model, cfg.MODEL, device, group_key)
     criterion = build_loss(cfg.LOSS).to(device)
     optimizer = build_optimizer(cfg.OPTIMIZER, model)
     lr_schedule = build_lr_schedule(cfg.OPTIMIZER, iters_per_epoch)
     settings = _step_settings(cfg, model, device)
+    layout = EpochLayout(iters_per_epoch, cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA * comm.get_world_size(),
+                         len(loader.dataset), settings.update_freq)
     num_epochs = cfg.OPTIMIZER.num_epochs
     total_iterations = num_epochs * iters_per_epoch
 
     # ---- resume
     iteration = 0
     if cfg.CHECKPOINT.AUTO_RESUME:
-        iteration = _resume(run_dir, model, optimizer, criterion, settings.scaler, iters_per_epoch)
+        iteration = _resume(run_dir, model, optimizer, criterion, settings.scaler, layout)
     if iteration >= total_iterations:
         logger.info(f"nothing to do: {run_dir} already holds iteration {iteration} of {total_iterations}")
         return
@@ -100,10 +107,10 @@ def train(cfg) -> None:
             if meter.should_log(iteration):
                 meter.log(iteration, epoch, num_epochs, lr)
             if group.is_last and _crossed(saved_at, iteration, cfg.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY):
-                saved_at = _checkpoint(cfg, meter, model, optimizer, criterion, settings, iteration, iters_per_epoch)
+                saved_at = _checkpoint(cfg, meter, model, optimizer, criterion, settings, iteration, layout)
         last_epoch = epoch + 1 == num_epochs
         if saved_at != iteration and (last_epoch or _every(epoch + 1, cfg.CHECKPOINT.CHECKPOINT_FREQUENCY)):
-            saved_at = _checkpoint(cfg, meter, model, optimizer, criterion, settings, iteration, iters_per_epoch)
+            saved_at = _checkpoint(cfg, meter, model, optimizer, criterion, settings, iteration, layout)
     meter.summary()
 
 
@@ -212,19 +219,20 @@ def _crossed(saved_at: int, iteration: int, frequency: int) -> bool:
     return frequency > 0 and iteration // frequency > saved_at // frequency
 
 
-def _checkpoint(cfg, meter, model, optimizer, criterion, s: StepSettings, iteration: int, iters_per_epoch: int) -> int:
+def _checkpoint(cfg, meter, model, optimizer, criterion, s: StepSettings, iteration: int,
+                layout: EpochLayout) -> int:
     """Save ``checkpoint_<iteration>`` (collective); returns ``iteration``."""
+    epoch, in_epoch = divmod(iteration, layout.iters_per_epoch)
     # never save a run that diverged: the loss window, and the weights (a step can make them NaN
     # before any loss shows it)
-    meter.check_finite(iteration, iteration // iters_per_epoch)
+    meter.check_finite(iteration, epoch)
     _check_finite_weights(model, iteration)
-    extra = {"loss": criterion.state_dict(), "iters_per_epoch": iters_per_epoch}
+    extra = {"loss": criterion.state_dict()}  # per rank: the SwAV queue differs between ranks
     if s.scaler is not None:
         extra["grad_scaler"] = s.scaler.state_dict()
-    path = save_checkpoint(
-        cfg.CHECKPOINT.DIR, iteration, iteration // iters_per_epoch, model, optimizer, extra,
-        meta={"config": cfg.dump()}, keep_last=cfg.CHECKPOINT.KEEP_LAST,
-    )
+    meta = {"iteration_in_epoch": in_epoch, **layout.as_meta(), "config": cfg.dump()}
+    path = save_checkpoint(cfg.CHECKPOINT.DIR, iteration, epoch, model, optimizer, extra, meta,
+                           keep_last=cfg.CHECKPOINT.KEEP_LAST)
     logger.info(f"saved {path}")
     return iteration
 
@@ -233,24 +241,27 @@ def _check_finite_weights(model: nn.Module, iteration: int) -> None:
     """Collective: raise on every rank if any rank's parameters (or shards) hold NaN/inf."""
     bad = torch.zeros(1, device=next(model.parameters()).device)
     for param in model.parameters():
-        bad += (~torch.isfinite(param.detach())).any()
+        local = param.to_local() if hasattr(param, "to_local") else param  # fully_shard: DTensor shards
+        bad += (~torch.isfinite(local.detach())).any()
     if comm.all_reduce_sum(bad).item() > 0:
         raise NonFiniteLossError(f"model weights became NaN/inf by iteration {iteration}; not saving a checkpoint")
 
 
-def _resume(run_dir: str, model, optimizer, criterion, scaler, iters_per_epoch: int) -> int:
-    """Load the latest complete checkpoint of ``run_dir``; return its iteration (0 when none)."""
+def _resume(run_dir: str, model, optimizer, criterion, scaler, layout: EpochLayout) -> int:
+    """Load the latest complete checkpoint of ``run_dir`` (saved on any world size); return the
+    iteration to continue from (0 when there is none)."""
     path = find_latest_checkpoint(run_dir)
     if path is None:
         return 0
     state = load_checkpoint(path, model, optimizer)
-    if state["iters_per_epoch"] != iters_per_epoch:
-        raise ValueError(
-            f"{path} was trained with {state['iters_per_epoch']} iterations per epoch, this run has "
-            f"{iters_per_epoch} (data size or batch size changed); start a new CHECKPOINT.DIR"
-        )
-    criterion.load_state_dict(state["loss"])
+    iteration = resume_iteration(state["meta"], layout, path)
+    if state["same_world_size"]:  # per-rank state: rank r continues rank r's RNG streams and queue
+        criterion.load_state_dict(state["loss"])
+        restore_rng(state["rng"])
+    else:
+        logger.info(f"{path} was saved by {state['meta']['world_size']} ranks: per-rank loss state "
+                    "(e.g. the SwAV queue) and RNG streams start afresh")
     if scaler is not None and "grad_scaler" in state:
         scaler.load_state_dict(state["grad_scaler"])
-    logger.info(f"resumed from {path}")
-    return state["meta"]["iteration"]
+    logger.info(f"resumed from {path} at iteration {iteration}")
+    return iteration

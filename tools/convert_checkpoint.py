@@ -1,0 +1,45 @@
+#!/usr/bin/env python
+"""Inspect or convert a vistrain checkpoint (a checkpoint folder, or a run folder: its latest).
+
+    python tools/convert_checkpoint.py RUN_OR_CHECKPOINT --inspect
+    python tools/convert_checkpoint.py RUN_OR_CHECKPOINT --to-consolidated model.pt
+    python tools/convert_checkpoint.py RUN_OR_CHECKPOINT --to-torchvision regnet.pt
+
+--to-consolidated writes one plain state dict (``model.load_state_dict(torch.load(f))``);
+--to-torchvision writes the trunk as a torchvision RegNet state dict: load it with
+``tv.fc = nn.Identity(); tv.load_state_dict(sd, strict=True)``.
+Exit codes: 0 done, 2 bad input (one line on stderr).
+"""
+
+import argparse
+import sys
+
+
+def main(argv) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint", help="checkpoint_<n> folder, run folder, or consolidated .pt file")
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--inspect", action="store_true", help="print what the checkpoint holds")
+    action.add_argument("--to-consolidated", metavar="OUT.pt", help="write one plain state-dict file")
+    action.add_argument("--to-torchvision", metavar="OUT.pt", help="write the trunk as a torchvision RegNet state dict")
+    args = parser.parse_args(argv)
+
+    from vistrain.checkpoint import CheckpointError, consolidate, describe, to_torchvision
+
+    try:
+        if args.inspect:
+            print(describe(args.checkpoint))
+        elif args.to_consolidated:
+            count = consolidate(args.checkpoint, args.to_consolidated)
+            print(f"wrote {count} tensors to {args.to_consolidated}")
+        else:
+            state = to_torchvision(args.checkpoint, args.to_torchvision)
+            print(f"wrote {len(state)} trunk tensors to {args.to_torchvision} (set fc = nn.Identity() before loading)")
+    except (CheckpointError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

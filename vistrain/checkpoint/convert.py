@@ -1,0 +1,85 @@
+"""Offline conversions of a sharded checkpoint (``tools/convert_checkpoint.py``).
+
+* :func:`consolidate`: one plain state-dict file (``model.load_state_dict(torch.load(f))``).
+  Parameters are assembled one at a time from the memory-mapped rank files, so the process
+  holds one copy of the model (the output) plus whatever pages the OS keeps cached, never the
+  rank files' contents on top.
+* :func:`to_torchvision`: the trunk as a ``torchvision.models.RegNet`` state dict (no ``fc``).
+* :func:`describe`: what a checkpoint holds, as text.
+"""
+
+import math
+from collections import Counter, OrderedDict
+from typing import Dict, Optional
+
+import torch
+
+from vistrain.checkpoint.files import save_atomic
+from vistrain.checkpoint.pretrained import WeightsSource
+
+
+def consolidated_state_dict(path: str, prefix: str = "") -> "OrderedDict[str, torch.Tensor]":
+    """Full state dict (parameters and buffers) of the checkpoint, run folder or file ``path``;
+    only keys starting with ``prefix``."""
+    source = WeightsSource(path)
+    return OrderedDict((key, source.read(key)) for key in source.shapes() if key.startswith(prefix))
+
+
+def consolidate(path: str, out: str) -> int:
+    """Write the plain state dict of ``path`` to ``out`` (atomically). Returns the tensor count."""
+    state = consolidated_state_dict(path)
+    save_atomic(state, out)
+    return len(state)
+
+
+def to_torchvision(path: str, out: str) -> Dict[str, torch.Tensor]:
+    """Write the trunk of ``path`` as a torchvision RegNet state dict; returns it.
+
+    Load with ``tv = torchvision.models.regnet_y_...()`` (or ``RegNet(block_params, stem_width=...)``
+    for a custom size), ``tv.fc = nn.Identity()``, ``tv.load_state_dict(sd, strict=True)``; then
+    ``tv(x)`` equals our trunk's ``"avgpool"`` feature.
+    """
+    from vistrain.models.trunks.regnet import to_torchvision_state_dict
+
+    state = to_torchvision_state_dict(consolidated_state_dict(path, "trunk."), prefix="trunk.")
+    save_atomic(state, out)
+    return state
+
+
+def describe(path: str) -> str:
+    """Human-readable summary: progress, world size, parameters, optimizer state kinds."""
+    source = WeightsSource(path)
+    reader = source.reader
+    if reader is None:
+        shapes = source.shapes()
+        return (f"{source.path}: consolidated state dict, {len(shapes)} tensors, "
+                f"{sum(math.prod(s) for s in shapes.values()):,} elements")
+    meta = reader.meta
+    params = meta["params"]
+    lines = [
+        f"{source.path}",
+        f"  iteration {meta['iteration']}, epoch {meta.get('epoch')}, "
+        f"{meta.get('iteration_in_epoch')} of {meta.get('iters_per_epoch')} iterations into it",
+        f"  written by {meta['world_size']} ranks, vistrain {meta['vistrain_version']}, torch "
+        f"{meta['torch_version']}, {meta['created']}",
+        f"  {len(params)} parameters, {sum(math.prod(p['shape']) for p in params.values()):,} elements "
+        f"({sum(not p['requires_grad'] for p in params.values())} frozen); {len(meta['buffers'])} buffers",
+        f"  dtypes: {dict(Counter(p['dtype'] for p in params.values()))}",
+    ]
+    lines += [f"  {group}: {n} parameters" for group, n in _top_level_counts(params).items()]
+    lines.append(_optimizer_line(meta.get("optimizer")))
+    largest = sorted(params.items(), key=lambda kv: -math.prod(kv[1]["shape"]))[:5]
+    lines += [f"  largest: {fqn} {tuple(info['shape'])}" for fqn, info in largest]
+    return "\n".join(lines)
+
+
+def _top_level_counts(params: dict) -> Dict[str, int]:
+    return dict(Counter(fqn.split(".", 1)[0] for fqn in params))
+
+
+def _optimizer_line(info: Optional[dict]) -> str:
+    if info is None:
+        return "  optimizer: none saved"
+    groups = ", ".join(f"{g.get('name', i)} ({len(g['params'])} params)" for i, g in enumerate(info["param_groups"]))
+    return (f"  optimizer {info['class']}: state tensors {info['tensor_state']}, "
+            f"per-shard scalars {info['scalar_state']}; groups: {groups}")

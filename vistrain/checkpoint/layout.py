@@ -1,0 +1,117 @@
+"""Which slices of which ORIGINAL parameters this rank holds, whatever wraps the model.
+
+Everything in a checkpoint is keyed by the original parameter's clean name (``fqn``, e.g.
+``trunk.stem.0.weight``) and an element range of the flattened parameter, so a checkpoint does
+not depend on the world size or on the wrapper:
+
+* sharded engine (``vistrain.fsdp``): every ``model.parameters()`` entry is a flat 1-D shard;
+  ``shard_slices`` says which range of which original parameter each part of it holds (the
+  padding at the end of the last rank's shard belongs to none);
+* DDP or a plain module: every parameter is whole and replicated; rank 0 alone writes it.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from vistrain.distributed import comm
+from vistrain.fsdp import FullyShardedDataParallel
+from vistrain.fsdp.flat_param import shard_slices
+from vistrain.fsdp.fully_sharded import clean_name
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One contiguous range of an original parameter inside a local tensor."""
+
+    fqn: str
+    offset: int  # first element inside the local flat tensor
+    start: int  # first element inside the flattened original parameter
+    length: int
+
+
+@dataclass
+class LocalParam:
+    """A tensor the optimizer sees on this rank and the original-parameter ranges it holds."""
+
+    tensor: torch.Tensor  # a flat shard (sharded engine) or a whole parameter
+    segments: List[Segment]
+
+
+@dataclass
+class ModelLayout:
+    """This rank's view of a model for checkpointing."""
+
+    params: List[LocalParam]
+    infos: Dict[str, dict]  # fqn -> {"shape": [..], "dtype": "float32", "requires_grad": bool}
+    buffers: Dict[str, torch.Tensor]  # persistent buffers by clean name
+    writes_params: bool  # False on ranks > 0 of a replicated model (rank 0 writes everything)
+    sharded: bool
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def model_layout(model: nn.Module) -> ModelLayout:
+    """The layout of ``model``: our sharded engine, DDP or a plain module.
+
+    PyTorch's ``fully_shard`` (``TorchShardedModel``) goes through :mod:`torch_backend` instead.
+    """
+    if type(model).__name__ == "TorchShardedModel":
+        raise TypeError("TorchShardedModel goes through vistrain.checkpoint.torch_backend")
+    if isinstance(model, FullyShardedDataParallel):
+        return _sharded_layout(model)
+    return _replicated_layout(model.module if isinstance(model, DDP) else model)
+
+
+def _sharded_layout(model: FullyShardedDataParallel) -> ModelLayout:
+    params, infos = [], {}
+    world = comm.get_world_size()
+    for shard in model.parameters():
+        handle = getattr(shard, "_fsdp_handle", None)
+        if handle is None:
+            raise TypeError("a parameter of the sharded model is not a flat shard; wrap the whole model")
+        if handle.world_size != world:
+            raise NotImplementedError(
+                f"shards over a process group of {handle.world_size} of {world} ranks (replicated "
+                "shard groups) cannot be checkpointed by vistrain.checkpoint")
+        origins = shard._fsdp_origins
+        segments = [Segment(origins[i].fqn, offset, start, length)
+                    for i, offset, start, length in shard_slices(origins, handle.world_size, handle.rank)]
+        params.append(LocalParam(shard, segments))
+        for origin in origins:
+            infos[origin.fqn] = {"shape": list(origin.shape), "dtype": dtype_name(shard.dtype),
+                                 "requires_grad": shard.requires_grad}
+    return ModelLayout(params, infos, persistent_buffers(model), writes_params=True, sharded=True)
+
+
+def _replicated_layout(module: nn.Module) -> ModelLayout:
+    params, infos = [], {}
+    for fqn, param in module.named_parameters():
+        params.append(LocalParam(param, [Segment(fqn, 0, 0, param.numel())]))
+        infos[fqn] = {"shape": list(param.shape), "dtype": dtype_name(param.dtype),
+                      "requires_grad": param.requires_grad}
+    return ModelLayout(params, infos, persistent_buffers(module),
+                       writes_params=comm.get_rank() == 0, sharded=False)
+
+
+def persistent_buffers(module: nn.Module) -> Dict[str, torch.Tensor]:
+    """Buffers that belong in a state dict (BatchNorm statistics...), by clean name."""
+    out = {}
+    for prefix, sub in module.named_modules():
+        for name, buf in sub._buffers.items():
+            if buf is None or name in sub._non_persistent_buffers_set:
+                continue
+            out[clean_name(f"{prefix}.{name}" if prefix else name)] = buf
+    return out
+
+
+def flat_view(tensor: torch.Tensor) -> torch.Tensor:
+    """1-D view sharing storage (parameters and optimizer state are contiguous)."""
+    if not tensor.is_contiguous():
+        raise ValueError("checkpointing needs contiguous parameters and optimizer state")
+    return tensor.detach().view(-1)

@@ -1,0 +1,141 @@
+"""Weights from any of our checkpoint formats into a plain model (fine-tuning, linear eval).
+
+``MODEL.WEIGHTS_INIT.PARAMS_FILE`` may name
+
+* a sharded checkpoint folder (``.../checkpoint_<n>``, with ``metadata.json``),
+* a run folder (its latest complete checkpoint is used),
+* a consolidated ``.pt`` file: a plain state dict, or ``{"model": state_dict}``
+  (what ``tools/convert_checkpoint.py --to-consolidated`` writes, or any torch state dict).
+
+Checkpoint key -> model key: strip ``REMOVE_PREFIX`` (keys without it stay as they are), then
+prepend ``APPEND_PREFIX``; keys containing any ``SKIP_LAYERS`` substring (checked on the mapped
+key) are not loaded. A shape mismatch is an error; missing and unexpected keys are reported.
+"""
+
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+import torch
+from torch import nn
+
+from vistrain.checkpoint.files import METADATA, CheckpointError, find_latest_checkpoint, safe_load
+from vistrain.checkpoint.load import SliceReader
+
+logger = logging.getLogger("vistrain")
+
+
+class WeightsSource:
+    """Keys, shapes and tensors of a checkpoint, read one tensor at a time."""
+
+    def __init__(self, path: str):
+        self.path = resolve_weights_path(path)
+        self.reader = None
+        self._state: Dict[str, torch.Tensor] = {}
+        if os.path.isdir(self.path):
+            self.reader = SliceReader(self.path)
+        else:
+            self._state = _state_dict_of(safe_load(self.path), self.path)
+
+    def shapes(self) -> "OrderedDict[str, Tuple[int, ...]]":
+        if self.reader is None:
+            return OrderedDict((k, tuple(v.shape)) for k, v in self._state.items())
+        meta = self.reader.meta
+        out = OrderedDict((k, tuple(v["shape"])) for k, v in meta["params"].items())
+        out.update((k, tuple(v["shape"])) for k, v in meta["buffers"].items())
+        return out
+
+    def read(self, key: str) -> torch.Tensor:
+        """A tensor of its own (not a view of the file)."""
+        if self.reader is None:
+            return self._state[key].clone()
+        if key in self.reader.meta["params"]:
+            return self.reader.read_param(key)
+        return self.reader.read_buffer(key)
+
+
+def resolve_weights_path(path: str) -> str:
+    """A checkpoint folder or file for ``path`` (a run folder gives its latest checkpoint)."""
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, METADATA)):
+            return path
+        latest = find_latest_checkpoint(path)
+        if latest is None:
+            raise CheckpointError(f"{path}: holds no complete checkpoint (no checkpoint_<n>/{METADATA})")
+        return latest
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"weights file {path} does not exist")
+    return path
+
+
+def _state_dict_of(obj, path: str) -> Dict[str, torch.Tensor]:
+    if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
+        obj = obj["model"]
+    if not isinstance(obj, dict) or not obj:
+        raise CheckpointError(f"{path}: not a state dict (expected {{name: tensor}} or {{'model': ...}})")
+    for key, value in obj.items():
+        if not torch.is_tensor(value):
+            raise CheckpointError(f"{path}: not a state dict: key {key!r} holds a {type(value).__name__}")
+    return obj
+
+
+@dataclass
+class LoadReport:
+    """What :func:`load_pretrained` did."""
+
+    source: str
+    loaded: List[str] = field(default_factory=list)  # model keys
+    missing: List[str] = field(default_factory=list)  # model keys left at their initial values
+    unexpected: List[str] = field(default_factory=list)  # mapped checkpoint keys the model lacks
+    skipped: List[str] = field(default_factory=list)  # mapped checkpoint keys matching SKIP_LAYERS
+
+    def summary(self) -> str:
+        lines = [f"weights from {self.source}: {len(self.loaded)} tensors loaded"]
+        for name, keys in (("missing (kept at init)", self.missing), ("unexpected (ignored)", self.unexpected),
+                           ("skipped (SKIP_LAYERS)", self.skipped)):
+            if keys:
+                shown = ", ".join(keys[:8]) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "")
+                lines.append(f"  {name}: {shown}")
+        return "\n".join(lines)
+
+
+def map_key(key: str, remove_prefix: str, append_prefix: str) -> str:
+    if remove_prefix and key.startswith(remove_prefix):
+        key = key[len(remove_prefix):]
+    return append_prefix + key
+
+
+@torch.no_grad()
+def load_pretrained(model: nn.Module, weights_cfg) -> LoadReport:
+    """Copy the weights named by ``weights_cfg`` (``cfg.MODEL.WEIGHTS_INIT``) into ``model``.
+
+    ``model`` is the plain (unwrapped) module; every rank calls this before wrapping. Reads one
+    tensor at a time. Raises CheckpointError (one line: file, key, both shapes) on a shape
+    mismatch, FileNotFoundError for a missing path; logs and returns a :class:`LoadReport`.
+    """
+    source = WeightsSource(weights_cfg.PARAMS_FILE)
+    targets = model.state_dict()  # tensors sharing storage with the model
+    report = LoadReport(source.path)
+    for key, shape in source.shapes().items():
+        name = map_key(key, weights_cfg.REMOVE_PREFIX, weights_cfg.APPEND_PREFIX)
+        if any(s in name for s in weights_cfg.SKIP_LAYERS):
+            report.skipped.append(name)
+        elif name not in targets:
+            report.unexpected.append(name)
+        elif tuple(targets[name].shape) != tuple(shape):
+            raise CheckpointError(f"{source.path}: {key} has shape {tuple(shape)} but the model's {name} "
+                                  f"has shape {tuple(targets[name].shape)}")
+        else:
+            targets[name].copy_(source.read(key))
+            report.loaded.append(name)
+    done = set(report.loaded)
+    report.missing = [k for k in targets if k not in done and not any(s in k for s in weights_cfg.SKIP_LAYERS)]
+    if not report.loaded:
+        first = next(iter(source.shapes()), None)
+        raise CheckpointError(f"{source.path}: no key matches the model (checkpoint key {first!r} maps to "
+                              f"{map_key(str(first), weights_cfg.REMOVE_PREFIX, weights_cfg.APPEND_PREFIX)!r}); "
+                              "check REMOVE_PREFIX / APPEND_PREFIX / SKIP_LAYERS")
+    logger.info(report.summary())
+    return report
