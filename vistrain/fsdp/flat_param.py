@@ -187,9 +187,14 @@ class FlatParamHandle:
             self._set_attributes(self._placeholders)
 
     def set_views(self) -> None:
-        """Point every original parameter attribute at fresh views of ``full`` (must be gathered)."""
-        self._set_attributes([self.full[o.flat_offset:o.flat_offset + o.numel].view(o.shape)
-                              for o in self.origins])
+        """Point every original parameter attribute at fresh views of ``full`` (must be gathered).
+
+        One ``split`` for all views: its backward concatenates the parameters' gradients into
+        one flat gradient, where separate slices would each materialise a full-size zero tensor.
+        """
+        sizes = [o.numel for o in self.origins]
+        pieces = torch.split(self.full, sizes + [self.full.numel() - self.numel])
+        self._set_attributes([piece.view(o.shape) for piece, o in zip(pieces, self.origins)])
 
     def restore_attributes(self) -> None:
         """After summon_full_params: views when gathered for compute, else placeholders."""
