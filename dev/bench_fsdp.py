@@ -2,11 +2,12 @@
 
     python dev/bench_fsdp.py [--world 2] [--steps 12] [--batch 8] [--size 64] [--model regnet_y_400mf]
 
-Each rank builds the three models from the same seed and, step after step, runs one training
-step of each in turn on the same data, so machine noise hits all three alike. Prints the median
-step time of each as a ratio to DDP's, and per-rank persistent bytes (parameters + gradients +
-SGD momentum) next to DDP's / world size, and the peak bytes of gathered (full) parameters
-next to the two largest units. On CPU it uses gloo; with CUDA, NCCL.
+Each rank builds the models from the same seed and, step after step, runs one training step of
+each in turn on the same data, so machine noise hits all alike. Ours and fully_shard run with
+reshard_after_forward on (ZeRO-3, the default) and off ("keep": ZeRO-2, one gather per step).
+Prints the median step time of each as a ratio to DDP's, per-rank persistent bytes (parameters
++ gradients + SGD momentum) next to DDP's / world size, and the peak bytes of gathered (full)
+parameters next to the two largest units. On CPU it uses gloo; with CUDA, NCCL.
 """
 
 import argparse
@@ -33,21 +34,27 @@ def build(name):
 
 
 def make_engines(args, device):
+    """DDP, then ours and fully_shard with reshard_after_forward on (ZeRO-3) and off (ZeRO-2)."""
     engines = {"ddp": DDP(build(args.model).to(device))}
-    engines["vistrain"] = auto_wrap(build(args.model).to(device), by_class(UNIT_CLASSES))
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        model = build(args.model).to(device)
-        for module in model.modules():
-            if isinstance(module, UNIT_CLASSES):
-                fully_shard(module, mesh=mesh)
-        engines["fully_shard"] = fully_shard(model, mesh=mesh)
-    except (ImportError, RuntimeError) as error:  # older torch: compare what we can
-        print(f"fully_shard unavailable: {error}")
+    for reshard, suffix in ((True, ""), (False, " (keep)")):
+        engines["vistrain" + suffix] = auto_wrap(build(args.model).to(device), by_class(UNIT_CLASSES),
+                                                 reshard_after_forward=reshard)
+        try:
+            engines["fully_shard" + suffix] = torch_fully_shard(build(args.model).to(device), reshard)
+        except (ImportError, RuntimeError) as error:  # older torch: compare what we can
+            print(f"fully_shard unavailable: {error}")
     return {name: (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
             for name, model in engines.items()}
+
+
+def torch_fully_shard(model, reshard):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+    for module in model.modules():
+        if isinstance(module, UNIT_CLASSES):
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
 
 
 def step(model, optimizer, x, y, device):
@@ -80,13 +87,16 @@ def worker(rank, world, args):
     engines = make_engines(args, device)
     times = {name: [] for name in engines}
     gen = torch.Generator().manual_seed(rank)
+    peak = 0
     for i in range(args.steps + args.warmup):
         x = torch.randn(args.batch, 3, args.size, args.size, generator=gen).to(device)
         y = torch.randint(0, 10, (args.batch,), generator=gen).to(device)
         for name, (model, optimizer) in engines.items():
-            if name == "vistrain":
+            if name == "vistrain":  # peak over its step alone
                 GatheredBytes.reset_peak()
             elapsed = step(model, optimizer, x, y, device)
+            if name == "vistrain":
+                peak = max(peak, GatheredBytes.peak)
             if i >= args.warmup:
                 times[name].append(elapsed)
     ours = engines["vistrain"][0]
@@ -95,7 +105,7 @@ def worker(rank, world, args):
     return {
         "median_s": {name: statistics.median(t) for name, t in times.items()},
         "bytes": {name: persistent_bytes(*engines[name]) for name in engines},
-        "peak_gathered": GatheredBytes.peak,
+        "peak_gathered": peak,
         "two_largest_units": sum(units[:2]),
     }
 
@@ -116,13 +126,13 @@ def main():
     ddp_bytes = r0["bytes"]["ddp"]
     print(f"{args.model}, {args.size}x{args.size}, batch {args.batch}/rank, {args.world} ranks, "
           f"{'cuda/nccl' if torch.cuda.is_available() else 'cpu/gloo'}, median of {args.steps} steps")
-    print(f"{'engine':<12} {'step s':>8} {'vs DDP':>7} {'MB/rank':>9} {'vs DDP/N':>9}")
+    print(f"{'engine':<20} {'step s':>8} {'vs DDP':>7} {'MB/rank':>9} {'vs DDP/N':>9}")
     for name in r0["median_s"]:
         t = max(r["median_s"][name] for r in results)  # the slowest rank sets the pace
         b = max(r["bytes"][name] for r in results)
-        print(f"{name:<12} {t:8.3f} {t / ddp_time:7.2f} {b / 2**20:9.2f} "
+        print(f"{name:<20} {t:8.3f} {t / ddp_time:7.2f} {b / 2**20:9.2f} "
               f"{b / (ddp_bytes / args.world):9.3f}")
-    print(f"peak gathered parameters: {r0['peak_gathered'] / 2**20:.2f} MB; two largest units: "
+    print(f"vistrain peak gathered parameters: {r0['peak_gathered'] / 2**20:.2f} MB; two largest units: "
           f"{r0['two_largest_units'] / 2**20:.2f} MB")
 
 

@@ -76,14 +76,33 @@ class GatheredBytes:
         cls.peak = max(cls.peak, cls.current)
 
 
+def _is_gloo(group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
 def _gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool):
+    """All-gather equal shards into ``output`` (world_size * shard.numel(),)."""
+    if _is_gloo(group):
+        # gloo's list all-gather into views of ``output`` is ~1.5x faster than its
+        # all_gather_into_tensor, which stages through a temporary (measured, torch 2.14).
+        return dist.all_gather(list(output.chunk(dist.get_world_size(group))), shard,
+                               group=group, async_op=async_op)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(output, shard, group=group, async_op=async_op)
 
 
-def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group, async_op: bool):
+def reduce_scatter_into(full: torch.Tensor, lo: int, hi: int, group):
+    """Sum ``full`` over ranks and return (work, this rank's reduced slice [lo, hi)).
+
+    The slice is valid once ``work`` is waited on. gloo has no native reduce-scatter (torch
+    emulates it, ~2x slower than its all-reduce here), so on gloo the full vector is all-reduced
+    in place, a buffer this rank holds anyway, and the slice is a view of it.
+    """
+    if _is_gloo(group):
+        return dist.all_reduce(full, group=group, async_op=True), full[lo:hi]
+    out = torch.empty(hi - lo, dtype=full.dtype, device=full.device)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, full, group=group, async_op=async_op)
+    return fn(out, full, group=group, async_op=True), out
 
 
 class FlatParamHandle:
@@ -244,8 +263,8 @@ class FlatParamHandle:
         if self.world_size > 1:
             # Dividing before the sum keeps fp16 sums in range; DDP divides after. Same maths.
             grad.div_(self.world_size)
-        out = torch.empty(self.shard_numel, dtype=grad.dtype, device=grad.device)
-        work = reduce_scatter(out, grad, self.group, async_op=True)
+        lo = self.rank * self.shard_numel
+        work, out = reduce_scatter_into(grad, lo, lo + self.shard_numel, self.group)
         return work, out, grad
 
     def accumulate_shard_grad(self, reduced: torch.Tensor) -> None:

@@ -69,6 +69,8 @@ class FullyShardedDataParallel(nn.Module):
         keep_fp32: run this unit entirely in fp32 with autocast off (BatchNorm under AMP).
     """
 
+    prefetch_depth = 1  # units whose gather starts ahead (memory: 1 + depth units gathered)
+
     def __init__(self, module: nn.Module, process_group=None, reshard_after_forward: bool = True,
                  mixed_precision: bool = False, fp32_reduce_scatter: bool = False,
                  flatten_parameters: bool = True, compute_dtype: Optional[torch.dtype] = None,
@@ -219,16 +221,18 @@ class FullyShardedDataParallel(nn.Module):
             handle.reshard()
 
     def _prefetch(self, step: int) -> None:
-        """Start the all-gather of the unit that runs next (+1 in forward, -1 in backward)."""
+        """Start the all-gathers of the units that run next (+1 in forward, -1 in backward)."""
         state = self._root_state
         if not state.exec_order_final or self not in state.exec_order:
             return
-        idx = state.exec_order.index(self) + step
-        if 0 <= idx < len(state.exec_order):
-            nxt = state.exec_order[idx]
-            if step > 0 or not nxt._backward_started:
-                for handle in nxt._handles:
-                    handle.start_unshard()
+        idx = state.exec_order.index(self)
+        for distance in range(1, self.prefetch_depth + 1):
+            j = idx + distance * step
+            if 0 <= j < len(state.exec_order):
+                nxt = state.exec_order[j]
+                if step > 0 or not nxt._backward_started:
+                    for handle in nxt._handles:
+                        handle.start_unshard()
 
     # -- backward -----------------------------------------------------------------------------
     def _pre_backward_hook(self, grad):
