@@ -13,36 +13,19 @@ refuses a module with nothing to train, and a frozen trunk has no gradients to s
 
 import json
 import os
-import random
 from typing import Dict, List, Sequence, Tuple
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from vistrain.data import set_epoch
 from vistrain.distributed import comm
-from vistrain.distributed.launch import resolve_device
 from vistrain.engine.logger import logger
 from vistrain.engine.parallel import parallelize
 from vistrain.models import build_model
 
 _AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def current_device(machine_cfg) -> torch.device:
-    """This rank's device (launch has already selected the local CUDA device)."""
-    if resolve_device(machine_cfg) == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def seed_everything(seed: int) -> None:
-    """Same seed on every rank: identical head initialisation (DDP also broadcasts it)."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 # --------------------------------------------------------------------------------------------

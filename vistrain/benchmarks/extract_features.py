@@ -17,11 +17,11 @@ import os
 
 import torch
 
+from vistrain.engine.run_setup import start_run
 from vistrain.benchmarks import common
-from vistrain.config import save_config
 from vistrain.data import build_loader
 from vistrain.distributed import comm
-from vistrain.engine.logger import logger, setup_logging
+from vistrain.engine.logger import logger
 
 SPLITS = ("TRAIN", "TEST")
 
@@ -33,12 +33,8 @@ def extract_features(cfg) -> None:
         raise ValueError(f"BENCHMARK.EXTRACT_SPLITS must be a non-empty subset of {list(SPLITS)}, got {splits}")
     run_dir = cfg.CHECKPOINT.DIR
     out_dir = cfg.BENCHMARK.OUTPUT_DIR or os.path.join(run_dir, "features")
-    setup_logging(run_dir)
-    device = common.current_device(cfg.MACHINE)
-    if comm.is_main_process():
-        save_config(cfg, os.path.join(run_dir, "config.yaml"))
+    device = start_run(cfg)
     os.makedirs(out_dir, exist_ok=True)
-    common.seed_everything(cfg.SEED_VALUE)
 
     trunk, dims = common.build_frozen_trunk(cfg, device)
     names, dtype = list(dims), common.amp_dtype(cfg)

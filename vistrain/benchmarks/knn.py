@@ -23,11 +23,11 @@ from typing import Dict, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from vistrain.engine.run_setup import start_run
 from vistrain.benchmarks import common
-from vistrain.config import save_config
 from vistrain.data import build_loader
 from vistrain.distributed import comm
-from vistrain.engine.logger import logger, setup_logging
+from vistrain.engine.logger import logger
 
 # --------------------------------------------------------------------------------------------
 # pure maths
@@ -97,12 +97,7 @@ def knn(cfg) -> None:
         raise ValueError(
             f"BENCHMARK.KNN_K must be >= 1 and KNN_TEMPERATURE > 0, got {bench.KNN_K}, {bench.KNN_TEMPERATURE}"
         )
-    run_dir = cfg.CHECKPOINT.DIR
-    setup_logging(run_dir)
-    device = common.current_device(cfg.MACHINE)
-    if comm.is_main_process():
-        save_config(cfg, os.path.join(run_dir, "config.yaml"))
-    common.seed_everything(cfg.SEED_VALUE)
+    device = start_run(cfg)
 
     loaders = {}
     for split in ("TRAIN", "TEST"):

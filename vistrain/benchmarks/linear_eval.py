@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vistrain.engine.run_setup import start_run
 from vistrain.benchmarks import common
-from vistrain.config import save_config
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed import comm
-from vistrain.engine.logger import TrainingMeter, logger, setup_logging
+from vistrain.engine.logger import TrainingMeter, logger
 from vistrain.engine.parallel import parallelize, unwrap
 from vistrain.optim import build_lr_schedule, build_optimizer, set_lr
 
@@ -73,11 +73,7 @@ def linear_eval(cfg) -> None:
     start = time.perf_counter()
     _check_one_view(cfg.DATA.TRAIN.TRANSFORMS)
     run_dir = cfg.CHECKPOINT.DIR
-    setup_logging(run_dir)
-    device = common.current_device(cfg.MACHINE)
-    if comm.is_main_process():
-        save_config(cfg, os.path.join(run_dir, "config.yaml"))
-    common.seed_everything(cfg.SEED_VALUE)
+    device = start_run(cfg)
 
     # ---- build
     train_loader = build_loader(cfg.DATA, "TRAIN", seed=cfg.SEED_VALUE, device=device)

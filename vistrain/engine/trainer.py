@@ -12,22 +12,18 @@ number of completed iterations.
 import contextlib
 import dataclasses
 import functools
-import os
-import random
 from typing import Optional
 
-import numpy as np
 import torch
 from torch import nn
 
-from vistrain.config import save_config
+from vistrain.engine.run_setup import start_run
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed import comm
-from vistrain.distributed.launch import resolve_device
 from vistrain.checkpoint import load_pretrained, restore_rng
 from vistrain.engine.checkpoint import (EpochLayout, find_latest_checkpoint, load_checkpoint, resume_iteration,
                                        save_checkpoint)
-from vistrain.engine.logger import NonFiniteLossError, TrainingMeter, logger, setup_logging
+from vistrain.engine.logger import NonFiniteLossError, TrainingMeter, logger
 from vistrain.engine.parallel import parallelize
 from vistrain.losses import build_loss
 from vistrain.models import build_model
@@ -50,11 +46,7 @@ class StepSettings:
 def train(cfg) -> None:
     """Pre-train ``cfg.MODEL`` with ``cfg.LOSS`` on ``cfg.DATA.TRAIN``; call on every rank (see launch)."""
     run_dir = cfg.CHECKPOINT.DIR
-    setup_logging(run_dir)
-    device = _current_device(cfg.MACHINE)
-    if comm.is_main_process():
-        save_config(cfg, os.path.join(run_dir, "config.yaml"))
-    _seed_everything(cfg.SEED_VALUE)
+    device = start_run(cfg)
 
     # ---- build
     loader = build_loader(cfg.DATA, "TRAIN", seed=cfg.SEED_VALUE, device=device)
@@ -166,20 +158,6 @@ def _optimizer_step(model: nn.Module, criterion, optimizer, s: StepSettings, ite
 
 # --------------------------------------------------------------------------------------------
 # setup helpers
-
-
-def _current_device(machine_cfg) -> torch.device:
-    if resolve_device(machine_cfg) == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())  # set per local rank by launch
-    return torch.device("cpu")
-
-
-def _seed_everything(seed: int) -> None:
-    # the same seed on every rank: identical initial weights (DDP also broadcasts them); the data
-    # layer derives per-rank orders and augmentations from the same seed itself
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def _step_settings(cfg, model: nn.Module, device: torch.device) -> StepSettings:
