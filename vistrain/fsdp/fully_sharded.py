@@ -17,13 +17,14 @@ import weakref
 from typing import Callable, Dict, List, Optional
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
 from vistrain.fsdp.flat_param import FlatParamHandle, ParamOrigin
 from vistrain.fsdp.mixed_precision import cast_floating, default_compute_dtype, low_precision_dtype
+from vistrain.fsdp.ownership import (check_wrappable, compute_device, install_optimizer_check,
+                                     owned_modules, owned_params)
 
 WRAPPED_NAME = "_fsdp_wrapped_module"
 FLAT_PARAM_PREFIX = "flat_param_"
@@ -69,6 +70,7 @@ class FullyShardedDataParallel(nn.Module):
         keep_fp32: run this unit entirely in fp32 with autocast off (BatchNorm under AMP).
     """
 
+    is_sharded_unit = True
     prefetch_depth = 1  # units whose gather starts ahead (memory: 1 + depth units gathered)
 
     def __init__(self, module: nn.Module, process_group=None, reshard_after_forward: bool = True,
@@ -77,7 +79,7 @@ class FullyShardedDataParallel(nn.Module):
                  buffer_dtype: Optional[torch.dtype] = None, move_params_to_cpu: bool = False,
                  sync_module_states: bool = True, param_group_fn: Optional[Callable] = None,
                  keep_fp32: bool = False):
-        _check_wrappable(module)
+        check_wrappable(module)
         super().__init__()
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.process_group)
@@ -85,14 +87,14 @@ class FullyShardedDataParallel(nn.Module):
         self.reshard_after_forward = reshard_after_forward
         self.keep_fp32 = keep_fp32
         self.mixed_precision = mixed_precision and not keep_fp32
-        self.compute_device = _compute_device(module, move_params_to_cpu)
+        self.compute_device = compute_device(module, move_params_to_cpu)
         self.compute_dtype = (compute_dtype or default_compute_dtype(self.compute_device)
                               if self.mixed_precision else None)
         self.fp32_reduce_scatter = fp32_reduce_scatter
         self.move_params_to_cpu = move_params_to_cpu
         self.add_module(WRAPPED_NAME, module)
 
-        owned = list(_owned_params(module))
+        owned = list(owned_params(module))
         self._handles = self._build_handles(owned, flatten_parameters, param_group_fn, sync_module_states)
         for i, handle in enumerate(self._handles):
             self.register_parameter(f"{FLAT_PARAM_PREFIX}{i}", handle.shard)
@@ -100,7 +102,7 @@ class FullyShardedDataParallel(nn.Module):
                 handle.full.register_post_accumulate_grad_hook(
                     functools.partial(_post_backward_hook, weakref.ref(self), handle))
         self._prepare_buffers(buffer_dtype if not keep_fp32 else None, sync_module_states)
-        for sub in _owned_modules(module):
+        for sub in owned_modules(module):
             sub._fsdp_owner = weakref.ref(self)
         self._assign_root_names()
         self._root_state: Optional[_RootState] = None
@@ -108,7 +110,7 @@ class FullyShardedDataParallel(nn.Module):
         self._backward_started = False
         self._summoned = False
         self._state_dict_mode = "full"
-        _install_optimizer_check()
+        install_optimizer_check()
 
     # -- construction helpers -------------------------------------------------------------------
     def _build_handles(self, owned, flatten, group_fn, sync) -> List[FlatParamHandle]:
@@ -135,7 +137,7 @@ class FullyShardedDataParallel(nn.Module):
         return handles
 
     def _prepare_buffers(self, buffer_dtype, sync: bool) -> None:
-        for sub in _owned_modules(self.module):
+        for sub in owned_modules(self.module):
             for name, buf in list(sub._buffers.items()):
                 if buf is None:
                     continue
@@ -362,72 +364,3 @@ def _register_on_tensors(obj, hook) -> None:
 
 def _autocast_off(device: torch.device):
     return torch.autocast(device_type=device.type, enabled=False)
-
-
-def _owned_modules(module: nn.Module):
-    """``module`` and its submodules, not descending into nested units."""
-    yield module
-    for child in module.children():
-        if not isinstance(child, FullyShardedDataParallel):
-            yield from _owned_modules(child)
-
-
-def _owned_params(module: nn.Module, prefix: str = ""):
-    """(fqn, module, attr, param) of parameters not inside nested units."""
-    seen = set()
-    for sub, sub_prefix in _owned_with_prefix(module, prefix):
-        for attr, param in sub._parameters.items():
-            if param is None:
-                continue
-            if id(param) in seen:
-                raise NotImplementedError(
-                    f"parameter {sub_prefix}{attr} is shared with another module; tied weights "
-                    "are not supported by FullyShardedDataParallel")
-            seen.add(id(param))
-            yield f"{sub_prefix}{attr}", sub, attr, param
-
-
-def _owned_with_prefix(module, prefix):
-    yield module, prefix
-    for name, child in module.named_children():
-        if not isinstance(child, FullyShardedDataParallel):
-            yield from _owned_with_prefix(child, f"{prefix}{name}.")
-
-
-def _compute_device(module: nn.Module, move_params_to_cpu: bool) -> torch.device:
-    if move_params_to_cpu:
-        return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                else torch.device("cpu"))
-    for tensor in list(module.parameters()) + list(module.buffers()):
-        return tensor.device
-    return torch.device("cpu")
-
-
-def _check_wrappable(module: nn.Module) -> None:
-    if isinstance(module, FullyShardedDataParallel):
-        raise ValueError("module is already wrapped by FullyShardedDataParallel (wrapping twice)")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "FullyShardedDataParallel needs an initialised process group: call "
-            "torch.distributed.init_process_group (or launch with tools/run_distributed.py) first")
-
-
-_optimizer_check_installed = False
-
-
-def _install_optimizer_check() -> None:
-    """Make ``optimizer.step()`` fail when the optimizer was built before wrapping."""
-    global _optimizer_check_installed
-    if _optimizer_check_installed:
-        return
-    _optimizer_check_installed = True
-
-    def check(optimizer, args, kwargs):
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if getattr(param, "_fsdp_replaced", False):
-                    raise RuntimeError(
-                        "the optimizer holds parameters that FullyShardedDataParallel replaced by "
-                        "shards: build the optimizer on model.parameters() after wrapping")
-
-    register_optimizer_step_pre_hook(check)
