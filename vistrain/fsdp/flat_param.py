@@ -76,6 +76,22 @@ class GatheredBytes:
         cls.peak = max(cls.peak, cls.current)
 
 
+_reduction_groups = {}
+
+
+def reduction_group(group):
+    """A second process group over the same ranks, for gradient reductions.
+
+    Collectives of one group run in issue order, so a backward prefetch (all-gather) issued
+    after a gradient reduction would wait for it; on their own group they overlap (their own
+    gloo threads, or their own NCCL communicator and stream). Created once per group, on every
+    rank in the same order, as ``new_group`` requires.
+    """
+    if group not in _reduction_groups:
+        _reduction_groups[group] = dist.new_group(dist.get_process_group_ranks(group))
+    return _reduction_groups[group]
+
+
 def _is_gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
 
@@ -114,6 +130,7 @@ class FlatParamHandle:
                  sync_module_states: bool):
         self.origins = origins
         self.group = group
+        self.reduce_group = reduction_group(group)
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.numel = sum(o.numel for o in origins)
@@ -264,7 +281,7 @@ class FlatParamHandle:
             # Dividing before the sum keeps fp16 sums in range; DDP divides after. Same maths.
             grad.div_(self.world_size)
         lo = self.rank * self.shard_numel
-        work, out = reduce_scatter_into(grad, lo, lo + self.shard_numel, self.group)
+        work, out = reduce_scatter_into(grad, lo, lo + self.shard_numel, self.reduce_group)
         return work, out, grad
 
     def accumulate_shard_grad(self, reduced: torch.Tensor) -> None:
