@@ -12,7 +12,7 @@ import dataclasses
 import datetime
 import multiprocessing.connection
 import os
-import pickle
+import pickle  # torch.multiprocessing children pickle their traceback text into error files
 import signal
 import socket
 import tempfile
