@@ -5,7 +5,10 @@ setup(
     version="0.1.0",
     description="Self-supervised vision pretraining (SimCLR, SwAV on RegNet) with a built-in "
     "fully sharded data parallel engine",
-    packages=find_packages(include=["vistrain", "vistrain.*"]),
+    # the recipes live in configs/ for readers and ship inside the package as vistrain.configs
+    packages=[*find_packages(include=["vistrain", "vistrain.*"]), "vistrain.configs"],
+    package_dir={"vistrain.configs": "configs"},
+    package_data={"vistrain.configs": ["*.yaml", "**/*.yaml"]},
     python_requires=">=3.9",
     install_requires=[
         "torch>=2.4,<3",
@@ -16,5 +19,5 @@ setup(
         "tensorboard>=2.10",
         "scikit-learn>=1.0",  # ships the real handwritten digits used by the demo data set
     ],
-    extras_require={"dev": ["pytest>=7", "pytest-timeout>=2"]},
+    extras_require={"dev": ["pytest>=7", "pytest-timeout>=2", "ruff==0.14.14"]},
 )

@@ -18,8 +18,12 @@ from vistrain.data import build_loader, set_epoch
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="", help="YAML recipe whose DATA section is used (default: demo_digits)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--config", default="", help="YAML recipe whose DATA section is used (default: demo_digits)"
+    )
     parser.add_argument("--workers", type=int, default=2, help="DATA.NUM_DATALOADER_WORKERS")
     parser.add_argument("--batch-size", type=int, default=64, help="DATA.TRAIN.BATCHSIZE_PER_REPLICA")
     parser.add_argument("--epochs", type=int, default=2, help="timed epochs (after one warm-up batch)")
@@ -49,8 +53,10 @@ def main():
     data_cfg = demo_digits_data_cfg(args)
     loader = build_loader(data_cfg, "TRAIN", seed=0, device=torch.device("cpu"))
     crops = list(zip(data_cfg.TRAIN.TRANSFORMS.NUM_CROPS, data_cfg.TRAIN.TRANSFORMS.SIZE_CROPS))
-    print(f"sources {list(data_cfg.TRAIN.DATA_SOURCES)}: {len(loader.dataset)} images, crops (count, side) {crops}, "
-          f"batch {args.batch_size}, workers {args.workers}, {len(loader)} iterations/epoch")
+    print(
+        f"sources {list(data_cfg.TRAIN.DATA_SOURCES)}: {len(loader.dataset)} images, crops (count, side) {crops}, "
+        f"batch {args.batch_size}, workers {args.workers}, {len(loader)} iterations/epoch"
+    )
     set_epoch(loader, 0)
     iterator = iter(loader)
     next(iterator)  # worker start-up is not part of the steady-state rate
@@ -63,7 +69,9 @@ def main():
             images += batch["label"].numel()
     seconds = time.perf_counter() - start
     views = images * sum(count for count, _ in crops)
-    print(f"{images / seconds:.1f} images/s ({views / seconds:.1f} views/s) over {images} images in {seconds:.2f} s")
+    print(
+        f"{images / seconds:.1f} images/s ({views / seconds:.1f} views/s) over {images} images in {seconds:.2f} s"
+    )
 
 
 if __name__ == "__main__":

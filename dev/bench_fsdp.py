@@ -37,19 +37,23 @@ def make_engines(args, device):
     """DDP, then ours and fully_shard with reshard_after_forward on (ZeRO-3) and off (ZeRO-2)."""
     engines = {"ddp": DDP(build(args.model).to(device))}
     for reshard, suffix in ((True, ""), (False, " (keep)")):
-        engines["vistrain" + suffix] = auto_wrap(build(args.model).to(device), by_class(UNIT_CLASSES),
-                                                 reshard_after_forward=reshard)
+        engines["vistrain" + suffix] = auto_wrap(
+            build(args.model).to(device), by_class(UNIT_CLASSES), reshard_after_forward=reshard
+        )
         try:
             engines["fully_shard" + suffix] = torch_fully_shard(build(args.model).to(device), reshard)
         except (ImportError, RuntimeError) as error:  # older torch: compare what we can
             print(f"fully_shard unavailable: {error}")
-    return {name: (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
-            for name, model in engines.items()}
+    return {
+        name: (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+        for name, model in engines.items()
+    }
 
 
 def torch_fully_shard(model, reshard):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
     mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     for module in model.modules():
         if isinstance(module, UNIT_CLASSES):
@@ -100,8 +104,9 @@ def worker(rank, world, args):
             if i >= args.warmup:
                 times[name].append(elapsed)
     ours = engines["vistrain"][0]
-    units = sorted((sum(h.full.numel() * h.full.element_size() for h in u._handles)
-                    for u in ours.units()), reverse=True)
+    units = sorted(
+        (sum(h.full.numel() * h.full.element_size() for h in u._handles) for u in ours.units()), reverse=True
+    )
     return {
         "median_s": {name: statistics.median(t) for name, t in times.items()},
         "bytes": {name: persistent_bytes(*engines[name]) for name in engines},
@@ -124,16 +129,19 @@ def main():
     r0 = results[0]
     ddp_time = max(r["median_s"]["ddp"] for r in results)
     ddp_bytes = r0["bytes"]["ddp"]
-    print(f"{args.model}, {args.size}x{args.size}, batch {args.batch}/rank, {args.world} ranks, "
-          f"{'cuda/nccl' if torch.cuda.is_available() else 'cpu/gloo'}, median of {args.steps} steps")
+    print(
+        f"{args.model}, {args.size}x{args.size}, batch {args.batch}/rank, {args.world} ranks, "
+        f"{'cuda/nccl' if torch.cuda.is_available() else 'cpu/gloo'}, median of {args.steps} steps"
+    )
     print(f"{'engine':<20} {'step s':>8} {'vs DDP':>7} {'MB/rank':>9} {'vs DDP/N':>9}")
     for name in r0["median_s"]:
         t = max(r["median_s"][name] for r in results)  # the slowest rank sets the pace
         b = max(r["bytes"][name] for r in results)
-        print(f"{name:<20} {t:8.3f} {t / ddp_time:7.2f} {b / 2**20:9.2f} "
-              f"{b / (ddp_bytes / args.world):9.3f}")
-    print(f"vistrain peak gathered parameters: {r0['peak_gathered'] / 2**20:.2f} MB; two largest units: "
-          f"{r0['two_largest_units'] / 2**20:.2f} MB")
+        print(f"{name:<20} {t:8.3f} {t / ddp_time:7.2f} {b / 2**20:9.2f} {b / (ddp_bytes / args.world):9.3f}")
+    print(
+        f"vistrain peak gathered parameters: {r0['peak_gathered'] / 2**20:.2f} MB; two largest units: "
+        f"{r0['two_largest_units'] / 2**20:.2f} MB"
+    )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,12 @@ LAUNCHER = REPO / "tools" / "run_distributed.py"
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="./checkpoints/demo_pretrain_then_eval", help="folder for the four runs")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", default="./checkpoints/demo_pretrain_then_eval", help="folder for the four runs"
+    )
     parser.add_argument("--overwrite", action="store_true", help="delete --out first if it exists")
     parser.add_argument("--no-knn", action="store_true", help="skip the kNN comparison")
     parser.add_argument("pretrain_overrides", nargs="*", help="extra config.A.B=v overrides for pretraining")
@@ -73,7 +77,11 @@ def main() -> int:
     pretrain_dir = out / "pretrain"
     timings = {}
     start = time.perf_counter()
-    run("pretrain", ["config=regnet_fsdp", f"config.CHECKPOINT.DIR={pretrain_dir}", *args.pretrain_overrides], timings)
+    run(
+        "pretrain",
+        ["config=regnet_fsdp", f"config.CHECKPOINT.DIR={pretrain_dir}", *args.pretrain_overrides],
+        timings,
+    )
     benchmarks = [("linear_eval", "benchmark/linear_eval_regnet")]
     if not args.no_knn:
         benchmarks.append(("knn", "benchmark/knn_regnet"))
@@ -87,16 +95,21 @@ def main() -> int:
             run(f"{engine} ({init})", argv, timings)
             results[(engine, init)] = top1(run_dir)
 
-    print("\nrun times: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in timings.items())
-          + f"; total {time.perf_counter() - start:.0f} s")
+    print(
+        "\nrun times: "
+        + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in timings.items())
+        + f"; total {time.perf_counter() - start:.0f} s"
+    )
     gains = {}
     for engine, _ in benchmarks:
         title = f"{engine}: top-1 on the 360 validation digits"
         gains[engine] = print_table(title, results[(engine, "pretrained")], results[(engine, "random")])
     ahead = gains["linear_eval"] > 0
     verdict = "ahead of" if ahead else "NOT ahead of"
-    print(f"\npretrained trunk is {verdict} random initialisation (best linear-eval gain "
-          f"{gains['linear_eval']:+.2f} points); runs in {out}")
+    print(
+        f"\npretrained trunk is {verdict} random initialisation (best linear-eval gain "
+        f"{gains['linear_eval']:+.2f} points); runs in {out}"
+    )
     return 0 if ahead else 1
 
 

@@ -24,8 +24,9 @@ from torchvision.models.regnet import ResBottleneckBlock, SimpleStemIN
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import ShardedGradScaler, auto_wrap, by_class
 
-UNITS = by_class({ResBottleneckBlock: {}, SimpleStemIN: {}, nn.Linear: {},
-                  nn.BatchNorm2d: {"keep_fp32": True}})
+UNITS = by_class(
+    {ResBottleneckBlock: {}, SimpleStemIN: {}, nn.Linear: {}, nn.BatchNorm2d: {"keep_fp32": True}}
+)
 STEPS = 6
 
 
@@ -65,9 +66,12 @@ def run(kind, rank, world, **fsdp_kwargs):
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
     state = model.module.state_dict() if kind == "ddp" else model.state_dict()
-    return {"losses": losses, "step_s": statistics.median(times[2:]),
-            "peak_mib": torch.cuda.max_memory_allocated(device) / 2**20,
-            "state": {k: v.float().cpu() for k, v in state.items()}}
+    return {
+        "losses": losses,
+        "step_s": statistics.median(times[2:]),
+        "peak_mib": torch.cuda.max_memory_allocated(device) / 2**20,
+        "state": {k: v.float().cpu() for k, v in state.items()},
+    }
 
 
 def rel(a, b):
@@ -84,10 +88,24 @@ def worker(rank, world):
         "fsdp": run("fsdp", rank, world),
         "fsdp_no_reshard": run("fsdp", rank, world, reshard_after_forward=False),
         "fsdp_offload": run("fsdp", rank, world, move_params_to_cpu=True),
-        "fsdp_bf16": run("fsdp", rank, world, mixed_precision=True, compute_dtype=torch.bfloat16,
-                         fp32_reduce_scatter=True, amp=torch.bfloat16),
-        "fsdp_fp16": run("fsdp", rank, world, mixed_precision=True, compute_dtype=torch.float16,
-                         fp32_reduce_scatter=True, amp=torch.float16),
+        "fsdp_bf16": run(
+            "fsdp",
+            rank,
+            world,
+            mixed_precision=True,
+            compute_dtype=torch.bfloat16,
+            fp32_reduce_scatter=True,
+            amp=torch.bfloat16,
+        ),
+        "fsdp_fp16": run(
+            "fsdp",
+            rank,
+            world,
+            mixed_precision=True,
+            compute_dtype=torch.float16,
+            fp32_reduce_scatter=True,
+            amp=torch.float16,
+        ),
     }
     ref = runs["ddp"]
     summary = {}
@@ -96,8 +114,10 @@ def worker(rank, world):
             "loss_rel_diff_vs_ddp_fp32": rel(r["losses"], ref["losses"]),
             "first_loss_rel_diff": abs(r["losses"][0] - ref["losses"][0]) / ref["losses"][0],
             "weights_rel_diff": max(rel(r["state"][k], ref["state"][k]) for k in ref["state"]),
-            "step_s": r["step_s"], "step_vs_ddp": r["step_s"] / ref["step_s"],
-            "peak_mib": r["peak_mib"], "finite": all(map(lambda v: v == v, r["losses"])),
+            "step_s": r["step_s"],
+            "step_vs_ddp": r["step_s"] / ref["step_s"],
+            "peak_mib": r["peak_mib"],
+            "finite": all(v == v for v in r["losses"]),
         }
     return summary
 
@@ -111,14 +131,21 @@ def main():
         return
     world = torch.cuda.device_count()
     summary = run_on_ranks(worker, world, backend="nccl")[0]
-    summary["_device"] = {"name": torch.cuda.get_device_name(0), "world_size": world,
-                          "torch": torch.__version__}
+    summary["_device"] = {
+        "name": torch.cuda.get_device_name(0),
+        "world_size": world,
+        "torch": torch.__version__,
+    }
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
         json.dump(summary, f, indent=1)
     for name, row in summary.items():
         print(name, row)
-    fp32_ok = all(summary[k]["loss_rel_diff_vs_ddp_fp32"] < 1e-4 for k in ("fsdp", "fsdp_no_reshard", "fsdp_offload"))
-    mixed_ok = all(summary[k]["finite"] and summary[k]["first_loss_rel_diff"] < 2e-2 for k in ("fsdp_bf16", "fsdp_fp16"))
+    fp32_ok = all(
+        summary[k]["loss_rel_diff_vs_ddp_fp32"] < 1e-4 for k in ("fsdp", "fsdp_no_reshard", "fsdp_offload")
+    )
+    mixed_ok = all(
+        summary[k]["finite"] and summary[k]["first_loss_rel_diff"] < 2e-2 for k in ("fsdp_bf16", "fsdp_fp16")
+    )
     print("PASS" if fp32_ok and mixed_ok else "FAIL")
 
 

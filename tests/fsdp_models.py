@@ -51,7 +51,7 @@ def global_batch(step, world, per_rank=4, size=6):
 
 def local_batch(step, rank, world, per_rank=4):
     x, y = global_batch(step, world, per_rank)
-    return x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+    return x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
 
 
 def wrap(model, nested, **kwargs):

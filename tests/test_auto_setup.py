@@ -4,18 +4,18 @@ import functools
 
 import pytest
 import torch
+from fsdp_models import max_rel_diff
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fsdp_models import max_rel_diff
 from vistrain.config import load_config
 from vistrain.distributed.sync_batchnorm import convert_sync_batchnorm
 from vistrain.distributed.testing import run_on_ranks
-from vistrain.engine.sharding import apply_activation_checkpointing, shard_model
 from vistrain.fsdp import FullyShardedDataParallel as FSDP
 from vistrain.losses import build_loss
 from vistrain.models import build_model
 from vistrain.optim import build_optimizer, param_group_key
+from vistrain.runtime.sharding import apply_activation_checkpointing, shard_model
 
 STEPS = 10
 PER_RANK = 4
@@ -32,7 +32,7 @@ def crops_for(cfg, step, rank, world):
     for count, size in zip(cfg.DATA.TRAIN.TRANSFORMS.NUM_CROPS, cfg.DATA.TRAIN.TRANSFORMS.SIZE_CROPS):
         for _ in range(count):
             crop = torch.randn(world * PER_RANK, 3, size, size, generator=gen)
-            crops.append(crop[rank * PER_RANK:(rank + 1) * PER_RANK])
+            crops.append(crop[rank * PER_RANK : (rank + 1) * PER_RANK])
     return crops
 
 
@@ -79,15 +79,21 @@ def _parity_worker(rank, world, method, overrides):
 
 CASES = {
     "sgd": [],
-    "lars_param_groups": ["config.OPTIMIZER.name=lars", "config.OPTIMIZER.regularize_bn=False",
-                          "config.OPTIMIZER.regularize_bias=False",
-                          "config.OPTIMIZER.head_lr_multiplier=2.0"],
-    "checkpointing_no_reshard": ["config.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING=True",
-                                 "config.MODEL.FSDP_CONFIG.reshard_after_forward=False"],
+    "lars_param_groups": [
+        "config.OPTIMIZER.name=lars",
+        "config.OPTIMIZER.regularize_bn=False",
+        "config.OPTIMIZER.regularize_bias=False",
+        "config.OPTIMIZER.head_lr_multiplier=2.0",
+    ],
+    "checkpointing_no_reshard": [
+        "config.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING=True",
+        "config.MODEL.FSDP_CONFIG.reshard_after_forward=False",
+    ],
     "stage_checkpointing_unflattened": [
         "config.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING=True",
         "config.MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY=stage",
-        "config.MODEL.FSDP_CONFIG.flatten_parameters=False"],
+        "config.MODEL.FSDP_CONFIG.flatten_parameters=False",
+    ],
 }
 
 
@@ -103,13 +109,21 @@ def test_auto_setup_equals_ddp(method, case):
 def _amp_worker(rank, world, method):
     """bf16: sharded (AMP + the engine's mixed precision) vs DDP (AMP) of the same recipe, and
     the first step (identical weights) vs fp32."""
-    base = ["config.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN=True",
-            "config.OPTIMIZER.param_schedulers.lr.base_value=0.005"]
+    base = [
+        "config.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN=True",
+        "config.OPTIMIZER.param_schedulers.lr.base_value=0.005",
+    ]
     fp32_losses, _, _ = run(recipe(method, *base), False, rank, world)
-    ddp_amp_losses, _, _ = run(recipe(method, *base, "config.MODEL.AMP_PARAMS.USE_AMP=True"), False, rank, world)
-    amp = recipe(method, *base,
-                 "config.MODEL.AMP_PARAMS.USE_AMP=True", "config.MODEL.FSDP_CONFIG.mixed_precision=True",
-                 "config.MODEL.FSDP_CONFIG.compute_dtype=bfloat16")
+    ddp_amp_losses, _, _ = run(
+        recipe(method, *base, "config.MODEL.AMP_PARAMS.USE_AMP=True"), False, rank, world
+    )
+    amp = recipe(
+        method,
+        *base,
+        "config.MODEL.AMP_PARAMS.USE_AMP=True",
+        "config.MODEL.FSDP_CONFIG.mixed_precision=True",
+        "config.MODEL.FSDP_CONFIG.compute_dtype=bfloat16",
+    )
     losses, state, model = run(amp, True, rank, world)
     seen = []  # dtypes BatchNorm really computes with
 
@@ -124,15 +138,20 @@ def _amp_worker(rank, world, method):
     bn_units = [u for u in model.units() if isinstance(u.module, _BatchNorm)]
     bn_keys = [k for k in state if "running" in k or k.endswith(("bn.weight", "bn.bias"))]
     first_step = abs(losses[0] - fp32_losses[0]) / fp32_losses[0]
-    return (max(max_rel_diff(losses, ddp_amp_losses), first_step), {d for s in seen for d in s},
-            all(u.keep_fp32 for u in bn_units) and len(bn_units) > 0,
-            {state[k].dtype for k in bn_keys}, model.units()[1].compute_dtype)
+    return (
+        max(max_rel_diff(losses, ddp_amp_losses), first_step),
+        {d for s in seen for d in s},
+        all(u.keep_fp32 for u in bn_units) and len(bn_units) > 0,
+        {state[k].dtype for k in bn_keys},
+        model.units()[1].compute_dtype,
+    )
 
 
 @pytest.mark.parametrize("method", ["simclr", "swav"])
 def test_bf16_amp_equals_ddp_amp_with_batchnorm_in_fp32(method):
-    loss_diff, bn_dtypes, bn_units_fp32, bn_state_dtypes, compute_dtype = \
-        run_on_ranks(_amp_worker, 2, method)[0]
+    loss_diff, bn_dtypes, bn_units_fp32, bn_state_dtypes, compute_dtype = run_on_ranks(
+        _amp_worker, 2, method
+    )[0]
     assert loss_diff < 1e-2
     assert bn_units_fp32 and bn_dtypes == {torch.float32} and bn_state_dtypes == {torch.float32}
     assert compute_dtype == torch.bfloat16

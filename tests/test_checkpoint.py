@@ -16,20 +16,29 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from fsdp_models import Block, global_batch, make_net, make_optimizer
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fsdp_models import Block, global_batch, make_net, make_optimizer
-from vistrain.checkpoint import (CheckpointError, consolidated_state_dict, find_latest_checkpoint, load_pretrained,
-                                 load_sharded_checkpoint, read_metadata, save_sharded_checkpoint, to_torchvision)
+from vistrain.checkpoint import (
+    CheckpointError,
+    EpochLayout,
+    consolidated_state_dict,
+    find_latest_checkpoint,
+    load_pretrained,
+    load_sharded_checkpoint,
+    read_metadata,
+    resume_iteration,
+    save_sharded_checkpoint,
+    to_torchvision,
+)
 from vistrain.checkpoint import save as save_module
 from vistrain.config import load_config
 from vistrain.distributed.testing import run_on_ranks
-from vistrain.engine.checkpoint import EpochLayout, resume_iteration
-from vistrain.engine.trainer import train
 from vistrain.fsdp import FullyShardedDataParallel as FSDP
 from vistrain.fsdp import auto_wrap, by_class
 from vistrain.fsdp.flat_param import shard_slices
+from vistrain.training.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
 GLOBAL = 12  # images per step: divisible by 1, 2 and 3 ranks, so every world size sees the same batch
@@ -51,7 +60,9 @@ def _build(wrapper, seed):
 def _step(model, optimizer, step, rank, world):
     x, y = global_batch(step, world=1, per_rank=GLOBAL)
     per = GLOBAL // world
-    loss = nn.functional.cross_entropy(model(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
+    loss = nn.functional.cross_entropy(
+        model(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per]
+    )
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -67,15 +78,17 @@ def _owned_state(model, optimizer):
         state = optimizer.state.get(p, {})
         if isinstance(model, FSDP):
             h = p._fsdp_handle
-            pieces = [(p._fsdp_origins[i].fqn, off, start, n)
-                      for i, off, start, n in shard_slices(p._fsdp_origins, h.world_size, h.rank)]
+            pieces = [
+                (p._fsdp_origins[i].fqn, off, start, n)
+                for i, off, start, n in shard_slices(p._fsdp_origins, h.world_size, h.rank)
+            ]
         else:
             fqn = next(n for n, q in model.module.named_parameters() if q is p)
             pieces = [(fqn, 0, 0, p.numel())]
         for fqn, off, start, n in pieces:
-            entry = {"start": start, "param": p.detach().reshape(-1)[off:off + n].clone()}
+            entry = {"start": start, "param": p.detach().reshape(-1)[off : off + n].clone()}
             for key, value in state.items():
-                entry[key] = value.reshape(-1)[off:off + n].clone() if value.dim() else value.clone()
+                entry[key] = value.reshape(-1)[off : off + n].clone() if value.dim() else value.clone()
             out[fqn] = entry
     return out
 
@@ -94,8 +107,10 @@ def _assemble(per_rank):
                 target = full.setdefault(fqn, {}).setdefault(key, {})
                 for i, v in enumerate(value.tolist()):
                     target[entry["start"] + i] = v
-    return {fqn: {k: (v if torch.is_tensor(v) else torch.tensor([v[i] for i in sorted(v)])) for k, v in d.items()}
-            for fqn, d in full.items()}
+    return {
+        fqn: {k: (v if torch.is_tensor(v) else torch.tensor([v[i] for i in sorted(v)])) for k, v in d.items()}
+        for fqn, d in full.items()
+    }
 
 
 def _save_worker(rank, world, optim_name, run_dir):
@@ -143,8 +158,14 @@ def test_resume_on_any_world_size_and_wrapper(tmp_path, optim_name):
 
 
 def _tiny(run_dir, *overrides):
-    return ["config=test/simclr_tiny", f"config.CHECKPOINT.DIR={run_dir}", "config.LOG_FREQUENCY=1",
-            "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=3", "config.CHECKPOINT.KEEP_LAST=2", *overrides]
+    return [
+        "config=test/simclr_tiny",
+        f"config.CHECKPOINT.DIR={run_dir}",
+        "config.LOG_FREQUENCY=1",
+        "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=3",
+        "config.CHECKPOINT.KEEP_LAST=2",
+        *overrides,
+    ]
 
 
 def _losses(run_dir):
@@ -172,10 +193,19 @@ def test_sigkill_mid_epoch_then_auto_resume_gives_the_same_losses(tmp_path):
     """Killed (launcher and ranks, SIGKILL) right after its first checkpoint, mid-epoch; then
     auto-resumed: the losses of every iteration equal those of an uninterrupted run."""
     argv = _tiny(tmp_path / "killed", "config.OPTIMIZER.num_epochs=6")  # 24 iterations, 4 per epoch
-    proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "run_distributed.py"), *argv], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "tools" / "run_distributed.py"), *argv],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.time() + 120
-    while find_latest_checkpoint(str(tmp_path / "killed")) is None and proc.poll() is None and time.time() < deadline:
+    while (
+        find_latest_checkpoint(str(tmp_path / "killed")) is None
+        and proc.poll() is None
+        and time.time() < deadline
+    ):
         time.sleep(0.005)
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks, wherever they are
     proc.wait()
@@ -204,17 +234,26 @@ def test_interrupted_save_leaves_the_previous_checkpoint_to_resume(tmp_path):
     assert not (tmp_path / "checkpoint_4.tmp").exists() and not (tmp_path / "checkpoint_3").exists()
 
 
-@pytest.mark.parametrize("saved, now, expected", [
-    ((4, 8, 2), (4, 8, 1), 6),  # unchanged: exact (epoch 1, 2 iterations in)
-    ((4, 8, 2), (2, 16, 1), 3),  # 16 samples done = 1 batch of 16
-    ((4, 8, 3), (3, 12, 1), 5),  # 24 samples = 2 batches of 12
-    ((4, 8, 1), (3, 12, 1), 3),  # 8 samples: restart the epoch at its start (8 seen again)
-    ((4, 8, 3), (8, 4, 2), 14),  # 24 samples = 6 batches of 4, accumulation groups of 2
-])
+@pytest.mark.parametrize(
+    "saved, now, expected",
+    [
+        ((4, 8, 2), (4, 8, 1), 6),  # unchanged: exact (epoch 1, 2 iterations in)
+        ((4, 8, 2), (2, 16, 1), 3),  # 16 samples done = 1 batch of 16
+        ((4, 8, 3), (3, 12, 1), 5),  # 24 samples = 2 batches of 12
+        ((4, 8, 1), (3, 12, 1), 3),  # 8 samples: restart the epoch at its start (8 seen again)
+        ((4, 8, 3), (8, 4, 2), 14),  # 24 samples = 6 batches of 4, accumulation groups of 2
+    ],
+)
 def test_resume_position_maps_samples_seen(saved, now, expected):
     ipe, batch, done = saved
-    meta = {"epoch": 1, "iteration_in_epoch": done, "iteration": ipe + done, "iters_per_epoch": ipe,
-            "global_batch": batch, "num_samples": 32}
+    meta = {
+        "epoch": 1,
+        "iteration_in_epoch": done,
+        "iteration": ipe + done,
+        "iters_per_epoch": ipe,
+        "global_batch": batch,
+        "num_samples": 32,
+    }
     layout = EpochLayout(now[0], now[1], 32, now[2])
     assert resume_iteration(meta, layout, "ckpt") == expected
     with pytest.raises(ValueError, match="trained on 32 samples, this run has 40"):
@@ -227,7 +266,11 @@ def test_resume_position_maps_samples_seen(saved, now, expected):
 
 def _sharded_recipe_worker(rank, world, run_dir):
     run_dir = Path(run_dir)
-    train(load_config(_tiny(run_dir, "config.OPTIMIZER.num_epochs=1", "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=true")))
+    train(
+        load_config(
+            _tiny(run_dir, "config.OPTIMIZER.num_epochs=1", "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=true")
+        )
+    )
 
 
 def test_conversion_to_torchvision_and_consolidated(tmp_path):
@@ -253,18 +296,27 @@ def test_conversion_to_torchvision_and_consolidated(tmp_path):
     consolidated = consolidated_state_dict(ckpt)
     assert consolidated.keys() == ours.state_dict().keys()
     assert all(torch.equal(v, ours.state_dict()[k]) for k, v in consolidated.items())
-    assert tv_state.keys() == {k[len("trunk."):] for k in consolidated if k.startswith("trunk.")}
+    assert tv_state.keys() == {k[len("trunk.") :] for k in consolidated if k.startswith("trunk.")}
     tool = [sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), ckpt]
     out = subprocess.run([*tool, "--inspect"], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0 and "iteration 4, epoch 1" in out.stdout and "written by 2 ranks" in out.stdout
-    out = subprocess.run([*tool, "--to-consolidated", str(tmp_path / "c.pt")], capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run(
+        [*tool, "--to-consolidated", str(tmp_path / "c.pt")], capture_output=True, text=True, cwd=REPO
+    )
     assert out.returncode == 0, out.stderr
     written = torch.load(tmp_path / "c.pt", weights_only=True)
     assert all(torch.equal(written[k], v) for k, v in consolidated.items())
     # the trainer initialises from PARAMS_FILE (the consolidated file); lr 0 keeps the weights
-    run_on_ranks(_train_worker, 1, _tiny(tmp_path / "init", "config.OPTIMIZER.num_epochs=1",
-                                         "config.OPTIMIZER.param_schedulers.lr.base_value=0",
-                                         f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={tmp_path / 'c.pt'}"))
+    run_on_ranks(
+        _train_worker,
+        1,
+        _tiny(
+            tmp_path / "init",
+            "config.OPTIMIZER.num_epochs=1",
+            "config.OPTIMIZER.param_schedulers.lr.base_value=0",
+            f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={tmp_path / 'c.pt'}",
+        ),
+    )
     initialised = consolidated_state_dict(str(tmp_path / "init"))
     params = [k for k, _ in ours.named_parameters()]
     assert all(torch.equal(initialised[k], consolidated[k]) for k in params)
@@ -295,8 +347,9 @@ def test_load_pretrained_maps_prefixes_skips_and_reports(tmp_path):
     torch.save({"model": {f"module.{k}": v for k, v in source.state_dict().items()}}, tmp_path / "c.pt")
     target = make_net(1)
     untouched = target.twice.weight.detach().clone()
-    report = load_pretrained(target, _weights_cfg(cfg, str(tmp_path / "c.pt"), REMOVE_PREFIX="module.",
-                                                  SKIP_LAYERS=["twice."]))
+    report = load_pretrained(
+        target, _weights_cfg(cfg, str(tmp_path / "c.pt"), REMOVE_PREFIX="module.", SKIP_LAYERS=["twice."])
+    )
     assert report.skipped == ["twice.weight", "twice.bias"] and not report.missing and not report.unexpected
     assert torch.equal(target.stem.weight, source.stem.weight) and torch.equal(target.twice.weight, untouched)
     outer = nn.Sequential()
@@ -316,7 +369,9 @@ def test_checkpoint_of_another_model_gives_a_one_line_error(tmp_path):
     with pytest.raises(CheckpointError) as err:
         load_sharded_checkpoint(path, Net(channels=6), None)
     assert "\n" not in str(err.value) and path in str(err.value)
-    assert "stem.weight has shape (5, 3, 3, 3) in the checkpoint but (6, 3, 3, 3) in the model" in str(err.value)
+    assert "stem.weight has shape (5, 3, 3, 3) in the checkpoint but (6, 3, 3, 3) in the model" in str(
+        err.value
+    )
     with pytest.raises(CheckpointError, match=r"the model's parameter '0.weight' is not in the checkpoint"):
         load_sharded_checkpoint(path, nn.Sequential(nn.Linear(2, 2)), None)
     cfg = load_config(["config=test/simclr_tiny"])
@@ -341,7 +396,7 @@ class _RunsCode:
 def test_truncated_corrupt_and_code_carrying_files_give_one_line_errors(tmp_path):
     path, _ = _plain_checkpoint(tmp_path / "run")
     rank0 = Path(path, "rank0.pt")
-    rank0.write_bytes(rank0.read_bytes()[:rank0.stat().st_size // 2])
+    rank0.write_bytes(rank0.read_bytes()[: rank0.stat().st_size // 2])
     with pytest.raises(CheckpointError) as err:
         load_sharded_checkpoint(path, make_net(0), None)
     assert str(err.value).startswith(f"{rank0}: corrupt, truncated or unsafe checkpoint file")
@@ -366,7 +421,7 @@ def _torch_sharded(seed):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from vistrain.engine.sharding import TorchShardedModel
+    from vistrain.runtime.sharding import TorchShardedModel
 
     net = make_net(seed)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -377,7 +432,10 @@ def _torch_sharded(seed):
 
 
 def _torch_backend_worker(rank, world, run_dir, save_with, load_with):
-    build = {"torch": _torch_sharded, "fsdp": lambda seed: auto_wrap(make_net(seed), by_class([Block, nn.Linear]))}
+    build = {
+        "torch": _torch_sharded,
+        "fsdp": lambda seed: auto_wrap(make_net(seed), by_class([Block, nn.Linear])),
+    }
     if save_with is not None:
         model = build[save_with](0)
         optimizer = make_optimizer("adamw", model.parameters())

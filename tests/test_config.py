@@ -39,14 +39,16 @@ def test_base_chain_and_overrides():
 
 
 def test_override_values_are_yaml_literals_checked_against_defaults():
-    cfg = load_config([
-        "config.OPTIMIZER.weight_decay=0",  # int accepted for a float, stored as float
-        "config.MODEL.HEAD.DIMS=[16, 8]",
-        "config.DATA.TRAIN.TRANSFORMS.CROP_SCALES=[[0, 1]]",
-        "config.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN=true",
-        "config.DISTRIBUTED.RUN_ID=10.0.0.1:29500",  # str keys take the text verbatim
-        "config.CHECKPOINT.DIR=2024",
-    ])
+    cfg = load_config(
+        [
+            "config.OPTIMIZER.weight_decay=0",  # int accepted for a float, stored as float
+            "config.MODEL.HEAD.DIMS=[16, 8]",
+            "config.DATA.TRAIN.TRANSFORMS.CROP_SCALES=[[0, 1]]",
+            "config.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN=true",
+            "config.DISTRIBUTED.RUN_ID=10.0.0.1:29500",  # str keys take the text verbatim
+            "config.CHECKPOINT.DIR=2024",
+        ]
+    )
     assert cfg.OPTIMIZER.weight_decay == 0.0 and isinstance(cfg.OPTIMIZER.weight_decay, float)
     assert cfg.MODEL.HEAD.DIMS == [16, 8]
     assert cfg.DATA.TRAIN.TRANSFORMS.CROP_SCALES == [[0.0, 1.0]]
@@ -56,15 +58,19 @@ def test_override_values_are_yaml_literals_checked_against_defaults():
 
 
 def test_later_override_wins_and_position_of_config_name_does_not_matter():
-    cfg = load_config(["config.OPTIMIZER.num_epochs=3", "config=test/simclr_tiny", "config.OPTIMIZER.num_epochs=4"])
+    cfg = load_config(
+        ["config.OPTIMIZER.num_epochs=3", "config=test/simclr_tiny", "config.OPTIMIZER.num_epochs=4"]
+    )
     assert cfg.OPTIMIZER.num_epochs == 4
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["config.OPTIMIZER.nmu_epochs=1"],
-         "unknown config key OPTIMIZER.nmu_epochs; did you mean OPTIMIZER.num_epochs?"),
+        (
+            ["config.OPTIMIZER.nmu_epochs=1"],
+            "unknown config key OPTIMIZER.nmu_epochs; did you mean OPTIMIZER.num_epochs?",
+        ),
         (["config.OPTIMZER.num_epochs=1"], "did you mean OPTIMIZER.num_epochs?"),
         (["config.DATA.TRAIN.BATCHSIZE=1"], "did you mean DATA.TRAIN.BATCHSIZE_PER_REPLICA?"),
         (["config.OPTIMIZER.zzzz=1"], "unknown config key OPTIMIZER.zzzz; valid keys in OPTIMIZER: betas,"),
@@ -162,7 +168,10 @@ def test_save_config_round_trips(tmp_path):
 def _cli(*argv):
     return subprocess.run(
         [sys.executable, str(REPO / "tools" / "run_distributed.py"), *argv],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
 
 

@@ -51,7 +51,9 @@ def _write_png(path, value=128, side=12):
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_sampler_partition(world, num_samples, batch, shuffle):
     def parts(epoch, drop_last):
-        return [rank_indices(num_samples, world, r, batch, 7, epoch, shuffle, drop_last) for r in range(world)]
+        return [
+            rank_indices(num_samples, world, r, batch, 7, epoch, shuffle, drop_last) for r in range(world)
+        ]
 
     # drop_last: disjoint, whole batches only, equal lengths, the dropped tail smaller than a global batch
     if num_samples >= batch * world:
@@ -326,7 +328,9 @@ def test_demo_digits_is_idempotent_and_complete(demo_cache):
         sizes[split] = len(dataset)
         assert sorted(set(dataset.targets)) == list(range(10))
     assert sizes == {"train": 1437, "val": 360}
-    with Image.open(os.path.join(root, "val", "0", sorted(os.listdir(os.path.join(root, "val", "0")))[0])) as image:
+    with Image.open(
+        os.path.join(root, "val", "0", sorted(os.listdir(os.path.join(root, "val", "0")))[0])
+    ) as image:
         assert image.size == (32, 32) and image.mode == "RGB"
     assert [e for e in os.listdir(demo_cache) if ".tmp-" in e] == []
 
@@ -375,8 +379,11 @@ def _rank_batches(rank, world):
     loader = build_loader(cfg, "TRAIN", seed=11, device=CPU)  # rank and world from torch.distributed
     set_epoch(loader, 3)
     batches = list(loader)
-    return {"index": torch.cat([b["index"] for b in batches]), "crops": torch.cat([b["crops"][0] for b in batches]),
-            "len": len(loader)}
+    return {
+        "index": torch.cat([b["index"] for b in batches]),
+        "crops": torch.cat([b["crops"][0] for b in batches]),
+        "len": len(loader),
+    }
 
 
 def test_loader_on_gloo_ranks_matches_single_process():

@@ -5,11 +5,20 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
+from fsdp_models import (
+    Block,
+    Net,
+    ddp_reference,
+    local_batch,
+    make_net,
+    make_optimizer,
+    max_rel_diff,
+    train,
+    wrap,
+)
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_models import (Block, Net, ddp_reference, local_batch, make_net, make_optimizer,
-                         max_rel_diff, train, wrap)
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import FullyShardedDataParallel as FSDP
 from vistrain.fsdp import ShardedGradScaler, auto_wrap, by_class, gathered, origin_sq_norms, params_of
@@ -39,8 +48,8 @@ def test_shard_slices_reassemble_each_parameter(world):
     covered = [torch.zeros(o.numel) for o in origins]
     for rank in range(world):
         for idx, s_start, p_start, length in shard_slices(origins, world, rank):
-            assert 0 <= s_start and s_start + length <= shard_size(offset, world)
-            covered[idx][p_start:p_start + length] += 1
+            assert s_start >= 0 and s_start + length <= shard_size(offset, world)
+            covered[idx][p_start : p_start + length] += 1
     assert all(bool((c == 1).all()) for c in covered)
 
 
@@ -54,7 +63,9 @@ def _parity_worker(rank, world):
             optimizer = make_optimizer(optim_name, model.parameters())
             losses = train(model, optimizer, rank, world)
             results[(optim_name, nested, reshard)] = (
-                max_rel_diff(losses, ref_losses), max_rel_diff(model.state_dict(), ref_state))
+                max_rel_diff(losses, ref_losses),
+                max_rel_diff(model.state_dict(), ref_state),
+            )
     shard_numels = [p.numel() for p in wrap(make_net(), True).parameters()]
     return results, shard_numels
 
@@ -89,15 +100,18 @@ def _features_worker(rank, world):
 
     ref = ddp_reference("sgd", rank, world)[0]
     model = wrap(make_net(), True, flatten_parameters=False)
-    out["unflattened"] = max_rel_diff(train(model, make_optimizer("sgd", model.parameters()), rank, world), ref)
+    out["unflattened"] = max_rel_diff(
+        train(model, make_optimizer("sgd", model.parameters()), rank, world), ref
+    )
 
     # On a CPU-only machine the compute device is the CPU too: this checks the offload
     # bookkeeping (shard device, gradient copies), not the transfer speed.
     model = wrap(make_net(), True, move_params_to_cpu=True)
     out["offload"] = max_rel_diff(train(model, make_optimizer("sgd", model.parameters()), rank, world), ref)
 
-    model = wrap(make_net(), True, mixed_precision=True, compute_dtype=torch.bfloat16,
-                 fp32_reduce_scatter=True)
+    model = wrap(
+        make_net(), True, mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True
+    )
     out["bf16"] = max_rel_diff(train(model, make_optimizer("sgd", model.parameters()), rank, world), ref)
     out["bf16_master_dtype"] = {p.dtype for p in model.parameters()} == {torch.float32}
     return out
@@ -149,19 +163,25 @@ def _frozen_checkpointed_worker(rank, world):
     reference = FrozenStemNet()
     reference.load_state_dict(plain.state_dict())
     ddp = torch.nn.parallel.DistributedDataParallel(reference)
-    ref_losses = train(ddp, make_optimizer("sgd", [p for p in ddp.parameters() if p.requires_grad]),
-                       rank, world)
+    ref_losses = train(
+        ddp, make_optimizer("sgd", [p for p in ddp.parameters() if p.requires_grad]), rank, world
+    )
     model = auto_wrap(plain, by_class([CheckpointedBlock, nn.Linear]))
     trainable = [p for p in model.parameters() if p.requires_grad]
     losses = train(model, make_optimizer("sgd", trainable), rank, world)
     frozen_unchanged = torch.equal(model.state_dict()["stem.weight"], ddp.module.stem.weight)
-    return max_rel_diff(losses, ref_losses), max_rel_diff(model.state_dict(), ddp.module.state_dict()), \
-        len(trainable) < len(list(model.parameters())), frozen_unchanged
+    return (
+        max_rel_diff(losses, ref_losses),
+        max_rel_diff(model.state_dict(), ddp.module.state_dict()),
+        len(trainable) < len(list(model.parameters())),
+        frozen_unchanged,
+    )
 
 
 def test_frozen_parameters_and_activation_checkpointing_equal_ddp():
-    loss_diff, state_diff, has_frozen_shards, frozen_unchanged = \
-        run_on_ranks(_frozen_checkpointed_worker, 2)[0]
+    loss_diff, state_diff, has_frozen_shards, frozen_unchanged = run_on_ranks(_frozen_checkpointed_worker, 2)[
+        0
+    ]
     assert loss_diff < TOL and state_diff < TOL and has_frozen_shards and frozen_unchanged
 
 
@@ -191,8 +211,13 @@ def _state_dict_worker(rank, world):
     bad = dict(full, **{"head.bias": torch.zeros(3)})
     with pytest.raises(RuntimeError, match="head.bias: shape"):
         other.load_state_dict(bad)
-    return sorted(full) == sorted(make_net().state_dict()), same_output, full_roundtrip, \
-        local_roundtrip, written
+    return (
+        sorted(full) == sorted(make_net().state_dict()),
+        same_output,
+        full_roundtrip,
+        local_roundtrip,
+        written,
+    )
 
 
 def test_full_and_local_state_dicts_round_trip():
@@ -210,7 +235,7 @@ def _norms_worker(rank, world):
     for p, n in zip(params, norms):
         for idx, s_start, _, length in shard_slices(p._fsdp_origins, world, rank):
             expect = reference[p._fsdp_origins[idx].fqn]
-            worst = max(worst, (n[s_start:s_start + length] - expect).abs().max().item() / expect.item())
+            worst = max(worst, (n[s_start : s_start + length] - expect).abs().max().item() / expect.item())
     return worst
 
 

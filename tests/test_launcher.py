@@ -42,8 +42,10 @@ def test_single_node_spawn_plan_picks_a_free_local_port():
 
 def test_multi_node_plan_uses_node_id_and_run_id():
     plan = _plan(
-        "config.DISTRIBUTED.NUM_NODES=3", "config.DISTRIBUTED.NUM_PROC_PER_NODE=4",
-        "config.DISTRIBUTED.NODE_ID=2", "config.DISTRIBUTED.RUN_ID=node0.cluster:29501",
+        "config.DISTRIBUTED.NUM_NODES=3",
+        "config.DISTRIBUTED.NUM_PROC_PER_NODE=4",
+        "config.DISTRIBUTED.NODE_ID=2",
+        "config.DISTRIBUTED.RUN_ID=node0.cluster:29501",
     )
     assert (plan.world_size, plan.first_rank, plan.local_ranks) == (12, 8, 4)
     assert plan.init_method == "tcp://node0.cluster:29501"
@@ -90,8 +92,13 @@ def test_joins_torchrun_environment_without_spawning():
 
 
 def test_joins_slurm_tasks():
-    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
-           "SLURM_JOB_NODELIST": "gpu[007-008]", "SLURM_JOB_ID": "12345"}
+    env = {
+        "SLURM_PROCID": "3",
+        "SLURM_NTASKS": "4",
+        "SLURM_LOCALID": "1",
+        "SLURM_JOB_NODELIST": "gpu[007-008]",
+        "SLURM_JOB_ID": "12345",
+    }
     plan = _plan("config.DISTRIBUTED.NUM_NODES=2", "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", environ=env)
     assert not plan.spawn
     assert (plan.world_size, plan.first_rank, plan.local_rank) == (4, 3, 1)
@@ -107,7 +114,13 @@ def test_single_slurm_task_spawns_its_local_ranks():
 
 @pytest.mark.parametrize(
     "nodelist, host",
-    [("n1", "n1"), ("n1,n2", "n1"), ("gpu[003-005,9],cpu1", "gpu003"), ("a[1,2],b[3]", "a1"), ("x-y[10]", "x-y10")],
+    [
+        ("n1", "n1"),
+        ("n1,n2", "n1"),
+        ("gpu[003-005,9],cpu1", "gpu003"),
+        ("a[1,2],b[3]", "a1"),
+        ("x-y[10]", "x-y10"),
+    ],
 )
 def test_first_slurm_host(nodelist, host):
     assert first_slurm_host(nodelist) == host
@@ -153,7 +166,10 @@ def _collectives_forever(cfg):
 
 def _run_script(mode: str, run_dir: Path):
     return subprocess.Popen(
-        [sys.executable, str(HERE), mode, str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, str(HERE), mode, str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 

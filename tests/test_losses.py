@@ -112,16 +112,10 @@ def test_simclr_distributed_equals_single_process(world):
     ref = SimCLRLoss(TEMPERATURE)(ref1, ref2)
     ref.backward()
     results = run_on_ranks(_simclr_worker, world, z1, z2)
-    torch.testing.assert_close(
-        sum(r[0] for r in results) / world, ref.detach(), rtol=1e-12, atol=1e-12
-    )
+    torch.testing.assert_close(sum(r[0] for r in results) / world, ref.detach(), rtol=1e-12, atol=1e-12)
     for rank, (_, g1, g2) in enumerate(results):
-        torch.testing.assert_close(
-            g1, world * rank_slice(ref1.grad, rank, world), rtol=1e-10, atol=1e-12
-        )
-        torch.testing.assert_close(
-            g2, world * rank_slice(ref2.grad, rank, world), rtol=1e-10, atol=1e-12
-        )
+        torch.testing.assert_close(g1, world * rank_slice(ref1.grad, rank, world), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(g2, world * rank_slice(ref2.grad, rank, world), rtol=1e-10, atol=1e-12)
         # The negatives of the other ranks matter: the purely local loss differs.
         local = SimCLRLoss(TEMPERATURE)(rank_slice(z1, rank, world), rank_slice(z2, rank, world))
         assert not torch.allclose(local, results[rank][0])
@@ -134,9 +128,7 @@ def _projector(seed=0):
 
 def _simclr_ddp_worker(rank, world, x1, x2):
     model = DDP(_projector())
-    loss = SimCLRLoss(TEMPERATURE)(
-        model(rank_slice(x1, rank, world)), model(rank_slice(x2, rank, world))
-    )
+    loss = SimCLRLoss(TEMPERATURE)(model(rank_slice(x1, rank, world)), model(rank_slice(x2, rank, world)))
     loss.backward()
     return [p.grad for p in model.parameters()]
 
@@ -193,9 +185,7 @@ def test_sinkhorn_low_precision_scores_are_finite_and_close_to_fp32(dtype):
     codes = sinkhorn_knopp(low, epsilon=0.05, iterations=3)
     assert codes.dtype == torch.float32 and torch.isfinite(codes).all()
     # Computed in fp32 from the rounded scores: equal to the float64 algorithm on those values.
-    torch.testing.assert_close(
-        codes.double(), naive_sinkhorn(low.double(), 0.05, 3), rtol=1e-5, atol=1e-6
-    )
+    torch.testing.assert_close(codes.double(), naive_sinkhorn(low.double(), 0.05, 3), rtol=1e-5, atol=1e-6)
     # And close to the codes of the unrounded scores.
     torch.testing.assert_close(codes, sinkhorn_knopp(scores, 0.05, 3), rtol=0.1, atol=0.02)
 
@@ -205,9 +195,7 @@ def test_sinkhorn_global_max_shift_prevents_overflow():
     scores = (6 + 0.5 * F.normalize(randn(10, 4, seed=10, dtype=torch.float32), dim=1)).bfloat16()
     assert torch.isinf(torch.exp(scores.float() / 0.05)).any()
     codes = sinkhorn_knopp(scores, epsilon=0.05, iterations=3)
-    torch.testing.assert_close(
-        codes.double(), naive_sinkhorn(scores.double(), 0.05, 3), rtol=1e-5, atol=1e-6
-    )
+    torch.testing.assert_close(codes.double(), naive_sinkhorn(scores.double(), 0.05, 3), rtol=1e-5, atol=1e-6)
 
 
 def test_sinkhorn_underflow_gives_zero_codes_not_nan():
@@ -224,9 +212,7 @@ def test_sinkhorn_underflow_gives_zero_codes_not_nan():
 
 
 def swav_loss(**kw):
-    args = dict(
-        temperature=TEMPERATURE, epsilon=0.05, sinkhorn_iterations=3, crops_for_assign=[0, 1]
-    )
+    args = dict(temperature=TEMPERATURE, epsilon=0.05, sinkhorn_iterations=3, crops_for_assign=[0, 1])
     return SwAVLoss(**{**args, **kw})
 
 
@@ -276,28 +262,20 @@ def test_swav_distributed_equals_single_process(world):
     ref.backward()
     plain = [s.detach() for s in scores]
     results = run_on_ranks(_swav_worker, world, plain, [0, 2])
-    torch.testing.assert_close(
-        sum(r[0] for r in results) / world, ref.detach(), rtol=1e-10, atol=1e-12
-    )
+    torch.testing.assert_close(sum(r[0] for r in results) / world, ref.detach(), rtol=1e-10, atol=1e-12)
     for rank, (_, grads) in enumerate(results):
         for got, s in zip(grads, scores):
-            torch.testing.assert_close(
-                got, world * rank_slice(s.grad, rank, world), rtol=1e-10, atol=1e-12
-            )
+            torch.testing.assert_close(got, world * rank_slice(s.grad, rank, world), rtol=1e-10, atol=1e-12)
 
 
 def test_swav_queue_starts_at_epoch_fills_then_joins_sinkhorn():
     n, k, d, length = 4, 5, 3, 8
     loss = swav_loss(queue_length=length, start_queue_at_epoch=1)
     weight = F.normalize(randn(k, d, seed=20), dim=1)
-    steps = [
-        [F.normalize(randn(n, d, seed=30 + 2 * i + c), dim=1) for c in range(2)] for i in range(4)
-    ]
+    steps = [[F.normalize(randn(n, d, seed=30 + 2 * i + c), dim=1) for c in range(2)] for i in range(4)]
     scores = [[e @ weight.t() for e in emb] for emb in steps]
 
-    assert (
-        loss(scores[0]) is not None and loss.queue is None
-    )  # epoch 0: no queue, no embeddings needed
+    assert loss(scores[0]) is not None and loss.queue is None  # epoch 0: no queue, no embeddings needed
     loss.set_epoch(1)
     with pytest.raises(ValueError, match="pass the per-crop embeddings"):
         loss(scores[0])
@@ -309,9 +287,7 @@ def test_swav_queue_starts_at_epoch_fills_then_joins_sinkhorn():
     # Newest first: step 1's embeddings, then step 0's, per assign crop.
     torch.testing.assert_close(loss.queue[1], torch.cat([steps[1][1], steps[0][1]]))
     without_prototypes = loss(scores[2], steps[2])  # queue full but nothing to score it with
-    torch.testing.assert_close(
-        without_prototypes, naive_swav(scores[2], TEMPERATURE, 0.05, 3, [0, 1])
-    )
+    torch.testing.assert_close(without_prototypes, naive_swav(scores[2], TEMPERATURE, 0.05, 3, [0, 1]))
     queued = [loss.queue[i] @ weight.t() for i in range(2)]
     expected = naive_swav(scores[3], TEMPERATURE, 0.05, 3, [0, 1], extra=queued)
     torch.testing.assert_close(loss(scores[3], steps[3], weight), expected)
@@ -354,9 +330,7 @@ def plain_sharding_helpers(monkeypatch):
     if not hasattr(vistrain.fsdp, "params_of"):
         monkeypatch.setattr(vistrain.fsdp, "params_of", lambda m: m.parameters(), raising=False)
     if not hasattr(vistrain.fsdp, "gathered"):
-        monkeypatch.setattr(
-            vistrain.fsdp, "gathered", lambda m: contextlib.nullcontext(), raising=False
-        )
+        monkeypatch.setattr(vistrain.fsdp, "gathered", lambda m: contextlib.nullcontext(), raising=False)
 
 
 def test_simclr_criterion_splits_views():
@@ -424,9 +398,7 @@ def test_swav_criterion_scores_queue_with_prototypes_of_last_step(plain_sharding
     expected = naive_swav(
         [s.double() for s in layers], TEMPERATURE, 0.05, 3, [0, 1], [q.double() for q in queued]
     )
-    torch.testing.assert_close(
-        criterion((z, [scores]), num_crops=2).double(), expected, rtol=1e-5, atol=1e-6
-    )
+    torch.testing.assert_close(criterion((z, [scores]), num_crops=2).double(), expected, rtol=1e-5, atol=1e-6)
     assert math.isfinite(expected.item())
 
 
@@ -467,8 +439,7 @@ def test_swav_criterion_on_sharded_prototypes_equals_single_process():
     # run (real vistrain.fsdp, gloo) ends with the parameters of one process on the whole batch.
     world = 2
     batches = [
-        [randn(4 * world, 6, seed=40 + 2 * i + c, dtype=torch.float32) for c in range(2)]
-        for i in range(2)
+        [randn(4 * world, 6, seed=40 + 2 * i + c, dtype=torch.float32) for c in range(2)] for i in range(2)
     ]
     results = run_on_ranks(_sharded_swav_worker, world, batches)
     head, criterion = _swav_setup()
@@ -479,6 +450,4 @@ def test_swav_criterion_on_sharded_prototypes_equals_single_process():
     assert set(state) == set(head.state_dict())
     for key, value in head.state_dict().items():
         torch.testing.assert_close(state[key], value, msg=key)
-        assert not torch.equal(
-            value, start[key]
-        ), key  # every parameter moved (prototypes at step 1)
+        assert not torch.equal(value, start[key]), key  # every parameter moved (prototypes at step 1)

@@ -63,9 +63,7 @@ def test_published_design_parameters_match_torchvision_builders(monkeypatch):
     assert len(names) == 15
     for name in names:
         expected = describe(getattr(tv_regnet, name)())
-        assert (
-            describe(block_params_from_config(published_cfg(name).TRUNK.REGNET)) == expected
-        ), name
+        assert describe(block_params_from_config(published_cfg(name).TRUNK.REGNET)) == expected, name
 
 
 @pytest.mark.parametrize("name", ["regnet_y_400mf", "regnet_y_800mf", "regnet_x_400mf"])
@@ -107,9 +105,7 @@ def test_trunk_keeps_torchvision_classes_and_names():
     ]
     blocks = [m for m in trunk.modules() if isinstance(m, ResBottleneckBlock)]
     assert len(blocks) == 5  # depths [1, 1, 2, 1]
-    assert all(
-        isinstance(m, nn.BatchNorm2d) for m in trunk.modules() if "BatchNorm" in type(m).__name__
-    )
+    assert all(isinstance(m, nn.BatchNorm2d) for m in trunk.modules() if "BatchNorm" in type(m).__name__)
 
 
 def test_out_features_shapes_and_feature_dims():
@@ -141,9 +137,7 @@ def test_state_dict_converts_to_torchvision_and_gives_the_same_features():
     params = block_params_from_config(cfg.TRUNK.REGNET)
     reference = tv_regnet.RegNet(params, stem_width=8, norm_layer=nn.BatchNorm2d)
     reference.fc = nn.Identity()
-    reference.load_state_dict(
-        to_torchvision_state_dict(model.state_dict(), prefix="trunk."), strict=True
-    )
+    reference.load_state_dict(to_torchvision_state_dict(model.state_dict(), prefix="trunk."), strict=True)
     model.eval(), reference.eval()
     x = torch.randn(3, 3, 32, 32)
     torch.testing.assert_close(reference(x), model.trunk(x)["avgpool"], rtol=0, atol=0)
@@ -169,9 +163,7 @@ def test_trunk_config_errors():
         build_trunk(model_cfg(out_features=[]).TRUNK)
     cfg = model_cfg()
     cfg.TRUNK.NAME = "resnet"
-    with pytest.raises(
-        ValueError, match=r"unknown MODEL.TRUNK.NAME 'resnet'; valid names: \['regnet'\]"
-    ):
+    with pytest.raises(ValueError, match=r"unknown MODEL.TRUNK.NAME 'resnet'; valid names: \['regnet'\]"):
         build_model(cfg)
 
 
@@ -190,9 +182,7 @@ def test_simclr_mlp_layers(use_bn):
 def test_swav_head_outputs_and_prototype_normalisation():
     cfg = model_cfg(head="swav")
     head = build_head(cfg.HEAD)
-    assert isinstance(head, SwAVHead) and all(
-        isinstance(p, SwAVPrototypes) for p in head.prototypes
-    )
+    assert isinstance(head, SwAVHead) and all(isinstance(p, SwAVPrototypes) for p in head.prototypes)
     assert all(p.bias is None for p in head.prototypes)
     for p in head.prototypes:  # unit-norm from construction on
         torch.testing.assert_close(p.weight.norm(dim=1), torch.ones(p.weight.shape[0]))

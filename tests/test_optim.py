@@ -54,9 +54,7 @@ def test_param_group_key_rules():
     assert param_group_key("header.weight", lin, None, cfg) == "decay"  # only "head." counts
     ln, gn = nn.LayerNorm(2), nn.GroupNorm(1, 2)
     assert (
-        param_group_key("x.weight", ln, None, cfg)
-        == param_group_key("y.bias", gn, None, cfg)
-        == "no_decay"
+        param_group_key("x.weight", ln, None, cfg) == param_group_key("y.bias", gn, None, cfg) == "no_decay"
     )
     lars = _opt_cfg(name="lars", regularize_bn=True)
     assert param_group_key("t.bias", conv, None, lars) == "decay_lars_exclude"
@@ -123,9 +121,7 @@ def test_adamw_and_lars_builders():
 
 
 def test_builder_errors():
-    with pytest.raises(
-        ValueError, match=r"unknown optimizer 'adam'; valid: \['adamw', 'lars', 'sgd'\]"
-    ):
+    with pytest.raises(ValueError, match=r"unknown optimizer 'adam'; valid: \['adamw', 'lars', 'sgd'\]"):
         build_optimizer(_opt_cfg(name="adam"), _Model())
     frozen = nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameters"):
@@ -147,9 +143,7 @@ class _FakeSharded(nn.Module):
             for pname, p in module.named_parameters(recurse=False):
                 fqn = f"{mname}.{pname}"
                 key = param_group_key(fqn, module, p, opt_cfg) if split_key else "all"
-                by_group.setdefault(key, []).append(
-                    SimpleNamespace(fqn=fqn, module=module, shape=p.shape)
-                )
+                by_group.setdefault(key, []).append(SimpleNamespace(fqn=fqn, module=module, shape=p.shape))
         self.flats = nn.ParameterList()
         for origins in by_group.values():
             flat = nn.Parameter(torch.zeros(sum(math.prod(o.shape) for o in origins) // 2 + 1))
@@ -175,8 +169,7 @@ def test_shard_mixing_groups_is_an_error():
     model, cfg = _Model(), _opt_cfg()
     with pytest.raises(
         ValueError,
-        match="flat shard mixes param groups: trunk.0.weight is 'decay' but "
-        "trunk.1.weight is 'no_decay'",
+        match="flat shard mixes param groups: trunk.0.weight is 'decay' but trunk.1.weight is 'no_decay'",
     ):
         build_optimizer(cfg, _FakeSharded(model, cfg, split_key=False))
     empty = _FakeSharded(nn.Linear(2, 2), cfg)
@@ -258,9 +251,7 @@ def test_lars_on_flat_shard_uses_per_original_norms(monkeypatch):
     grads = [(torch.randn(6, generator=gen), torch.randn(4, generator=gen)) for _ in range(2)]
     flat = nn.Parameter(torch.cat([a, b, torch.zeros(2)]))
     separate = [nn.Parameter(a.clone()), nn.Parameter(b.clone())]
-    monkeypatch.setattr(
-        lars_module, "_origin_sq_norms", _segment_sq_norms({id(flat): [(0, 6), (6, 10)]})
-    )
+    monkeypatch.setattr(lars_module, "_origin_sq_norms", _segment_sq_norms({id(flat): [(0, 6), (6, 10)]}))
     opt_flat = LARS([flat], lr=0.1, weight_decay=1e-3, eta=0.01)
     opt_sep = LARS(separate, lr=0.1, weight_decay=1e-3, eta=0.01)
     for ga, gb in grads:
@@ -382,9 +373,7 @@ def test_cosine_with_fractional_warmup():
     expected = 0.001 + 0.5 * 0.099 * (1 + math.cos(math.pi * (50 - 15) / 85))
     assert lr(50) == pytest.approx(expected)
     assert lr(99) == pytest.approx(0.001 + 0.5 * 0.099 * (1 + math.cos(math.pi * 84 / 85)))
-    assert lr(100) == pytest.approx(0.001, abs=1e-12) and lr(1000) == pytest.approx(
-        0.001, abs=1e-12
-    )
+    assert lr(100) == pytest.approx(0.001, abs=1e-12) and lr(1000) == pytest.approx(0.001, abs=1e-12)
 
 
 def test_cosine_without_warmup():

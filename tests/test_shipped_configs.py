@@ -8,15 +8,22 @@ import torch
 
 from vistrain.config import load_config
 from vistrain.distributed.testing import run_on_ranks
-from vistrain.engine.trainer import train
+from vistrain.training.trainer import train
 
 TRAINING_RECIPES = ["regnet_fsdp", "pretrain/simclr_regnet_demo", "pretrain/swav_regnet_demo"]
 
 
 def shrunk(name, run_dir, cache_dir, *overrides):
-    return [f"config={name}", f"config.CHECKPOINT.DIR={run_dir}", f"config.DATA.CACHE_DIR={cache_dir}",
-            "config.DATA.TRAIN.DATA_LIMIT=48", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
-            "config.OPTIMIZER.num_epochs=1", "config.LOG_FREQUENCY=1", *overrides]
+    return [
+        f"config={name}",
+        f"config.CHECKPOINT.DIR={run_dir}",
+        f"config.DATA.CACHE_DIR={cache_dir}",
+        "config.DATA.TRAIN.DATA_LIMIT=48",
+        "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
+        "config.OPTIMIZER.num_epochs=1",
+        "config.LOG_FREQUENCY=1",
+        *overrides,
+    ]
 
 
 def _train(rank, world, argv):
@@ -44,19 +51,34 @@ def test_recipe_trains_and_checkpoints(name, tmp_path, cache_dir):
 def test_quick_start_sharded_equals_ddp(tmp_path, cache_dir):
     """The quick start under AUTO_SETUP_FSDP and under DDP: the same losses."""
     run_on_ranks(_train, 2, shrunk("regnet_fsdp", tmp_path / "sharded", cache_dir))
-    run_on_ranks(_train, 2, shrunk("regnet_fsdp", tmp_path / "ddp", cache_dir,
-                                   "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False"))
+    run_on_ranks(
+        _train,
+        2,
+        shrunk("regnet_fsdp", tmp_path / "ddp", cache_dir, "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False"),
+    )
     torch.testing.assert_close(losses(tmp_path / "sharded"), losses(tmp_path / "ddp"), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("variant", [
-    ["config.OPTIMIZER.update_freq=2"],  # gradient accumulation through no_sync
-    ["config.MODEL.FSDP_CONFIG.BACKEND=torch"],  # PyTorch's fully_shard, same wrap policy
-    ["config.OPTIMIZER.name=lars", "config.OPTIMIZER.head_lr_multiplier=0.5"],
-])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        ["config.OPTIMIZER.update_freq=2"],  # gradient accumulation through no_sync
+        ["config.MODEL.FSDP_CONFIG.BACKEND=torch"],  # PyTorch's fully_shard, same wrap policy
+        ["config.OPTIMIZER.name=lars", "config.OPTIMIZER.head_lr_multiplier=0.5"],
+    ],
+)
 def test_trainer_variants_sharded_equal_ddp(variant, tmp_path, cache_dir):
     run_on_ranks(_train, 2, shrunk("regnet_fsdp", tmp_path / "sharded", cache_dir, *variant))
     ddp_variant = [v for v in variant if "BACKEND" not in v]
-    run_on_ranks(_train, 2, shrunk("regnet_fsdp", tmp_path / "ddp", cache_dir, *ddp_variant,
-                                   "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False"))
+    run_on_ranks(
+        _train,
+        2,
+        shrunk(
+            "regnet_fsdp",
+            tmp_path / "ddp",
+            cache_dir,
+            *ddp_variant,
+            "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False",
+        ),
+    )
     torch.testing.assert_close(losses(tmp_path / "sharded"), losses(tmp_path / "ddp"), rtol=1e-5, atol=0)

@@ -83,9 +83,7 @@ def _check_against(results, ref, tol):
         torch.testing.assert_close(got, ref[key], atol=tol, rtol=tol, msg=key)
     for r in results:
         for key in ("mean", "var", "nbt"):
-            torch.testing.assert_close(
-                r[key].double(), ref[key].double(), atol=tol, rtol=tol, msg=key
-            )
+            torch.testing.assert_close(r[key].double(), ref[key].double(), atol=tol, rtol=tol, msg=key)
 
 
 @pytest.mark.parametrize("sizes", [[2, 2], [1, 3, 2], [4, 0, 1]])
@@ -113,9 +111,7 @@ def test_sync_bn_bf16_input_has_fp32_statistics():
         got = torch.cat([r[key].double() for r in results])
         torch.testing.assert_close(got, ref[key], atol=0.02, rtol=0.01)
     for key in ("dw", "db"):  # fp32 parameter grads from fp32 sums
-        torch.testing.assert_close(
-            sum(r[key].double() for r in results), ref[key], atol=1e-4, rtol=1e-4
-        )
+        torch.testing.assert_close(sum(r[key].double() for r in results), ref[key], atol=1e-4, rtol=1e-4)
 
 
 def test_sync_bn_group_size_two_syncs_within_pairs():

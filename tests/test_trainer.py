@@ -16,15 +16,20 @@ import pytest
 import torch
 from torch import nn
 
-from vistrain.checkpoint import consolidated_state_dict
+from vistrain.checkpoint import (
+    consolidated_state_dict,
+    find_latest_checkpoint,
+    load_sharded_checkpoint,
+    read_metadata,
+    save_sharded_checkpoint,
+)
 from vistrain.config import load_config
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed.testing import run_on_ranks
-from vistrain.engine.checkpoint import find_latest_checkpoint, load_checkpoint, read_meta, save_checkpoint
-from vistrain.engine.trainer import _accumulation_group, train
 from vistrain.losses import build_loss
 from vistrain.models import build_model
 from vistrain.optim import build_optimizer
+from vistrain.training.trainer import _accumulation_group, train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,12 +59,17 @@ def test_two_ranks_with_sync_bn_equal_one_rank_with_the_global_batch(tmp_path):
     """2 ranks x 4 images (sync BN, global SimCLR negatives, DDP mean) == 1 rank x 8 images."""
     common = ["config.LOG_FREQUENCY=1", "config.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN=true"]
     run_on_ranks(_train_on_rank, 2, _tiny(tmp_path / "two", *common))
-    run_on_ranks(_train_on_rank, 1, _tiny(tmp_path / "one", *common, "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8"))
+    run_on_ranks(
+        _train_on_rank, 1, _tiny(tmp_path / "one", *common, "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8")
+    )
     two, one = _metrics(tmp_path / "two"), _metrics(tmp_path / "one")
     assert [m["iteration"] for m in two] == list(range(1, 9))
     torch.testing.assert_close([m["loss"] for m in two], [m["loss"] for m in one], rtol=1e-4, atol=1e-5)
     assert [m["lr"] for m in two] == [m["lr"] for m in one]
-    final_two, final_one = _weights(tmp_path / "two" / "checkpoint_8"), _weights(tmp_path / "one" / "checkpoint_8")
+    final_two, final_one = (
+        _weights(tmp_path / "two" / "checkpoint_8"),
+        _weights(tmp_path / "one" / "checkpoint_8"),
+    )
     assert final_two.keys() == final_one.keys()
     for key in final_one:
         torch.testing.assert_close(final_two[key], final_one[key], rtol=1e-4, atol=1e-5, msg=key)
@@ -84,8 +94,11 @@ def _accumulation_reference(rank, world_size, argv):
 
 def test_gradient_accumulation_matches_a_plain_reference(tmp_path):
     argv = _tiny(
-        tmp_path, "config.OPTIMIZER.num_epochs=1", "config.OPTIMIZER.update_freq=2",
-        "config.DATA.TRAIN.SYNTHETIC_SIZE=12", "config.OPTIMIZER.param_schedulers.lr.name=constant",
+        tmp_path,
+        "config.OPTIMIZER.num_epochs=1",
+        "config.OPTIMIZER.update_freq=2",
+        "config.DATA.TRAIN.SYNTHETIC_SIZE=12",
+        "config.OPTIMIZER.param_schedulers.lr.name=constant",
         "config.OPTIMIZER.param_schedulers.lr.warmup_epochs=0",
     )
     run_on_ranks(_train_on_rank, 1, argv)
@@ -130,22 +143,32 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(tmp_path):
     run_on_ranks(_train_on_rank, 2, _tiny(resumed, *freq))
     assert len(_metrics(resumed)) == 3
     shutil.copytree(full / "checkpoint_2", tmp_path / "one" / "checkpoint_2")
-    run_on_ranks(_train_on_rank, 1, _tiny(tmp_path / "one", *freq, "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8"))
+    run_on_ranks(
+        _train_on_rank, 1, _tiny(tmp_path / "one", *freq, "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8")
+    )
     assert [m["iteration"] for m in _metrics(tmp_path / "one")] == [4, 6, 8]
 
 
 def test_nan_loss_stops_every_rank_with_a_clear_error(tmp_path):
-    argv = _tiny(tmp_path, "config.LOG_FREQUENCY=1", "config.OPTIMIZER.param_schedulers.lr.base_value=.nan",
-                 "config.OPTIMIZER.param_schedulers.lr.warmup_epochs=0")
+    argv = _tiny(
+        tmp_path,
+        "config.LOG_FREQUENCY=1",
+        "config.OPTIMIZER.param_schedulers.lr.base_value=.nan",
+        "config.OPTIMIZER.param_schedulers.lr.warmup_epochs=0",
+    )
     with pytest.raises(RuntimeError, match="loss became NaN/inf by iteration 2"):
         run_on_ranks(_train_on_rank, 2, argv)
     assert find_latest_checkpoint(str(tmp_path)) is None
 
 
 def test_nan_weights_are_never_checkpointed(tmp_path):
-    argv = _tiny(tmp_path, "config.LOG_FREQUENCY=100", "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=1",
-                 "config.OPTIMIZER.param_schedulers.lr.base_value=.nan",
-                 "config.OPTIMIZER.param_schedulers.lr.warmup_epochs=0")
+    argv = _tiny(
+        tmp_path,
+        "config.LOG_FREQUENCY=100",
+        "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=1",
+        "config.OPTIMIZER.param_schedulers.lr.base_value=.nan",
+        "config.OPTIMIZER.param_schedulers.lr.warmup_epochs=0",
+    )
     with pytest.raises(RuntimeError, match="model weights became NaN/inf by iteration 1"):
         run_on_ranks(_train_on_rank, 2, argv)
     assert find_latest_checkpoint(str(tmp_path)) is None
@@ -156,7 +179,9 @@ def test_nan_weights_are_never_checkpointed(tmp_path):
 
 
 def _save(ckpt_dir, iteration, model, optimizer, keep_last=2):
-    return save_checkpoint(str(ckpt_dir), iteration, 0, model, optimizer, {"loss": {}}, {"note": "x"}, keep_last)
+    return save_sharded_checkpoint(
+        str(ckpt_dir), iteration, model, optimizer, {"loss": {}}, {"epoch": 0, "note": "x"}, keep_last
+    )
 
 
 def test_checkpoint_round_trip_and_pruning(tmp_path):
@@ -169,15 +194,15 @@ def test_checkpoint_round_trip_and_pruning(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["checkpoint_10", "checkpoint_15"]  # KEEP_LAST 2
     os.makedirs(tmp_path / "checkpoint_20")  # a save killed before meta.json: ignored
     latest = find_latest_checkpoint(str(tmp_path))
-    assert latest.endswith("checkpoint_15") and read_meta(latest)["note"] == "x"
+    assert latest.endswith("checkpoint_15") and read_metadata(latest)["note"] == "x"
     fresh = nn.Linear(3, 2)
     fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
-    state = load_checkpoint(latest, fresh, fresh_opt)
-    assert state["meta"]["iteration"] == 15 and state["loss"] == {}
+    state = load_sharded_checkpoint(latest, fresh, fresh_opt)
+    assert state["metadata"]["iteration"] == 15 and state["extra"]["loss"] == {}
     torch.testing.assert_close(fresh.weight, model.weight)
     momentum = [o.state_dict()["state"][0]["momentum_buffer"] for o in (fresh_opt, optimizer)]
     assert momentum[0].equal(momentum[1])
-    assert not [p for p in Path(tmp_path).rglob("*.tmp")]
+    assert not list(Path(tmp_path).rglob("*.tmp"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,21 +214,30 @@ def test_cli_run_logs_and_resumes(tmp_path):
     run_on_ranks(_train_on_rank, 2, _tiny(tmp_path, "config.OPTIMIZER.num_epochs=1"))
     assert find_latest_checkpoint(str(tmp_path)).endswith("checkpoint_4")
     result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "run_distributed.py"), *_tiny(tmp_path, "config.LOG_FREQUENCY=1")],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
+        [
+            sys.executable,
+            str(REPO / "tools" / "run_distributed.py"),
+            *_tiny(tmp_path, "config.LOG_FREQUENCY=1"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stdout and "checkpoint_4" in result.stdout
     assert "done in" in result.stdout and "final loss" in result.stdout
     metrics = _metrics(tmp_path)
     assert [m["iteration"] for m in metrics] == [2, 4, 5, 6, 7, 8]  # 2, 4 from epoch 1; then resumed
-    assert {"iteration", "epoch", "loss", "lr", "images_per_sec", "peak_mem_mib", "eta_seconds"} <= metrics[-1].keys()
+    assert {"iteration", "epoch", "loss", "lr", "images_per_sec", "peak_mem_mib", "eta_seconds"} <= metrics[
+        -1
+    ].keys()
     assert [m["epoch"] for m in metrics[2:]] == [1, 1, 1, 1]
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     saved = load_config([f"config={tmp_path / 'config.yaml'}"])
     assert saved == load_config(_tiny(tmp_path, "config.LOG_FREQUENCY=1"))
     latest = find_latest_checkpoint(str(tmp_path))
-    assert latest.endswith("checkpoint_8") and read_meta(latest)["world_size"] == 2
+    assert latest.endswith("checkpoint_8") and read_metadata(latest)["world_size"] == 2
     assert sorted(p.name for p in tmp_path.glob("checkpoint_*")) == ["checkpoint_4", "checkpoint_8"]
 
 
@@ -212,24 +246,49 @@ def test_cli_run_logs_and_resumes(tmp_path):
 
 
 def test_swav_recipe_trains_and_checkpoints_each_ranks_queue(tmp_path):
-    run_on_ranks(_train_on_rank, 2, ["config=test/swav_tiny", f"config.CHECKPOINT.DIR={tmp_path}",
-                                     "config.LOSS.swav_loss.queue_length=8"])
+    run_on_ranks(
+        _train_on_rank,
+        2,
+        [
+            "config=test/swav_tiny",
+            f"config.CHECKPOINT.DIR={tmp_path}",
+            "config.LOSS.swav_loss.queue_length=8",
+        ],
+    )
     losses = [m["loss"] for m in _metrics(tmp_path)]
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
     for rank in (0, 1):
         state = torch.load(tmp_path / "checkpoint_8" / f"rank{rank}.pt", weights_only=True)["extra"]
         queue = state["loss"]["loss._extra_state"]["queue"]
         assert queue.shape == (2, 8, 16)  # (crops_for_assign, queue_length, embedding dim), per rank
-    assert not torch.equal(*(torch.load(tmp_path / "checkpoint_8" / f"rank{r}.pt", weights_only=True)
-                             ["extra"]["loss"]["loss._extra_state"]["queue"] for r in (0, 1)))
+    assert not torch.equal(
+        *(
+            torch.load(tmp_path / "checkpoint_8" / f"rank{r}.pt", weights_only=True)["extra"]["loss"][
+                "loss._extra_state"
+            ]["queue"]
+            for r in (0, 1)
+        )
+    )
 
 
 def test_bfloat16_autocast_on_cpu(tmp_path):
-    argv = ["config.LOG_FREQUENCY=1", "config.OPTIMIZER.num_epochs=1", "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8"]
+    argv = [
+        "config.LOG_FREQUENCY=1",
+        "config.OPTIMIZER.num_epochs=1",
+        "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
+    ]
     run_on_ranks(_train_on_rank, 1, _tiny(tmp_path / "fp32", *argv))
     run_on_ranks(_train_on_rank, 1, _tiny(tmp_path / "bf16", *argv, "config.MODEL.AMP_PARAMS.USE_AMP=true"))
     fp32, bf16 = _metrics(tmp_path / "fp32")[0]["loss"], _metrics(tmp_path / "bf16")[0]["loss"]
     assert fp32 != bf16 and abs(fp32 - bf16) < 0.05 * abs(fp32)  # autocast is on, and still close
     with pytest.raises(RuntimeError, match="float16 needs CUDA"):
-        run_on_ranks(_train_on_rank, 1, _tiny(tmp_path / "fp16", *argv, "config.MODEL.AMP_PARAMS.USE_AMP=true",
-                                              "config.MODEL.AMP_PARAMS.AMP_DTYPE=float16"))
+        run_on_ranks(
+            _train_on_rank,
+            1,
+            _tiny(
+                tmp_path / "fp16",
+                *argv,
+                "config.MODEL.AMP_PARAMS.USE_AMP=true",
+                "config.MODEL.AMP_PARAMS.AMP_DTYPE=float16",
+            ),
+        )

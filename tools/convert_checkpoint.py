@@ -21,7 +21,9 @@ def main(argv) -> int:
     action = parser.add_mutually_exclusive_group(required=True)
     action.add_argument("--inspect", action="store_true", help="print what the checkpoint holds")
     action.add_argument("--to-consolidated", metavar="OUT.pt", help="write one plain state-dict file")
-    action.add_argument("--to-torchvision", metavar="OUT.pt", help="write the trunk as a torchvision RegNet state dict")
+    action.add_argument(
+        "--to-torchvision", metavar="OUT.pt", help="write the trunk as a torchvision RegNet state dict"
+    )
     args = parser.parse_args(argv)
 
     from vistrain.checkpoint import CheckpointError, consolidate, describe, to_torchvision
@@ -34,7 +36,9 @@ def main(argv) -> int:
             print(f"wrote {count} tensors to {args.to_consolidated}")
         else:
             state = to_torchvision(args.checkpoint, args.to_torchvision)
-            print(f"wrote {len(state)} trunk tensors to {args.to_torchvision} (set fc = nn.Identity() before loading)")
+            print(
+                f"wrote {len(state)} trunk tensors to {args.to_torchvision} (set fc = nn.Identity() before loading)"
+            )
     except (CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

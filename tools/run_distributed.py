@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Run an engine (ENGINE_NAME, default train) on every rank of a job.
+"""Run a job (ENGINE_NAME: train, linear_eval, knn, extract_features) on every rank of a job.
 
     python tools/run_distributed.py config=regnet_fsdp config.OPTIMIZER.num_epochs=2 ...
 
@@ -19,10 +19,10 @@ def main(argv) -> int:
         return 2
     # imported once the config is known good: a typo is answered before torch loads
     from vistrain.distributed.launch import RankFailedError, launch
-    from vistrain.engine import get_engine
+    from vistrain.jobs import get_job
 
     try:
-        launch(get_engine(cfg.ENGINE_NAME), cfg)
+        launch(get_job(cfg.ENGINE_NAME), cfg)
     except ConfigError as e:  # impossible distributed settings, unknown engine: nothing started
         print(f"config error: {e}", file=sys.stderr)
         return 2

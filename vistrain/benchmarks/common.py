@@ -21,9 +21,9 @@ from torch import nn
 
 from vistrain.data import set_epoch
 from vistrain.distributed import comm
-from vistrain.engine.logger import logger
-from vistrain.engine.parallel import parallelize
 from vistrain.models import build_model
+from vistrain.runtime.logger import logger
+from vistrain.runtime.parallel import parallelize
 
 _AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -107,13 +107,16 @@ def amp_dtype(cfg):
     if not amp_cfg.USE_AMP:
         return None
     if amp_cfg.AMP_DTYPE not in _AMP_DTYPES:
-        raise ValueError(f"MODEL.AMP_PARAMS.AMP_DTYPE must be one of {sorted(_AMP_DTYPES)}, got {amp_cfg.AMP_DTYPE!r}")
+        raise ValueError(
+            f"MODEL.AMP_PARAMS.AMP_DTYPE must be one of {sorted(_AMP_DTYPES)}, got {amp_cfg.AMP_DTYPE!r}"
+        )
     return _AMP_DTYPES[amp_cfg.AMP_DTYPE]
 
 
 @torch.no_grad()
-def trunk_features(trunk: nn.Module, images: torch.Tensor, names: Sequence[str], pool_size: int,
-                   dtype=None) -> Dict[str, torch.Tensor]:
+def trunk_features(
+    trunk: nn.Module, images: torch.Tensor, names: Sequence[str], pool_size: int, dtype=None
+) -> Dict[str, torch.Tensor]:
     """Pooled float32 features ``{name: (N, D_name)}`` of ``images`` (N, 3, H, W) from the frozen trunk.
 
     Stage maps (N, C, h, w) are average-pooled to (N, C, P, P) with P = ``pool_size`` and flattened
@@ -144,8 +147,9 @@ def check_complete_split(split_cfg, split: str) -> None:
 
 
 @torch.no_grad()
-def extract(trunk: nn.Module, loader, names: Sequence[str], pool_size: int, dtype,
-            device: torch.device) -> Tuple[Dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+def extract(
+    trunk: nn.Module, loader, names: Sequence[str], pool_size: int, dtype, device: torch.device
+) -> Tuple[Dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """This rank's pooled features ``{name: (N_r, D)}``, labels (N_r,) and indices (N_r,) of one pass."""
     set_epoch(loader, 0)
     feats = {name: [] for name in names}
@@ -271,7 +275,9 @@ def log_accuracy_table(title: str, results: Dict[str, dict]) -> None:
     """One log line per feature: top-1 / top-5 in percent."""
     logger.info(title)
     for name, res in results.items():
-        logger.info(f"  {name:>8}: top-1 {res['top1']:6.2f}%  top-5 {res['top5']:6.2f}%  ({res['num_images']} images)")
+        logger.info(
+            f"  {name:>8}: top-1 {res['top1']:6.2f}%  top-5 {res['top5']:6.2f}%  ({res['num_images']} images)"
+        )
 
 
 def summarise(counts: torch.Tensor, names: List[str]) -> Dict[str, dict]:

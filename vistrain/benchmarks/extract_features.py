@@ -17,11 +17,11 @@ import os
 
 import torch
 
-from vistrain.engine.run_setup import start_run
 from vistrain.benchmarks import common
 from vistrain.data import build_loader
 from vistrain.distributed import comm
-from vistrain.engine.logger import logger
+from vistrain.runtime.logger import logger
+from vistrain.runtime.run_setup import start_run
 
 SPLITS = ("TRAIN", "TEST")
 
@@ -30,7 +30,9 @@ def extract_features(cfg) -> None:
     """Extract BENCHMARK.FEATURES of every BENCHMARK.EXTRACT_SPLITS split; see the module docstring."""
     splits = list(cfg.BENCHMARK.EXTRACT_SPLITS)
     if not splits or any(split not in SPLITS for split in splits):
-        raise ValueError(f"BENCHMARK.EXTRACT_SPLITS must be a non-empty subset of {list(SPLITS)}, got {splits}")
+        raise ValueError(
+            f"BENCHMARK.EXTRACT_SPLITS must be a non-empty subset of {list(SPLITS)}, got {splits}"
+        )
     run_dir = cfg.CHECKPOINT.DIR
     out_dir = cfg.BENCHMARK.OUTPUT_DIR or os.path.join(run_dir, "features")
     device = start_run(cfg)
@@ -41,7 +43,9 @@ def extract_features(cfg) -> None:
     for split in splits:
         common.check_complete_split(cfg.DATA[split], split)
         loader = build_loader(cfg.DATA, split, seed=cfg.SEED_VALUE, device=device)
-        features, labels, indices = common.extract(trunk, loader, names, cfg.BENCHMARK.POOL_SIZE, dtype, device)
+        features, labels, indices = common.extract(
+            trunk, loader, names, cfg.BENCHMARK.POOL_SIZE, dtype, device
+        )
         mine = {"features": features, "label": labels, "index": indices, "split": split.lower()}
         torch.save(_to_cpu(mine), os.path.join(out_dir, f"{split.lower()}_rank{comm.get_rank()}.pt"))
         merged = merge(mine)  # collective
@@ -55,8 +59,15 @@ def extract_features(cfg) -> None:
 def merge(part: dict) -> dict:
     """Collective: every rank's part -> the whole split, each index once, sorted by index."""
     names = list(part["features"])
-    indices, tensors = common.gather_unique(part["index"], part["label"], *(part["features"][n] for n in names))
-    return {"features": dict(zip(names, tensors[1:])), "label": tensors[0], "index": indices, "split": part["split"]}
+    indices, tensors = common.gather_unique(
+        part["index"], part["label"], *(part["features"][n] for n in names)
+    )
+    return {
+        "features": dict(zip(names, tensors[1:])),
+        "label": tensors[0],
+        "index": indices,
+        "split": part["split"],
+    }
 
 
 def _to_cpu(record: dict) -> dict:

@@ -23,18 +23,24 @@ from typing import Dict, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from vistrain.engine.run_setup import start_run
 from vistrain.benchmarks import common
 from vistrain.data import build_loader
 from vistrain.distributed import comm
-from vistrain.engine.logger import logger
+from vistrain.runtime.logger import logger
+from vistrain.runtime.run_setup import start_run
 
 # --------------------------------------------------------------------------------------------
 # pure maths
 
 
-def knn_class_scores(queries: torch.Tensor, bank: torch.Tensor, bank_labels: torch.Tensor, num_classes: int,
-                     k: int, temperature: float) -> torch.Tensor:
+def knn_class_scores(
+    queries: torch.Tensor,
+    bank: torch.Tensor,
+    bank_labels: torch.Tensor,
+    num_classes: int,
+    k: int,
+    temperature: float,
+) -> torch.Tensor:
     """Vote of the ``k`` nearest bank entries for each query.
 
     Args:
@@ -52,32 +58,53 @@ def knn_class_scores(queries: torch.Tensor, bank: torch.Tensor, bank_labels: tor
     return scores.scatter_add_(1, bank_labels[top_idx], weights)
 
 
-def knn_topk_hits(queries: torch.Tensor, labels: torch.Tensor, bank: torch.Tensor, bank_labels: torch.Tensor,
-                  num_classes: int, k: int, temperature: float, chunk_size: int,
-                  ks: Sequence[int] = (1, 5)) -> torch.Tensor:
+def knn_topk_hits(
+    queries: torch.Tensor,
+    labels: torch.Tensor,
+    bank: torch.Tensor,
+    bank_labels: torch.Tensor,
+    num_classes: int,
+    k: int,
+    temperature: float,
+    chunk_size: int,
+    ks: Sequence[int] = (1, 5),
+) -> torch.Tensor:
     """Bool (Q, len(ks)): the true label (Q,) is among the top-k voted classes, scored in chunks."""
     if chunk_size < 1:
         raise ValueError(f"BENCHMARK.KNN_CHUNK_SIZE must be >= 1, got {chunk_size}")
     hits = [torch.zeros(0, len(ks), dtype=torch.bool, device=queries.device)]
     for lo in range(0, queries.shape[0], chunk_size):
-        scores = knn_class_scores(queries[lo : lo + chunk_size], bank, bank_labels, num_classes, k, temperature)
+        scores = knn_class_scores(
+            queries[lo : lo + chunk_size], bank, bank_labels, num_classes, k, temperature
+        )
         hits.append(common.topk_correct(scores, labels[lo : lo + chunk_size], ks))
     return torch.cat(hits)
 
 
-def build_bank(features: torch.Tensor, labels: torch.Tensor,
-               indices: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def build_bank(
+    features: torch.Tensor, labels: torch.Tensor, indices: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Collective: this rank's training features (N_r, D), labels and data set indices (N_r,) ->
     the de-duplicated bank of all ranks, rows sorted by index: ((N, D), (N,)), equal on all ranks."""
     _, (features, labels) = common.gather_unique(indices, features, labels)
     return features, labels
 
 
-def knn_counts(test_features: torch.Tensor, test_labels: torch.Tensor, test_indices: torch.Tensor,
-               bank: torch.Tensor, bank_labels: torch.Tensor, num_classes: int, k: int, temperature: float,
-               chunk_size: int) -> torch.Tensor:
+def knn_counts(
+    test_features: torch.Tensor,
+    test_labels: torch.Tensor,
+    test_indices: torch.Tensor,
+    bank: torch.Tensor,
+    bank_labels: torch.Tensor,
+    num_classes: int,
+    k: int,
+    temperature: float,
+    chunk_size: int,
+) -> torch.Tensor:
     """Collective: float64 [top-1 hits, top-5 hits, images] over every rank's test images, each once."""
-    hits = knn_topk_hits(test_features, test_labels, bank, bank_labels, num_classes, k, temperature, chunk_size)
+    hits = knn_topk_hits(
+        test_features, test_labels, bank, bank_labels, num_classes, k, temperature, chunk_size
+    )
     keep = common.unique_on_this_rank(test_indices)
     counts = torch.zeros(3, dtype=torch.float64, device=test_features.device)
     counts[:2] = hits[keep].sum(dim=0).to(torch.float64)
@@ -107,22 +134,35 @@ def knn(cfg) -> None:
     trunk, dims = common.build_frozen_trunk(cfg, device)
     names = list(dims)
     pool, dtype = bench.POOL_SIZE, common.amp_dtype(cfg)
-    train_feats, train_labels, train_indices = common.extract(trunk, loaders["TRAIN"], names, pool, dtype, device)
+    train_feats, train_labels, train_indices = common.extract(
+        trunk, loaders["TRAIN"], names, pool, dtype, device
+    )
     test_feats, test_labels, test_indices = common.extract(trunk, loaders["TEST"], names, pool, dtype, device)
     logger.info(f"kNN (k={bench.KNN_K}, T={bench.KNN_TEMPERATURE}) on {names}, {num_classes} classes")
 
     results = {}
     for name in names:
         bank, bank_labels = build_bank(F.normalize(train_feats[name], dim=1), train_labels, train_indices)
-        counts = knn_counts(F.normalize(test_feats[name], dim=1), test_labels, test_indices, bank, bank_labels,
-                            num_classes, bench.KNN_K, bench.KNN_TEMPERATURE, bench.KNN_CHUNK_SIZE)
+        counts = knn_counts(
+            F.normalize(test_feats[name], dim=1),
+            test_labels,
+            test_indices,
+            bank,
+            bank_labels,
+            num_classes,
+            bench.KNN_K,
+            bench.KNN_TEMPERATURE,
+            bench.KNN_CHUNK_SIZE,
+        )
         results.update(common.summarise(counts[None], [name]))
         results[name]["bank_size"] = bank.shape[0]
     _report(cfg, results, time.perf_counter() - start)
 
 
 def _report(cfg, results: Dict[str, dict], seconds: float) -> None:
-    common.log_accuracy_table(f"kNN on DATA.TEST ({cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE or 'random init'}):", results)
+    common.log_accuracy_table(
+        f"kNN on DATA.TEST ({cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE or 'random init'}):", results
+    )
     record = {
         "engine": "knn",
         "weights": cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE,

@@ -23,13 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vistrain.engine.run_setup import start_run
 from vistrain.benchmarks import common
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed import comm
-from vistrain.engine.logger import TrainingMeter, logger
-from vistrain.engine.parallel import parallelize, unwrap
 from vistrain.optim import build_lr_schedule, build_optimizer, set_lr
+from vistrain.runtime.logger import TrainingMeter, logger
+from vistrain.runtime.parallel import parallelize, unwrap
+from vistrain.runtime.run_setup import start_run
 
 
 class LinearHeads(nn.Module):

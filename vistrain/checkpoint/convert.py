@@ -52,8 +52,10 @@ def describe(path: str) -> str:
     reader = source.reader
     if reader is None:
         shapes = source.shapes()
-        return (f"{source.path}: consolidated state dict, {len(shapes)} tensors, "
-                f"{sum(math.prod(s) for s in shapes.values()):,} elements")
+        return (
+            f"{source.path}: consolidated state dict, {len(shapes)} tensors, "
+            f"{sum(math.prod(s) for s in shapes.values()):,} elements"
+        )
     meta = reader.meta
     params = meta["params"]
     lines = [
@@ -80,6 +82,10 @@ def _top_level_counts(params: dict) -> Dict[str, int]:
 def _optimizer_line(info: Optional[dict]) -> str:
     if info is None:
         return "  optimizer: none saved"
-    groups = ", ".join(f"{g.get('name', i)} ({len(g['params'])} params)" for i, g in enumerate(info["param_groups"]))
-    return (f"  optimizer {info['class']}: state tensors {info['tensor_state']}, "
-            f"per-shard scalars {info['scalar_state']}; groups: {groups}")
+    groups = ", ".join(
+        f"{g.get('name', i)} ({len(g['params'])} params)" for i, g in enumerate(info["param_groups"])
+    )
+    return (
+        f"  optimizer {info['class']}: state tensors {info['tensor_state']}, "
+        f"per-shard scalars {info['scalar_state']}; groups: {groups}"
+    )

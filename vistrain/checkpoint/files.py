@@ -1,14 +1,5 @@
-"""Files of a sharded checkpoint: names, safe reading, crash-safe writing, discovery and pruning.
-
-A run folder holds ``checkpoint_<iteration>/`` folders. A save writes everything into
-``checkpoint_<iteration>.tmp/`` (each rank its ``rank<r>.pt``, fsync'd; then rank 0 writes
-``metadata.json`` LAST, fsync'd) and only then renames the folder to its final name, so a folder
-with the final name and a ``metadata.json`` is complete. A crash or a full disk during a save
-leaves at most a ``.tmp`` folder, which discovery ignores and the next save replaces.
-
-Reading never executes code: every ``torch.load`` here uses ``weights_only=True``, and any
-unpickling, zip or truncation error becomes a one-line :class:`CheckpointError` naming the file.
-"""
+"""Files of a sharded checkpoint (format: vistrain.checkpoint): names, safe reading, crash-safe
+writing (``.tmp`` folder, fsync, rename), discovery and pruning."""
 
 import json
 import os
@@ -51,8 +42,10 @@ def safe_load(path: str, mmap: bool = True):
     except Exception as error:  # zip, pickle, EOF, weights_only refusals: all mean "bad file"
         if mmap and "mmap can only be used" in str(error):
             return safe_load(path, mmap=False)
-        raise CheckpointError(f"{path}: corrupt, truncated or unsafe checkpoint file "
-                              f"({type(error).__name__}: {_first_line(error)})") from None
+        raise CheckpointError(
+            f"{path}: corrupt, truncated or unsafe checkpoint file "
+            f"({type(error).__name__}: {_first_line(error)})"
+        ) from None
 
 
 def _first_line(error: Exception) -> str:
@@ -135,8 +128,11 @@ def list_checkpoints(run_dir: str) -> List[Tuple[int, str]]:
     """(iteration, path) of every ``checkpoint_<n>`` folder (complete or not), oldest first."""
     if not os.path.isdir(run_dir):
         return []
-    found = [(int(m.group(1)), os.path.join(run_dir, name))
-             for name in os.listdir(run_dir) if (m := _NAME.match(name))]
+    found = [
+        (int(m.group(1)), os.path.join(run_dir, name))
+        for name in os.listdir(run_dir)
+        if (m := _NAME.match(name))
+    ]
     return sorted(found)
 
 

@@ -78,14 +78,20 @@ def _sharded_layout(model: FullyShardedDataParallel) -> ModelLayout:
         if handle.world_size != world:
             raise NotImplementedError(
                 f"shards over a process group of {handle.world_size} of {world} ranks (replicated "
-                "shard groups) cannot be checkpointed by vistrain.checkpoint")
+                "shard groups) cannot be checkpointed by vistrain.checkpoint"
+            )
         origins = shard._fsdp_origins
-        segments = [Segment(origins[i].fqn, offset, start, length)
-                    for i, offset, start, length in shard_slices(origins, handle.world_size, handle.rank)]
+        segments = [
+            Segment(origins[i].fqn, offset, start, length)
+            for i, offset, start, length in shard_slices(origins, handle.world_size, handle.rank)
+        ]
         params.append(LocalParam(shard, segments))
         for origin in origins:
-            infos[origin.fqn] = {"shape": list(origin.shape), "dtype": dtype_name(shard.dtype),
-                                 "requires_grad": shard.requires_grad}
+            infos[origin.fqn] = {
+                "shape": list(origin.shape),
+                "dtype": dtype_name(shard.dtype),
+                "requires_grad": shard.requires_grad,
+            }
     return ModelLayout(params, infos, persistent_buffers(model), writes_params=True, sharded=True)
 
 
@@ -93,10 +99,14 @@ def _replicated_layout(module: nn.Module) -> ModelLayout:
     params, infos = [], {}
     for fqn, param in module.named_parameters():
         params.append(LocalParam(param, [Segment(fqn, 0, 0, param.numel())]))
-        infos[fqn] = {"shape": list(param.shape), "dtype": dtype_name(param.dtype),
-                      "requires_grad": param.requires_grad}
-    return ModelLayout(params, infos, persistent_buffers(module),
-                       writes_params=comm.get_rank() == 0, sharded=False)
+        infos[fqn] = {
+            "shape": list(param.shape),
+            "dtype": dtype_name(param.dtype),
+            "requires_grad": param.requires_grad,
+        }
+    return ModelLayout(
+        params, infos, persistent_buffers(module), writes_params=comm.get_rank() == 0, sharded=False
+    )
 
 
 def persistent_buffers(module: nn.Module) -> Dict[str, torch.Tensor]:

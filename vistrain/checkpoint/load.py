@@ -49,8 +49,10 @@ class SliceReader:
                 continue
             values = entry["values"]
             if entry["start"] != s_start or values.numel() != s_len:
-                raise CheckpointError(f"{rank_file(self.path, rank)}: slice of {fqn} does not match metadata.json")
-            out[lo - start:hi - start].copy_(values[lo - s_start:hi - s_start])
+                raise CheckpointError(
+                    f"{rank_file(self.path, rank)}: slice of {fqn} does not match metadata.json"
+                )
+            out[lo - start : hi - start].copy_(values[lo - s_start : hi - s_start])
             found += hi - lo
         return found
 
@@ -61,8 +63,9 @@ class SliceReader:
                 return data["params"][fqn]
             return data["optimizer"]["tensors"].get(state_key, {}).get(fqn)
         except (KeyError, TypeError):
-            raise CheckpointError(f"{rank_file(self.path, rank)}: holds no slice of {fqn} "
-                                  "although metadata.json says so") from None
+            raise CheckpointError(
+                f"{rank_file(self.path, rank)}: holds no slice of {fqn} although metadata.json says so"
+            ) from None
 
     def read_param(self, fqn: str) -> torch.Tensor:
         """The whole original parameter ``fqn`` as a new tensor of its shape and dtype."""
@@ -89,11 +92,15 @@ def check_matches(meta: dict, infos: Dict[str, dict], buffers: Dict[str, torch.T
     saved = meta["params"]
     for fqn, info in infos.items():
         if fqn not in saved:
-            raise CheckpointError(f"{path}: the model's parameter {fqn!r} is not in the checkpoint "
-                                  f"(a checkpoint of another model? it holds e.g. {next(iter(saved), None)!r})")
+            raise CheckpointError(
+                f"{path}: the model's parameter {fqn!r} is not in the checkpoint "
+                f"(a checkpoint of another model? it holds e.g. {next(iter(saved), None)!r})"
+            )
         if list(saved[fqn]["shape"]) != list(info["shape"]):
-            raise CheckpointError(f"{path}: {fqn} has shape {tuple(saved[fqn]['shape'])} in the checkpoint "
-                                  f"but {tuple(info['shape'])} in the model")
+            raise CheckpointError(
+                f"{path}: {fqn} has shape {tuple(saved[fqn]['shape'])} in the checkpoint "
+                f"but {tuple(info['shape'])} in the model"
+            )
     unexpected = [fqn for fqn in saved if fqn not in infos]
     if unexpected:
         raise CheckpointError(f"{path}: parameter {unexpected[0]!r} of the checkpoint is not in the model")
@@ -101,8 +108,10 @@ def check_matches(meta: dict, infos: Dict[str, dict], buffers: Dict[str, torch.T
         if name not in meta["buffers"]:
             raise CheckpointError(f"{path}: the model's buffer {name!r} is not in the checkpoint")
         if list(meta["buffers"][name]["shape"]) != list(buf.shape):
-            raise CheckpointError(f"{path}: buffer {name} has shape {tuple(meta['buffers'][name]['shape'])} "
-                                  f"in the checkpoint but {tuple(buf.shape)} in the model")
+            raise CheckpointError(
+                f"{path}: buffer {name} has shape {tuple(meta['buffers'][name]['shape'])} "
+                f"in the checkpoint but {tuple(buf.shape)} in the model"
+            )
 
 
 def load_sharded_checkpoint(path: str, model, optimizer=None) -> dict:
@@ -124,8 +133,12 @@ def load_sharded_checkpoint(path: str, model, optimizer=None) -> dict:
             load_optimizer_state(optimizer, layout, reader)
     same = meta["world_size"] == comm.get_world_size()
     mine = reader.file(comm.get_rank() if same else 0)
-    return {"metadata": meta, "same_world_size": same, "extra": mine["extra"],
-            "rng": mine["rng"] if same else None}
+    return {
+        "metadata": meta,
+        "same_world_size": same,
+        "extra": mine["extra"],
+        "rng": mine["rng"] if same else None,
+    }
 
 
 @torch.no_grad()
@@ -134,7 +147,7 @@ def _load_params(layout: ModelLayout, reader: SliceReader) -> None:
         flat = flat_view(local.tensor)
         flat.zero_()  # the padding of the last shard stays zero
         for seg in local.segments:
-            if reader.fill(seg.fqn, seg.start, flat[seg.offset:seg.offset + seg.length]) != seg.length:
+            if reader.fill(seg.fqn, seg.start, flat[seg.offset : seg.offset + seg.length]) != seg.length:
                 raise CheckpointError(f"{reader.path}: the rank files do not cover all of {seg.fqn}")
     for name, buf in layout.buffers.items():
         buf.copy_(reader.file(0)["buffers"][name])
@@ -146,8 +159,9 @@ def load_optimizer_state(optimizer, layout: ModelLayout, reader: SliceReader) ->
     if info is None:
         raise CheckpointError(f"{reader.path}: holds no optimizer state")
     if info["class"] != type(optimizer).__name__:
-        raise CheckpointError(f"{reader.path}: optimizer state of {info['class']}, this run uses "
-                              f"{type(optimizer).__name__}")
+        raise CheckpointError(
+            f"{reader.path}: optimizer state of {info['class']}, this run uses {type(optimizer).__name__}"
+        )
     by_tensor = {id(local.tensor): local for local in layout.params}
     state, index = {}, 0
     for group in optimizer.param_groups:
@@ -164,8 +178,10 @@ def _param_state(local: LocalParam, param: torch.Tensor, reader: SliceReader, in
     entry = {}
     for key in info["tensor_state"]:
         flat = torch.zeros(param.numel(), dtype=param.dtype)
-        found = sum(reader.fill(seg.fqn, seg.start, flat[seg.offset:seg.offset + seg.length], key)
-                    for seg in local.segments)
+        found = sum(
+            reader.fill(seg.fqn, seg.start, flat[seg.offset : seg.offset + seg.length], key)
+            for seg in local.segments
+        )
         if found:  # parts without saved state (a never-stepped parameter) start from zero
             entry[key] = flat.view(param.shape)
     scalars = [s for s in (reader.scalars(seg.fqn) for seg in local.segments) if s]
@@ -173,8 +189,10 @@ def _param_state(local: LocalParam, param: torch.Tensor, reader: SliceReader, in
         for key, value in scalars[0].items():
             entry[key] = value.clone() if torch.is_tensor(value) else value
         if any(not _same(s, scalars[0]) for s in scalars[1:]):
-            logger.warning(f"{reader.path}: parameters sharing a shard had different optimizer "
-                           f"{sorted(scalars[0])}; using those of {local.segments[0].fqn}")
+            logger.warning(
+                f"{reader.path}: parameters sharing a shard had different optimizer "
+                f"{sorted(scalars[0])}; using those of {local.segments[0].fqn}"
+            )
     return entry
 
 

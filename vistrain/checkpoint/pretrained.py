@@ -93,8 +93,11 @@ class LoadReport:
 
     def summary(self) -> str:
         lines = [f"weights from {self.source}: {len(self.loaded)} tensors loaded"]
-        for name, keys in (("missing (kept at init)", self.missing), ("unexpected (ignored)", self.unexpected),
-                           ("skipped (SKIP_LAYERS)", self.skipped)):
+        for name, keys in (
+            ("missing (kept at init)", self.missing),
+            ("unexpected (ignored)", self.unexpected),
+            ("skipped (SKIP_LAYERS)", self.skipped),
+        ):
             if keys:
                 shown = ", ".join(keys[:8]) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "")
                 lines.append(f"  {name}: {shown}")
@@ -103,7 +106,7 @@ class LoadReport:
 
 def map_key(key: str, remove_prefix: str, append_prefix: str) -> str:
     if remove_prefix and key.startswith(remove_prefix):
-        key = key[len(remove_prefix):]
+        key = key[len(remove_prefix) :]
     return append_prefix + key
 
 
@@ -125,17 +128,23 @@ def load_pretrained(model: nn.Module, weights_cfg) -> LoadReport:
         elif name not in targets:
             report.unexpected.append(name)
         elif tuple(targets[name].shape) != tuple(shape):
-            raise CheckpointError(f"{source.path}: {key} has shape {tuple(shape)} but the model's {name} "
-                                  f"has shape {tuple(targets[name].shape)}")
+            raise CheckpointError(
+                f"{source.path}: {key} has shape {tuple(shape)} but the model's {name} "
+                f"has shape {tuple(targets[name].shape)}"
+            )
         else:
             targets[name].copy_(source.read(key))
             report.loaded.append(name)
     done = set(report.loaded)
-    report.missing = [k for k in targets if k not in done and not any(s in k for s in weights_cfg.SKIP_LAYERS)]
+    report.missing = [
+        k for k in targets if k not in done and not any(s in k for s in weights_cfg.SKIP_LAYERS)
+    ]
     if not report.loaded:
         first = next(iter(source.shapes()), None)
-        raise CheckpointError(f"{source.path}: no key matches the model (checkpoint key {first!r} maps to "
-                              f"{map_key(str(first), weights_cfg.REMOVE_PREFIX, weights_cfg.APPEND_PREFIX)!r}); "
-                              "check REMOVE_PREFIX / APPEND_PREFIX / SKIP_LAYERS")
+        raise CheckpointError(
+            f"{source.path}: no key matches the model (checkpoint key {first!r} maps to "
+            f"{map_key(str(first), weights_cfg.REMOVE_PREFIX, weights_cfg.APPEND_PREFIX)!r}); "
+            "check REMOVE_PREFIX / APPEND_PREFIX / SKIP_LAYERS"
+        )
     logger.info(report.summary())
     return report

@@ -1,18 +1,6 @@
-"""Sharded save: every rank writes the original-parameter slices it owns, in parallel.
-
-``rank<r>.pt`` (a dict, loadable with ``weights_only=True``)::
-
-    format, rank, world_size
-    params:    {fqn: {"start": int, "values": 1-D tensor}}        slices this rank owns
-    optimizer: {"tensors": {state key: {fqn: {"start", "values"}}}  e.g. momentum_buffer, exp_avg
-                "scalars": {fqn: {state key: value}}}              per-shard state, e.g. step
-    buffers:   {name: tensor}                                     rank 0 only
-    rng:       this rank's RNG states (see rng.py)
-    extra:     this rank's extra state (loss state such as the SwAV queue, grad scaler)
-
-Nothing is gathered through rank 0 except a small description of what each rank wrote, from
-which rank 0 writes ``metadata.json`` last (see :func:`save_sharded_checkpoint`).
-"""
+"""Sharded save (format: vistrain.checkpoint): every rank writes the original-parameter slices it
+owns, in parallel; nothing is gathered through rank 0 except a small description of what each rank
+wrote, from which rank 0 writes ``metadata.json`` last (see :func:`save_sharded_checkpoint`)."""
 
 import os
 import shutil
@@ -23,15 +11,26 @@ import torch
 
 import vistrain
 from vistrain.checkpoint import torch_backend
-from vistrain.checkpoint.files import (FORMAT, METADATA, TMP_SUFFIX, CheckpointError, checkpoint_name,
-                                       publish, prune, rank_file, save_file, write_json)
+from vistrain.checkpoint.files import (
+    FORMAT,
+    METADATA,
+    TMP_SUFFIX,
+    CheckpointError,
+    checkpoint_name,
+    prune,
+    publish,
+    rank_file,
+    save_file,
+    write_json,
+)
 from vistrain.checkpoint.layout import ModelLayout, dtype_name, flat_view, model_layout
 from vistrain.checkpoint.rng import capture_rng
 from vistrain.distributed import comm
 
 
-def save_sharded_checkpoint(run_dir: str, iteration: int, model, optimizer, extra: dict,
-                            metadata: dict, keep_last: int) -> str:
+def save_sharded_checkpoint(
+    run_dir: str, iteration: int, model, optimizer, extra: dict, metadata: dict, keep_last: int
+) -> str:
     """Write ``run_dir/checkpoint_<iteration>/``; collective (every rank calls it). Returns the path.
 
     Args:
@@ -90,15 +89,21 @@ def _rank_payload(model, optimizer, extra: dict):
         buffers = layout.buffers if comm.get_rank() == 0 else {}
         infos, groups = layout.infos, _group_fqns(layout, optimizer)
     payload = {
-        "format": FORMAT, "rank": comm.get_rank(), "world_size": comm.get_world_size(),
-        "params": params, "optimizer": optim,
+        "format": FORMAT,
+        "rank": comm.get_rank(),
+        "world_size": comm.get_world_size(),
+        "params": params,
+        "optimizer": optim,
         "buffers": {name: _copy(buf) for name, buf in buffers.items()},
-        "rng": capture_rng(), "extra": extra,
+        "rng": capture_rng(),
+        "extra": extra,
     }
     report = {
         "infos": infos,
         "slices": {fqn: [entry["start"], entry["values"].numel()] for fqn, entry in params.items()},
-        "buffers": {name: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)} for name, b in buffers.items()},
+        "buffers": {
+            name: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)} for name, b in buffers.items()
+        },
         "tensor_state": sorted(optim["tensors"]),
         "scalar_state": sorted({key for state in optim["scalars"].values() for key in state}),
         "groups": groups if params else None,
@@ -116,7 +121,7 @@ def _param_slices(layout: ModelLayout) -> Dict[str, dict]:
     for local in layout.params:
         flat = flat_view(local.tensor)
         for seg in local.segments:
-            out[seg.fqn] = {"start": seg.start, "values": _copy(flat[seg.offset:seg.offset + seg.length])}
+            out[seg.fqn] = {"start": seg.start, "values": _copy(flat[seg.offset : seg.offset + seg.length])}
     return out
 
 
@@ -140,8 +145,10 @@ def _optimizer_slices(layout: ModelLayout, optimizer) -> dict:
                     flat = flat_view(value)
                     slices = out["tensors"].setdefault(key, {})
                     for seg in local.segments:
-                        slices[seg.fqn] = {"start": seg.start,
-                                           "values": _copy(flat[seg.offset:seg.offset + seg.length])}
+                        slices[seg.fqn] = {
+                            "start": seg.start,
+                            "values": _copy(flat[seg.offset : seg.offset + seg.length]),
+                        }
                 else:  # "step" and other per-shard scalars: recorded for every fqn of the shard
                     value = _copy(value) if torch.is_tensor(value) else value
                     for seg in local.segments:
@@ -154,8 +161,10 @@ def _group_fqns(layout: ModelLayout, optimizer) -> Optional[List[List[str]]]:
     if optimizer is None:
         return None
     by_tensor = {id(local.tensor): local for local in layout.params}
-    return [[seg.fqn for p in group["params"] for seg in by_tensor[id(p)].segments]
-            for group in optimizer.param_groups]
+    return [
+        [seg.fqn for p in group["params"] for seg in by_tensor[id(p)].segments]
+        for group in optimizer.param_groups
+    ]
 
 
 def _metadata(reports: List[dict], iteration: int, optimizer, extra_meta: dict) -> dict:
@@ -167,10 +176,15 @@ def _metadata(reports: List[dict], iteration: int, optimizer, extra_meta: dict) 
             params[fqn]["slices"].append([rank, start, length])
         buffers.update(report["buffers"])
     return {
-        "format": FORMAT, "vistrain_version": vistrain.__version__, "torch_version": torch.__version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "iteration": iteration, "world_size": world,
+        "format": FORMAT,
+        "vistrain_version": vistrain.__version__,
+        "torch_version": torch.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "iteration": iteration,
+        "world_size": world,
         "rank_files": [os.path.basename(rank_file("", r)) for r in range(world)],
-        "params": params, "buffers": buffers,
+        "params": params,
+        "buffers": buffers,
         "optimizer": _optimizer_meta(reports, optimizer),
         **extra_meta,
     }

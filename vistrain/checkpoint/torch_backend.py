@@ -27,8 +27,10 @@ def _options(**kwargs):
 
 def _infos(module) -> Dict[str, dict]:
     # DTensor parameters report the full (global) shape
-    return {fqn: {"shape": list(p.shape), "dtype": dtype_name(p.dtype), "requires_grad": p.requires_grad}
-            for fqn, p in module.named_parameters()}
+    return {
+        fqn: {"shape": list(p.shape), "dtype": dtype_name(p.dtype), "requires_grad": p.requires_grad}
+        for fqn, p in module.named_parameters()
+    }
 
 
 def full_states(model, optimizer):
@@ -42,7 +44,9 @@ def full_states(model, optimizer):
     buffers = {k: v for k, v in full.items() if k not in infos}
     optim = {"tensors": {}, "scalars": {}}
     if optimizer is not None:
-        osd = get_optimizer_state_dict(module, optimizer, options=_options(full_state_dict=True, cpu_offload=True))
+        osd = get_optimizer_state_dict(
+            module, optimizer, options=_options(full_state_dict=True, cpu_offload=True)
+        )
         for fqn, state in osd.get("state", {}).items():
             for key, value in state.items():
                 if torch.is_tensor(value) and value.dim() > 0 and list(value.shape) == infos[fqn]["shape"]:
@@ -61,8 +65,11 @@ def group_fqns(model, optimizer) -> List[List[str]]:
 
 def load_full_states(model, optimizer, reader) -> None:
     """Every rank reads the full tensors; torch re-shards them. Collective."""
-    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     from vistrain.checkpoint.load import check_matches
 
@@ -88,5 +95,6 @@ def load_full_states(model, optimizer, reader) -> None:
         entry.update({k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()})
         if entry:
             state[fqn] = entry
-    set_optimizer_state_dict(module, optimizer, {"state": state, "param_groups": groups},
-                             options=_options(full_state_dict=True))
+    set_optimizer_state_dict(
+        module, optimizer, {"state": state, "param_groups": groups}, options=_options(full_state_dict=True)
+    )

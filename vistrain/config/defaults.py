@@ -33,7 +33,9 @@ _C.DATA.CACHE_DIR = ""  # where bundled data sets are written ("" -> ~/.cache/vi
 
 def _split_defaults(batch_size, shuffle):
     split = CN()
-    split.DATA_SOURCES = ["synthetic"]  # one per data set: disk_folder | disk_filelist | synthetic | demo_digits
+    split.DATA_SOURCES = [
+        "synthetic"
+    ]  # one per data set: disk_folder | disk_filelist | synthetic | demo_digits
     split.DATA_PATHS = [""]  # folder (disk_folder), text file of "path label" lines (disk_filelist)
     split.SPLIT = "train"  # which split of demo_digits / a disk_folder with train/ and val/ below it
     split.DATA_LIMIT = -1  # use only the first N samples (-1: all)
@@ -45,7 +47,9 @@ def _split_defaults(batch_size, shuffle):
     split.DROP_LAST = shuffle  # drop the incomplete last batch
     split.SKIP_CORRUPT = False  # True: skip unreadable images (counted in logs); False: stop the run
     split.TRANSFORMS = CN()  # see vistrain/data/transforms.py
-    split.TRANSFORMS.NAME = "multicrop" if shuffle else "eval"  # multicrop (SSL views) | eval (resize+center crop)
+    split.TRANSFORMS.NAME = (
+        "multicrop" if shuffle else "eval"
+    )  # multicrop (SSL views) | eval (resize+center crop)
     split.TRANSFORMS.NUM_CROPS = [2]  # crops per resolution, e.g. [2, 6]
     split.TRANSFORMS.SIZE_CROPS = [32]  # crop side per resolution, e.g. [224, 96]
     split.TRANSFORMS.CROP_SCALES = [[0.14, 1.0]]  # RandomResizedCrop scale range per resolution

@@ -12,6 +12,7 @@ key the closest valid one, so a typo never silently trains the wrong model.
 """
 
 import difflib
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
@@ -21,7 +22,21 @@ from fvcore.common.config import CfgNode
 
 from vistrain.config.defaults import get_defaults
 
-CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+def _configs_dir() -> Path:
+    """Where ``config=NAME`` looks: ``configs/`` of the source checkout this package runs from (the
+    place a reader edits), else the recipes installed with the package (``vistrain.configs``,
+    which setup.py maps from ``configs/``) after a plain ``pip install .``."""
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "setup.py").is_file() and (checkout / "configs").is_dir():
+        return checkout / "configs"
+    installed = importlib.util.find_spec("vistrain.configs")
+    if installed is not None and installed.submodule_search_locations:
+        return Path(next(iter(installed.submodule_search_locations)))
+    return checkout / "configs"
+
+
+CONFIGS_DIR = _configs_dir()
 BASE_KEY = "_BASE_"
 _NO_RAW = object()  # marks values that did not come from command-line text
 
@@ -104,9 +119,7 @@ def _parse_argv(argv: Sequence[str]) -> Tuple[Optional[str], List[Tuple[str, str
                 raise ConfigError(f"override {arg} names no key; write config.A.B=VALUE")
             overrides.append((key, text))
         else:
-            raise ConfigError(
-                f"argument '{arg}' must start with config: config=NAME or config.KEY=VALUE"
-            )
+            raise ConfigError(f"argument '{arg}' must start with config: config=NAME or config.KEY=VALUE")
     return name, overrides
 
 
@@ -115,7 +128,9 @@ def _parse_literal(key: str, text: str) -> Any:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"cannot parse value of {key}: {text!r} is not a YAML literal ({problem})")
+        raise ConfigError(
+            f"cannot parse value of {key}: {text!r} is not a YAML literal ({problem})"
+        ) from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,7 +159,7 @@ def _read_yaml(path: Path) -> dict:
         with open(path) as f:
             data = yaml.safe_load(f)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{_show(path)}: invalid YAML: {' '.join(str(e).split())}")
+        raise ConfigError(f"{_show(path)}: invalid YAML: {' '.join(str(e).split())}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

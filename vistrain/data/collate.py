@@ -19,12 +19,16 @@ def collate_multicrop(samples: List[dict]) -> Dict[str, object]:
         raise ValueError("collate_multicrop got an empty batch")
     num_crops = len(samples[0]["crops"])
     if any(len(s["crops"]) != num_crops for s in samples):
-        raise ValueError(f"samples of one batch have different crop counts: {[len(s['crops']) for s in samples]}")
+        raise ValueError(
+            f"samples of one batch have different crop counts: {[len(s['crops']) for s in samples]}"
+        )
     crops = []
     for k in range(num_crops):
         views = [s["crops"][k] for s in samples]
         if any(v.shape != views[0].shape for v in views):
-            raise ValueError(f"crop {k} has different shapes in one batch: {sorted({tuple(v.shape) for v in views})}")
+            raise ValueError(
+                f"crop {k} has different shapes in one batch: {sorted({tuple(v.shape) for v in views})}"
+            )
         crops.append(torch.stack(views))
     return {
         "crops": crops,

@@ -91,7 +91,9 @@ class SyntheticSource:
     def load(self, i: int) -> Tuple[Image.Image, int]:
         label = self.labels[i]
         colour = np.random.default_rng(mix_seed(0xC0105, label)).random(3)
-        noise = np.random.default_rng(mix_seed(self.split_tag, i)).random((self.image_size, self.image_size, 3))
+        noise = np.random.default_rng(mix_seed(self.split_tag, i)).random(
+            (self.image_size, self.image_size, 3)
+        )
         pixels = np.round((0.5 * colour + 0.5 * noise) * 255).astype(np.uint8)
         return Image.fromarray(pixels), label
 
@@ -102,7 +104,9 @@ def _pick_split_folder(path: str, split: str) -> str:
     subdirs = sorted(e.name for e in os.scandir(path) if e.is_dir())
     if "train" in subdirs and "val" in subdirs:
         if split not in subdirs:
-            raise ValueError(f"disk_folder: {path} has split folders {subdirs}; SPLIT {split!r} is not one of them")
+            raise ValueError(
+                f"disk_folder: {path} has split folders {subdirs}; SPLIT {split!r} is not one of them"
+            )
         return os.path.join(path, split)
     return path
 
@@ -198,8 +202,14 @@ class SSLDataset(Dataset):
     the batches' ``"num_skipped"`` instead.
     """
 
-    def __init__(self, sources: Sequence, transform: Callable, seed: int = 0, skip_corrupt: bool = False,
-                 limit: int = -1):
+    def __init__(
+        self,
+        sources: Sequence,
+        transform: Callable,
+        seed: int = 0,
+        skip_corrupt: bool = False,
+        limit: int = -1,
+    ):
         self.sources = list(sources)
         self.offsets = np.cumsum([0] + [len(s) for s in self.sources]).tolist()
         total = self.offsets[-1]

@@ -134,7 +134,9 @@ def ensure_demo_digits(cache_dir: str = "") -> str:
         if _is_complete(root):  # written by whoever held the lock before us
             return root
         if os.path.exists(root):
-            raise RuntimeError(f"{root} exists but is not a complete demo_digits set (no META.json); remove it")
+            raise RuntimeError(
+                f"{root} exists but is not a complete demo_digits set (no META.json); remove it"
+            )
         _remove_stale_tmp(parent)
         tmp = os.path.join(parent, f".{DEMO_NAME}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:

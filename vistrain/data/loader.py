@@ -10,7 +10,9 @@ from vistrain.data.sampler import DistributedSampler
 SPLITS = ("TRAIN", "TEST")
 
 
-def build_loader(data_cfg, split: str, seed: int, device: torch.device, rank=None, world_size=None) -> DataLoader:
+def build_loader(
+    data_cfg, split: str, seed: int, device: torch.device, rank=None, world_size=None
+) -> DataLoader:
     """The DataLoader of ``data_cfg[split]`` for this rank.
 
     Args:
@@ -34,8 +36,13 @@ def build_loader(data_cfg, split: str, seed: int, device: torch.device, rank=Non
     dataset = build_dataset(split_cfg, cache_dir=data_cfg.CACHE_DIR, seed=seed)
     batch_size = split_cfg.BATCHSIZE_PER_REPLICA
     sampler = DistributedSampler(
-        len(dataset), batch_size, shuffle=split_cfg.SHUFFLE, drop_last=split_cfg.DROP_LAST,
-        seed=seed, rank=rank, world_size=world_size,
+        len(dataset),
+        batch_size,
+        shuffle=split_cfg.SHUFFLE,
+        drop_last=split_cfg.DROP_LAST,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
     )
     workers = data_cfg.NUM_DATALOADER_WORKERS
     if workers < 0:
@@ -56,5 +63,7 @@ def set_epoch(loader: DataLoader, epoch: int, start_iteration: int = 0) -> None:
     """Prepare ``loader`` (from ``build_loader``) for ``epoch``, skipping its first ``start_iteration`` batches."""
     sampler = getattr(loader, "sampler", None)
     if not hasattr(sampler, "set_epoch"):
-        raise TypeError(f"the loader's sampler {type(sampler).__name__} has no set_epoch; build it with build_loader")
+        raise TypeError(
+            f"the loader's sampler {type(sampler).__name__} has no set_epoch; build it with build_loader"
+        )
     sampler.set_epoch(epoch, start_iteration)

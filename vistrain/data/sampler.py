@@ -145,8 +145,14 @@ class DistributedSampler(Sampler):
     def indices(self) -> List[int]:
         """This rank's remaining indices of the current epoch (after the resume skip)."""
         mine = rank_indices(
-            self.num_samples, self.world_size, self.rank, self.batch_size,
-            self.seed, self.epoch, self.shuffle, self.drop_last,
+            self.num_samples,
+            self.world_size,
+            self.rank,
+            self.batch_size,
+            self.seed,
+            self.epoch,
+            self.shuffle,
+            self.drop_last,
         )
         return mine[self.start_iteration * self.batch_size :]
 

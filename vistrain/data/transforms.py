@@ -61,8 +61,10 @@ def _check_multicrop(cfg) -> None:
         if count < 1 or size < 1:
             raise ValueError(f"TRANSFORMS: crop counts and sizes must be >= 1, got {count} x {size}")
         if len(scale) != 2 or not 0 < scale[0] <= scale[1] <= 1:
-            raise ValueError(f"TRANSFORMS.CROP_SCALES entries must be [lo, hi] with 0 < lo <= hi <= 1, got {scale}")
-    if not 0 <= cfg.COLOR_DISTORTION:
+            raise ValueError(
+                f"TRANSFORMS.CROP_SCALES entries must be [lo, hi] with 0 < lo <= hi <= 1, got {scale}"
+            )
+    if not cfg.COLOR_DISTORTION >= 0:
         raise ValueError(f"TRANSFORMS.COLOR_DISTORTION must be >= 0, got {cfg.COLOR_DISTORTION}")
     if len(cfg.BLUR_RADIUS) != 2 or not 0 < cfg.BLUR_RADIUS[0] <= cfg.BLUR_RADIUS[1]:
         raise ValueError(f"TRANSFORMS.BLUR_RADIUS must be [lo, hi] with 0 < lo <= hi, got {cfg.BLUR_RADIUS}")

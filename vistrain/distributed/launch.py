@@ -139,7 +139,9 @@ def _check_sizes(dist_cfg: CfgNode):
 
 def _check_local_devices(device: str, needed: int) -> None:
     if device == "cuda" and needed > torch.cuda.device_count():
-        raise ConfigError(f"{needed} ranks on this machine need {needed} GPUs; {torch.cuda.device_count()} visible")
+        raise ConfigError(
+            f"{needed} ranks on this machine need {needed} GPUs; {torch.cuda.device_count()} visible"
+        )
 
 
 def _joined_env(dist_cfg: CfgNode, environ: Mapping[str, str]):
@@ -171,9 +173,13 @@ def _init_method(dist_cfg: CfgNode, environ: Mapping[str, str], nodes: int) -> s
     if method not in ("tcp", "env", "file"):
         raise ConfigError(f"DISTRIBUTED.INIT_METHOD must be tcp, env or file, got {method!r}")
     if run_id == "auto" and nodes > 1 and not (method == "env" and "MASTER_ADDR" in environ):
-        raise ConfigError("a multi-node run needs DISTRIBUTED.RUN_ID (tcp: host:port of node 0; file: a shared path)")
+        raise ConfigError(
+            "a multi-node run needs DISTRIBUTED.RUN_ID (tcp: host:port of node 0; file: a shared path)"
+        )
     if method == "file":
-        path = os.path.join(tempfile.mkdtemp(prefix="vistrain_init_"), "store") if run_id == "auto" else run_id
+        path = (
+            os.path.join(tempfile.mkdtemp(prefix="vistrain_init_"), "store") if run_id == "auto" else run_id
+        )
         return f"file://{os.path.abspath(path)}"
     if method == "env" and run_id == "auto" and "MASTER_ADDR" in environ and "MASTER_PORT" in environ:
         return "env://"

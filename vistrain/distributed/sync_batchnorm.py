@@ -164,9 +164,7 @@ def _on_cuda(module: nn.Module) -> bool:
 def _synced_copy(bn: _BatchNorm, process_group) -> nn.Module:
     """A sync BN that shares ``bn``'s parameter and buffer objects (optimizer refs stay valid)."""
     cls = nn.SyncBatchNorm if _on_cuda(bn) else CPUSyncBatchNorm
-    new = cls(
-        bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, process_group
-    )
+    new = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, process_group)
     if bn.affine:
         new.weight, new.bias = bn.weight, bn.bias
     new.running_mean, new.running_var = bn.running_mean, bn.running_var
@@ -207,9 +205,7 @@ def sync_bn_group_ranks(world_size: int, group_size: int) -> List[List[int]]:
     if group_size == 0:
         return [list(range(world_size))]
     if world_size % group_size != 0:
-        raise ValueError(
-            f"world size {world_size} is not divisible by sync BN GROUP_SIZE {group_size}"
-        )
+        raise ValueError(f"world size {world_size} is not divisible by sync BN GROUP_SIZE {group_size}")
     return [list(range(s, s + group_size)) for s in range(0, world_size, group_size)]
 
 

@@ -1,5 +1,6 @@
 """Run a function on N real gloo processes and collect what each rank returns (tests, benchmarks)."""
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -20,9 +21,7 @@ def _worker(rank, world_size, port, fn, args, result_dir, backend):
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, os.path.join(result_dir, f"{rank}.pt"))
@@ -40,15 +39,14 @@ def run_on_ranks(fn, world_size: int, *args, backend: str = "gloo"):
     tensors, numbers, lists and dicts. A failure on any rank raises with that rank's traceback.
     """
     with tempfile.TemporaryDirectory() as result_dir:
-        try:
+        # on failure the per-rank files below carry the real traceback
+        with contextlib.suppress(mp.ProcessRaisedException):
             mp.start_processes(
                 _worker,
                 args=(world_size, find_free_port(), fn, args, result_dir, backend),
                 nprocs=world_size,
                 start_method="fork" if _can_fork() else "spawn",
             )
-        except mp.ProcessRaisedException:
-            pass  # the per-rank files below carry the real traceback
         results = []
         for rank in range(world_size):
             path = os.path.join(result_dir, f"{rank}.pt")

@@ -101,8 +101,9 @@ def _gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: boo
     if _is_gloo(group):
         # gloo's list all-gather into views of ``output`` is ~1.5x faster than its
         # all_gather_into_tensor, which stages through a temporary (measured, torch 2.14).
-        return dist.all_gather(list(output.chunk(dist.get_world_size(group))), shard,
-                               group=group, async_op=async_op)
+        return dist.all_gather(
+            list(output.chunk(dist.get_world_size(group))), shard, group=group, async_op=async_op
+        )
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(output, shard, group=group, async_op=async_op)
 
@@ -124,10 +125,17 @@ def reduce_scatter_into(full: torch.Tensor, lo: int, hi: int, group):
 class FlatParamHandle:
     """Shard storage, gather and gradient reduction for a list of original parameters."""
 
-    def __init__(self, params: List[nn.Parameter], origins: List[ParamOrigin], group,
-                 compute_device: torch.device, compute_dtype: Optional[torch.dtype],
-                 reduce_dtype: Optional[torch.dtype], shard_device: torch.device,
-                 sync_module_states: bool):
+    def __init__(
+        self,
+        params: List[nn.Parameter],
+        origins: List[ParamOrigin],
+        group,
+        compute_device: torch.device,
+        compute_dtype: Optional[torch.dtype],
+        reduce_dtype: Optional[torch.dtype],
+        shard_device: torch.device,
+        sync_module_states: bool,
+    ):
         self.origins = origins
         self.group = group
         self.reduce_group = reduction_group(group)
@@ -159,8 +167,7 @@ class FlatParamHandle:
         self.full.untyped_storage().resize_(0)  # allocated again by each gather
         # Outside forward/backward the modules see shape-only meta tensors: reading a released
         # view would crash, reading a placeholder fails cleanly.
-        self._placeholders = [torch.empty(o.shape, dtype=self.compute_dtype, device="meta")
-                              for o in origins]
+        self._placeholders = [torch.empty(o.shape, dtype=self.compute_dtype, device="meta") for o in origins]
         self._set_attributes(self._placeholders)
         self._gather_work = None
         self._gather_src: Optional[torch.Tensor] = None
@@ -174,14 +181,14 @@ class FlatParamHandle:
         flat = torch.zeros(padded, dtype=self.param_dtype, device=device)
         with torch.no_grad():
             for p, o in zip(params, self.origins):
-                flat[o.flat_offset:o.flat_offset + o.numel].copy_(p.detach().reshape(-1))
+                flat[o.flat_offset : o.flat_offset + o.numel].copy_(p.detach().reshape(-1))
         return flat
 
     def _segment_ids(self) -> torch.Tensor:
         """(shard_numel,) int64: index of the origin each shard element belongs to; padding -> len(origins)."""
         ids = torch.full((self.shard_numel,), len(self.origins), dtype=torch.long)
         for i, s_start, _, length in shard_slices(self.origins, self.world_size, self.rank):
-            ids[s_start:s_start + length] = i
+            ids[s_start : s_start + length] = i
         return ids.to(self.shard.device)
 
     # -- gather / free ------------------------------------------------------------------------
@@ -250,7 +257,7 @@ class FlatParamHandle:
     def expose_as_parameters(self, source: torch.Tensor) -> None:
         """Register views of ``source`` (a full copy) as ordinary parameters of their modules."""
         for o in self.origins:
-            view = source[o.flat_offset:o.flat_offset + o.numel].view(o.shape)
+            view = source[o.flat_offset : o.flat_offset + o.numel].view(o.shape)
             o.module.__dict__.pop(o.attr, None)
             o.module._parameters[o.attr] = nn.Parameter(view, requires_grad=False)
 

@@ -23,8 +23,13 @@ from torch.autograd import Variable
 
 from vistrain.fsdp.flat_param import FlatParamHandle, ParamOrigin
 from vistrain.fsdp.mixed_precision import cast_floating, default_compute_dtype, low_precision_dtype
-from vistrain.fsdp.ownership import (check_wrappable, compute_device, install_optimizer_check,
-                                     owned_modules, owned_params)
+from vistrain.fsdp.ownership import (
+    check_wrappable,
+    compute_device,
+    install_optimizer_check,
+    owned_modules,
+    owned_params,
+)
 
 WRAPPED_NAME = "_fsdp_wrapped_module"
 FLAT_PARAM_PREFIX = "flat_param_"
@@ -40,10 +45,10 @@ class _RootState:
 
     def __init__(self, root):
         self.root = root
-        self.units: List["FullyShardedDataParallel"] = []
+        self.units: List[FullyShardedDataParallel] = []
         self.in_backward = False
         self.require_grad_sync = True
-        self.exec_order: List["FullyShardedDataParallel"] = []
+        self.exec_order: List[FullyShardedDataParallel] = []
         self.exec_order_final = False
         self.pending = []  # (handle, work, reduced shard, kept input) of in-flight reduce-scatters
 
@@ -73,12 +78,21 @@ class FullyShardedDataParallel(nn.Module):
     is_sharded_unit = True
     prefetch_depth = 1  # units whose gather starts ahead (memory: 1 + depth units gathered)
 
-    def __init__(self, module: nn.Module, process_group=None, reshard_after_forward: bool = True,
-                 mixed_precision: bool = False, fp32_reduce_scatter: bool = False,
-                 flatten_parameters: bool = True, compute_dtype: Optional[torch.dtype] = None,
-                 buffer_dtype: Optional[torch.dtype] = None, move_params_to_cpu: bool = False,
-                 sync_module_states: bool = True, param_group_fn: Optional[Callable] = None,
-                 keep_fp32: bool = False):
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group=None,
+        reshard_after_forward: bool = True,
+        mixed_precision: bool = False,
+        fp32_reduce_scatter: bool = False,
+        flatten_parameters: bool = True,
+        compute_dtype: Optional[torch.dtype] = None,
+        buffer_dtype: Optional[torch.dtype] = None,
+        move_params_to_cpu: bool = False,
+        sync_module_states: bool = True,
+        param_group_fn: Optional[Callable] = None,
+        keep_fp32: bool = False,
+    ):
         check_wrappable(module)
         super().__init__()
         self.process_group = process_group if process_group is not None else dist.group.WORLD
@@ -88,8 +102,9 @@ class FullyShardedDataParallel(nn.Module):
         self.keep_fp32 = keep_fp32
         self.mixed_precision = mixed_precision and not keep_fp32
         self.compute_device = compute_device(module, move_params_to_cpu)
-        self.compute_dtype = (compute_dtype or default_compute_dtype(self.compute_device)
-                              if self.mixed_precision else None)
+        self.compute_dtype = (
+            compute_dtype or default_compute_dtype(self.compute_device) if self.mixed_precision else None
+        )
         self.fp32_reduce_scatter = fp32_reduce_scatter
         self.move_params_to_cpu = move_params_to_cpu
         self.add_module(WRAPPED_NAME, module)
@@ -100,7 +115,8 @@ class FullyShardedDataParallel(nn.Module):
             self.register_parameter(f"{FLAT_PARAM_PREFIX}{i}", handle.shard)
             if handle.shard.requires_grad:
                 handle.full.register_post_accumulate_grad_hook(
-                    functools.partial(_post_backward_hook, weakref.ref(self), handle))
+                    functools.partial(_post_backward_hook, weakref.ref(self), handle)
+                )
         self._prepare_buffers(buffer_dtype if not keep_fp32 else None, sync_module_states)
         for sub in owned_modules(module):
             sub._fsdp_owner = weakref.ref(self)
@@ -129,9 +145,18 @@ class FullyShardedDataParallel(nn.Module):
                 origins.append(ParamOrigin(fqn, sub, attr, param.shape, offset))
                 offset += param.numel()
             params = [m[3] for m in members]
-            handles.append(FlatParamHandle(
-                params, origins, self.process_group, self.compute_device, self.compute_dtype,
-                reduce_dtype, shard_device, sync))
+            handles.append(
+                FlatParamHandle(
+                    params,
+                    origins,
+                    self.process_group,
+                    self.compute_device,
+                    self.compute_dtype,
+                    reduce_dtype,
+                    shard_device,
+                    sync,
+                )
+            )
             for param in params:
                 param._fsdp_replaced = True  # an optimizer built on it must fail loudly
         return handles
@@ -145,8 +170,9 @@ class FullyShardedDataParallel(nn.Module):
                 if buffer_dtype is not None and buf.is_floating_point():
                     buf = buf.to(buffer_dtype)
                 if sync and self.world_size > 1:
-                    dist.broadcast(buf, src=dist.get_global_rank(self.process_group, 0),
-                                   group=self.process_group)
+                    dist.broadcast(
+                        buf, src=dist.get_global_rank(self.process_group, 0), group=self.process_group
+                    )
                 sub._buffers[name] = buf
 
     def _assign_root_names(self) -> None:
@@ -205,8 +231,9 @@ class FullyShardedDataParallel(nn.Module):
             outputs = self.module(*args, **kwargs)
         if incoming is not None:  # hand the parent back the precision it computes in
             outputs = cast_floating(outputs, incoming, only_full_precision=True)
-        if not state.in_backward and (not torch.is_grad_enabled()
-                                      or (self.reshard_after_forward and not self._is_root)):
+        if not state.in_backward and (
+            not torch.is_grad_enabled() or (self.reshard_after_forward and not self._is_root)
+        ):
             self._reshard()
         if torch.is_grad_enabled():
             _register_on_tensors(outputs, self._pre_backward_hook)
@@ -306,6 +333,7 @@ class FullyShardedDataParallel(nn.Module):
     def state_dict(self, *args, **kwargs):
         """The full state dict: keys and shapes of the unwrapped module. Collective."""
         from vistrain.fsdp.state_dict import full_state_dict
+
         if self._state_dict_mode == "local" or self._summoned:
             return super().state_dict(*args, **kwargs)
         return full_state_dict(self, super().state_dict)
@@ -313,6 +341,7 @@ class FullyShardedDataParallel(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load a full (unwrapped-module) state dict. Collective."""
         from vistrain.fsdp.state_dict import load_full_state_dict
+
         if self._state_dict_mode == "local":
             return super().load_state_dict(state_dict, strict)
         return load_full_state_dict(self, state_dict, strict, super().state_dict)
@@ -320,19 +349,23 @@ class FullyShardedDataParallel(nn.Module):
     def local_state_dict(self):
         """This rank's shards and buffers, keyed by wrapper-internal names."""
         from vistrain.fsdp.state_dict import local_mode
+
         with local_mode(self):
             return self.state_dict()
 
     def load_local_state_dict(self, state_dict, strict: bool = True):
         from vistrain.fsdp.state_dict import local_mode
+
         with local_mode(self):
             return self.load_state_dict(state_dict, strict)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the global gradient norm over every shard on every rank; returns the norm."""
         from vistrain.fsdp.grad import clip_grad_norm_
-        return clip_grad_norm_(list(self.parameters()), max_norm, norm_type, self.process_group,
-                               self.compute_device)
+
+        return clip_grad_norm_(
+            list(self.parameters()), max_norm, norm_type, self.process_group, self.compute_device
+        )
 
 
 def _post_backward_hook(unit_ref, handle: FlatParamHandle, _full: torch.Tensor) -> None:

@@ -7,8 +7,9 @@ import torch
 import torch.distributed as dist
 
 
-def clip_grad_norm_(params: List[torch.Tensor], max_norm: float, norm_type: float, group,
-                    device: torch.device) -> torch.Tensor:
+def clip_grad_norm_(
+    params: List[torch.Tensor], max_norm: float, norm_type: float, group, device: torch.device
+) -> torch.Tensor:
     """Scale gradients so that their global ``norm_type``-norm is at most ``max_norm``.
 
     total = (sum over ranks and shards of sum |g|^p)^(1/p)  (max |g| for p = inf); padding
@@ -18,14 +19,17 @@ def clip_grad_norm_(params: List[torch.Tensor], max_norm: float, norm_type: floa
     norm_type = float(norm_type)
     grads = [p.grad for p in params if p.grad is not None]
     if norm_type == math.inf:
-        local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads \
-            else torch.zeros(())
+        local = (
+            torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else torch.zeros(())
+        )
         local = local.to(device)
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         total = local
     else:
-        local = sum((torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type
-                     for g in grads), torch.zeros(())).to(device)
+        local = sum(
+            (torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type for g in grads),
+            torch.zeros(()),
+        ).to(device)
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
         total = local ** (1.0 / norm_type)
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -60,7 +64,7 @@ def origin_sq_norms(params: List[torch.Tensor], tensors: List[torch.Tensor]) -> 
         offset = 0
         for i, handle, sums in entries:
             n = sums.numel()
-            per_origin = flat[offset:offset + n].clone()
+            per_origin = flat[offset : offset + n].clone()
             per_origin[-1] = 0.0  # padding
             out[i] = per_origin[handle.segment_ids]
             offset += n

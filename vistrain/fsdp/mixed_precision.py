@@ -13,8 +13,9 @@ def default_compute_dtype(device: torch.device) -> torch.dtype:
     return torch.float16 if device.type == "cuda" else torch.bfloat16
 
 
-def cast_floating(obj: Any, dtype: torch.dtype, only_low_precision: bool = False,
-                  only_full_precision: bool = False) -> Any:
+def cast_floating(
+    obj: Any, dtype: torch.dtype, only_low_precision: bool = False, only_full_precision: bool = False
+) -> Any:
     """Cast floating tensors inside nested tuples/lists/dicts to ``dtype``.
 
     ``only_low_precision`` touches only fp16/bf16 tensors, ``only_full_precision`` only the others.

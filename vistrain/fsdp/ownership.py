@@ -26,7 +26,8 @@ def owned_params(module: nn.Module, prefix: str = ""):
             if id(param) in seen:
                 raise NotImplementedError(
                     f"parameter {sub_prefix}{attr} is shared with another module; tied weights "
-                    "are not supported by FullyShardedDataParallel")
+                    "are not supported by FullyShardedDataParallel"
+                )
             seen.add(id(param))
             yield f"{sub_prefix}{attr}", sub, attr, param
 
@@ -40,8 +41,11 @@ def _owned_with_prefix(module, prefix):
 
 def compute_device(module: nn.Module, move_params_to_cpu: bool) -> torch.device:
     if move_params_to_cpu:
-        return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                else torch.device("cpu"))
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
     for tensor in list(module.parameters()) + list(module.buffers()):
         return tensor.device
     return torch.device("cpu")
@@ -53,7 +57,8 @@ def check_wrappable(module: nn.Module) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "FullyShardedDataParallel needs an initialised process group: call "
-            "torch.distributed.init_process_group (or launch with tools/run_distributed.py) first")
+            "torch.distributed.init_process_group (or launch with tools/run_distributed.py) first"
+        )
 
 
 _optimizer_check_installed = False
@@ -72,6 +77,7 @@ def install_optimizer_check() -> None:
                 if getattr(param, "_fsdp_replaced", False):
                     raise RuntimeError(
                         "the optimizer holds parameters that FullyShardedDataParallel replaced by "
-                        "shards: build the optimizer on model.parameters() after wrapping")
+                        "shards: build the optimizer on model.parameters() after wrapping"
+                    )
 
     register_optimizer_step_pre_hook(check)

@@ -21,8 +21,9 @@ def full_state_dict(fsdp, module_state_dict) -> "OrderedDict[str, torch.Tensor]"
     """Gather the full parameters of every unit and return clean-keyed detached copies."""
     with fsdp.summon_full_params(writeback=False):
         raw = module_state_dict()
-        return OrderedDict((clean_name(k), v.detach().clone()) for k, v in raw.items()
-                           if not _is_shard_key(k))
+        return OrderedDict(
+            (clean_name(k), v.detach().clone()) for k, v in raw.items() if not _is_shard_key(k)
+        )
 
 
 def load_full_state_dict(fsdp, state_dict, strict: bool, module_state_dict):
@@ -36,7 +37,8 @@ def load_full_state_dict(fsdp, state_dict, strict: bool, module_state_dict):
             raise RuntimeError(
                 f"state dict does not match the model: missing keys {missing[:5]}"
                 f"{'...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
-                f"{'...' if len(unexpected) > 5 else ''}")
+                f"{'...' if len(unexpected) > 5 else ''}"
+            )
         with torch.no_grad():
             for key, target in targets.items():
                 if key not in state_dict:
@@ -45,7 +47,8 @@ def load_full_state_dict(fsdp, state_dict, strict: bool, module_state_dict):
                 if tuple(value.shape) != tuple(target.shape):
                     raise RuntimeError(
                         f"state dict key {key}: shape {tuple(value.shape)} does not match the "
-                        f"model's {tuple(target.shape)}")
+                        f"model's {tuple(target.shape)}"
+                    )
                 target.copy_(value)
     return _IncompatibleKeys(missing, unexpected)
 

@@ -29,6 +29,7 @@ def by_class(classes: Union[Iterable[Type[nn.Module]], Dict[Type[nn.Module], dic
 
 def by_size(min_num_params: int) -> Policy:
     """Policy wrapping every module holding at least ``min_num_params`` parameters (recursively)."""
+
     def policy(module: nn.Module) -> Optional[dict]:
         return {} if sum(p.numel() for p in module.parameters()) >= min_num_params else None
 
@@ -60,6 +61,7 @@ def _wrap_children(module: nn.Module, policy: Policy, defaults: dict, prefix: st
 
 def _from_root(group_fn: Callable, prefix: str) -> Callable:
     """A unit sees names relative to itself; grouping rules (e.g. "head.") need root names."""
+
     def grouped(fqn, module, param):
         return group_fn(prefix + fqn, module, param)
 
@@ -87,8 +89,10 @@ def params_of(module: nn.Module):
             if all(mine):
                 params.append(handle.shard)
             elif any(mine):
-                raise ValueError(f"{type(module).__name__} shares a flat shard with other modules; "
-                                 "wrap it as its own unit to address its parameters")
+                raise ValueError(
+                    f"{type(module).__name__} shares a flat shard with other modules; "
+                    "wrap it as its own unit to address its parameters"
+                )
     return params
 
 

@@ -112,9 +112,7 @@ class SwAVCriterion(SSLCriterion):
 def _prototype_modules(model: nn.Module) -> List[nn.Module]:
     found = [m for m in model.modules() if isinstance(m, SwAVPrototypes)]
     if not found:
-        raise ValueError(
-            "swav_loss needs a model with a swav head (no SwAVPrototypes module found)"
-        )
+        raise ValueError("swav_loss needs a model with a swav head (no SwAVPrototypes module found)")
     return found
 
 

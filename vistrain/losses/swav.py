@@ -12,9 +12,7 @@ Tensors = Sequence[torch.Tensor]
 
 
 @torch.no_grad()
-def sinkhorn_knopp(
-    scores: torch.Tensor, epsilon: float, iterations: int, group=None
-) -> torch.Tensor:
+def sinkhorn_knopp(scores: torch.Tensor, epsilon: float, iterations: int, group=None) -> torch.Tensor:
     """Soft codes Q (N, K) for this rank's scores (N, K) (any float dtype, no gradient); float32
     (float64 for float64 scores) whatever the input dtype.
 
@@ -85,13 +83,10 @@ class SwAVLoss(nn.Module):
         super().__init__()
         if temperature <= 0 or epsilon <= 0 or sinkhorn_iterations < 1 or queue_length < 0:
             raise ValueError(
-                "SwAVLoss needs temperature > 0, epsilon > 0, sinkhorn_iterations >= 1, "
-                "queue_length >= 0"
+                "SwAVLoss needs temperature > 0, epsilon > 0, sinkhorn_iterations >= 1, queue_length >= 0"
             )
         if not crops_for_assign or len(set(crops_for_assign)) != len(crops_for_assign):
-            raise ValueError(
-                f"crops_for_assign must be distinct crop indices, got {list(crops_for_assign)}"
-            )
+            raise ValueError(f"crops_for_assign must be distinct crop indices, got {list(crops_for_assign)}")
         self.temperature, self.epsilon, self.iterations = temperature, epsilon, sinkhorn_iterations
         self.crops_for_assign = [int(c) for c in crops_for_assign]
         self.queue_length, self.start_queue_at_epoch, self.group = (
@@ -100,9 +95,7 @@ class SwAVLoss(nn.Module):
             group,
         )
         self.epoch = 0
-        self.queue: Optional[torch.Tensor] = (
-            None  # (len(crops_for_assign), queue_length, D) >= fp32
-        )
+        self.queue: Optional[torch.Tensor] = None  # (len(crops_for_assign), queue_length, D) >= fp32
         self.queue_filled = 0  # rows of the queue holding real embeddings
 
     def set_epoch(self, epoch: int) -> None:
@@ -118,15 +111,11 @@ class SwAVLoss(nn.Module):
         embeddings: Optional[Tensors] = None,
         prototypes: Union[None, torch.Tensor, Tensors] = None,
     ) -> torch.Tensor:
-        layers = (
-            [list(scores)] if isinstance(scores[0], torch.Tensor) else [list(s) for s in scores]
-        )
+        layers = [list(scores)] if isinstance(scores[0], torch.Tensor) else [list(s) for s in scores]
         if isinstance(prototypes, torch.Tensor):
             prototypes = [prototypes]
         self._check(layers, embeddings, prototypes)
-        use_queue = (
-            self.queue_active and self.queue_filled == self.queue_length and prototypes is not None
-        )
+        use_queue = self.queue_active and self.queue_filled == self.queue_length and prototypes is not None
         with torch.autocast(device_type=layers[0][0].device.type, enabled=False):
             losses = []
             for j, crop_scores in enumerate(layers):
@@ -136,9 +125,7 @@ class SwAVLoss(nn.Module):
                 self._enqueue(embeddings)
             return torch.stack(losses).mean()
 
-    def _swapped_prediction(
-        self, crop_scores: List[torch.Tensor], extra: Optional[List[torch.Tensor]]
-    ):
+    def _swapped_prediction(self, crop_scores: List[torch.Tensor], extra: Optional[List[torch.Tensor]]):
         n, num_crops = crop_scores[0].shape[0], len(crop_scores)
         dtype = _compute_dtype(crop_scores[0])
         log_probs = [F.log_softmax(s.to(dtype) / self.temperature, dim=1) for s in crop_scores]
@@ -174,15 +161,11 @@ class SwAVLoss(nn.Module):
                 f"SwAVLoss needs >= 2 crops, equally many per layer; got {[len(c) for c in layers]}"
             )
         if max(self.crops_for_assign) >= num_crops or min(self.crops_for_assign) < 0:
-            raise ValueError(
-                f"crops_for_assign {self.crops_for_assign} out of range for {num_crops} crops"
-            )
+            raise ValueError(f"crops_for_assign {self.crops_for_assign} out of range for {num_crops} crops")
         if self.queue_active and (embeddings is None or len(embeddings) != num_crops):
             raise ValueError("the SwAV queue is active: pass the per-crop embeddings to the loss")
         if prototypes is not None and len(prototypes) != len(layers):
-            raise ValueError(
-                f"got {len(prototypes)} prototype weights for {len(layers)} score layers"
-            )
+            raise ValueError(f"got {len(prototypes)} prototype weights for {len(layers)} score layers")
 
     def get_extra_state(self) -> Dict:
         return {"epoch": self.epoch, "queue": self.queue, "queue_filled": self.queue_filled}

@@ -39,9 +39,7 @@ class SSLModel(nn.Module):
             if len(crops) != 1:
                 raise ValueError(f"a feature-dict head takes one tensor, got {len(crops)} crops")
             return self.head(self.trunk(crops[0]))
-        features = [
-            self.trunk(torch.cat(group))[in_feature] for group in _same_resolution_runs(crops)
-        ]
+        features = [self.trunk(torch.cat(group))[in_feature] for group in _same_resolution_runs(crops)]
         return self.head(torch.cat(features))
 
 
@@ -51,9 +49,7 @@ def _as_crop_list(crops: Crops) -> List[torch.Tensor]:
         raise ValueError("SSLModel expects a (N, 3, H, W) tensor or a non-empty list of them")
     sizes = {c.shape[0] for c in crops}
     if len(sizes) != 1:
-        raise ValueError(
-            f"all crops must hold the same number of images, got {[c.shape[0] for c in crops]}"
-        )
+        raise ValueError(f"all crops must hold the same number of images, got {[c.shape[0] for c in crops]}")
     return crops
 
 

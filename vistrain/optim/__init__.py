@@ -24,9 +24,7 @@ def _sgd(groups: List[dict], opt_cfg, lr: float) -> torch.optim.Optimizer:
 
 
 def _lars(groups: List[dict], opt_cfg, lr: float) -> torch.optim.Optimizer:
-    return LARS(
-        groups, lr=lr, momentum=opt_cfg.momentum, eta=opt_cfg.lars_eta, nesterov=opt_cfg.nesterov
-    )
+    return LARS(groups, lr=lr, momentum=opt_cfg.momentum, eta=opt_cfg.lars_eta, nesterov=opt_cfg.nesterov)
 
 
 def _adamw(groups: List[dict], opt_cfg, lr: float) -> torch.optim.Optimizer:

@@ -19,9 +19,7 @@ from torch.nn.modules.batchnorm import _NormBase
 # Norm layers whose affine parameters follow ``regularize_bn``; _NormBase covers every BatchNorm,
 # SyncBatchNorm (ours too) and InstanceNorm.
 _NORM_TYPES: Tuple[type, ...] = tuple(
-    t
-    for t in (_NormBase, nn.GroupNorm, nn.LayerNorm, getattr(nn, "RMSNorm", None))
-    if t is not None
+    t for t in (_NormBase, nn.GroupNorm, nn.LayerNorm, getattr(nn, "RMSNorm", None)) if t is not None
 )
 
 

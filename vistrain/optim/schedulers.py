@@ -87,9 +87,7 @@ def build_lr_schedule(opt_cfg, iterations_per_epoch: int) -> Callable[[int], flo
     main = build(lr_cfg, num_epochs, iterations_per_epoch)
     warmup = float(lr_cfg.warmup_epochs)
     if not 0 <= warmup < num_epochs:
-        raise ValueError(
-            f"warmup_epochs must be in [0, num_epochs={opt_cfg.num_epochs}), got {warmup}"
-        )
+        raise ValueError(f"warmup_epochs must be in [0, num_epochs={opt_cfg.num_epochs}), got {warmup}")
     if warmup > 0:
         ramp = LinearParamScheduler(float(lr_cfg.start_warmup_value), float(lr_cfg.base_value))
         frac = warmup / num_epochs

@@ -37,9 +37,7 @@ class MLP(nn.Module):
 def _check_dims(dims: Sequence[int]) -> List[int]:
     dims = [int(d) for d in dims]
     if len(dims) < 2 or min(dims) <= 0:
-        raise ValueError(
-            f"MODEL.HEAD.DIMS needs at least two positive sizes (input, output), got {dims}"
-        )
+        raise ValueError(f"MODEL.HEAD.DIMS needs at least two positive sizes (input, output), got {dims}")
     return dims
 
 

@@ -47,13 +47,9 @@ class SwAVHead(nn.Module):
         super().__init__()
         nmb_prototypes = [int(k) for k in nmb_prototypes]
         if not nmb_prototypes or min(nmb_prototypes) <= 0:
-            raise ValueError(
-                f"MODEL.HEAD.NMB_PROTOTYPES needs positive sizes, got {nmb_prototypes}"
-            )
+            raise ValueError(f"MODEL.HEAD.NMB_PROTOTYPES needs positive sizes, got {nmb_prototypes}")
         self.projection = MLP(dims, use_bn)
-        self.prototypes = nn.ModuleList(
-            SwAVPrototypes(self.projection.dims[-1], k) for k in nmb_prototypes
-        )
+        self.prototypes = nn.ModuleList(SwAVPrototypes(self.projection.dims[-1], k) for k in nmb_prototypes)
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         z = F.normalize(self.projection(x), dim=1, p=2)

@@ -11,9 +11,7 @@ TRUNKS = {"regnet": build_regnet}
 
 def build_trunk(trunk_cfg) -> nn.Module:
     if trunk_cfg.NAME not in TRUNKS:
-        raise ValueError(
-            f"unknown MODEL.TRUNK.NAME {trunk_cfg.NAME!r}; valid names: {sorted(TRUNKS)}"
-        )
+        raise ValueError(f"unknown MODEL.TRUNK.NAME {trunk_cfg.NAME!r}; valid names: {sorted(TRUNKS)}")
     return TRUNKS[trunk_cfg.NAME](trunk_cfg)
 
 

@@ -26,8 +26,7 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 
 def unit_classes(fp32_batchnorm: bool) -> dict:
     """Module class -> unit options of the RegNet SSL wrap policy."""
-    classes = {ResBottleneckBlock: {}, SimpleStemIN: {}, MLP: {},
-               SwAVPrototypes: {"keep_fp32": True}}
+    classes = {ResBottleneckBlock: {}, SimpleStemIN: {}, MLP: {}, SwAVPrototypes: {"keep_fp32": True}}
     if fp32_batchnorm:
         classes[_BatchNorm] = {"keep_fp32": True}
     return classes
@@ -38,8 +37,10 @@ def apply_activation_checkpointing(model: nn.Module, granularity: str) -> nn.Mod
     its activations. Patches ``forward`` in place, so parameter names do not change."""
     targets = {"block": ResBottleneckBlock, "stage": AnyStage}
     if granularity not in targets:
-        raise ValueError(f"MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY must be one of "
-                         f"{sorted(targets)}, got {granularity!r}")
+        raise ValueError(
+            f"MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY must be one of "
+            f"{sorted(targets)}, got {granularity!r}"
+        )
     for module in model.modules():
         if isinstance(module, targets[granularity]):
             module.forward = functools.partial(_checkpointed, module.forward)
@@ -60,15 +61,18 @@ def shard_model(model: nn.Module, model_cfg, param_group_fn: Optional[Callable] 
     if fsdp_cfg.BACKEND not in BACKENDS:
         raise ValueError(f"MODEL.FSDP_CONFIG.BACKEND must be one of {BACKENDS}, got {fsdp_cfg.BACKEND!r}")
     if fsdp_cfg.compute_dtype not in _DTYPES:
-        raise ValueError(f"MODEL.FSDP_CONFIG.compute_dtype must be one of {sorted(_DTYPES)}, "
-                         f"got {fsdp_cfg.compute_dtype!r}")
+        raise ValueError(
+            f"MODEL.FSDP_CONFIG.compute_dtype must be one of {sorted(_DTYPES)}, "
+            f"got {fsdp_cfg.compute_dtype!r}"
+        )
     low_precision = fsdp_cfg.mixed_precision or model_cfg.AMP_PARAMS.USE_AMP
     classes = unit_classes(fp32_batchnorm=low_precision)
     if fsdp_cfg.BACKEND == "torch":
         return torch_fully_shard(model, fsdp_cfg, classes)
     mixed = fsdp_cfg.mixed_precision and _DTYPES[fsdp_cfg.compute_dtype] != torch.float32
     return auto_wrap(
-        model, by_class(classes),
+        model,
+        by_class(classes),
         reshard_after_forward=fsdp_cfg.reshard_after_forward,
         mixed_precision=mixed,
         fp32_reduce_scatter=fsdp_cfg.fp32_reduce_scatter,
@@ -89,13 +93,18 @@ def torch_fully_shard(model: nn.Module, fsdp_cfg, classes: dict) -> nn.Module:
     mixed = fsdp_cfg.mixed_precision and _DTYPES[fsdp_cfg.compute_dtype] != torch.float32
     low = MixedPrecisionPolicy(
         param_dtype=_DTYPES[fsdp_cfg.compute_dtype] if mixed else None,
-        reduce_dtype=torch.float32 if fsdp_cfg.fp32_reduce_scatter else None)
+        reduce_dtype=torch.float32 if fsdp_cfg.fp32_reduce_scatter else None,
+    )
     full = MixedPrecisionPolicy()
     for module in list(model.modules())[::-1]:  # children before parents
         options = next((opts for cls, opts in classes.items() if isinstance(module, cls)), None)
         if options is not None:
-            fully_shard(module, mesh=mesh, reshard_after_forward=fsdp_cfg.reshard_after_forward,
-                        mp_policy=full if options.get("keep_fp32") else low)
+            fully_shard(
+                module,
+                mesh=mesh,
+                reshard_after_forward=fsdp_cfg.reshard_after_forward,
+                mp_policy=full if options.get("keep_fp32") else low,
+            )
     fully_shard(model, mesh=mesh, reshard_after_forward=fsdp_cfg.reshard_after_forward, mp_policy=low)
     return TorchShardedModel(model)
 
@@ -120,12 +129,15 @@ class TorchShardedModel(nn.Module):
 
     def state_dict(self, *args, **kwargs):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
 
     def load_state_dict(self, state_dict, strict: bool = True):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-        return set_model_state_dict(self.module, state_dict,
-                                    options=StateDictOptions(full_state_dict=True, strict=strict))
+
+        return set_model_state_dict(
+            self.module, state_dict, options=StateDictOptions(full_state_dict=True, strict=strict)
+        )
 
 
 class _NoGradientSync:

@@ -13,11 +13,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from vistrain.engine.sharding import apply_activation_checkpointing, shard_model
+from vistrain.runtime.sharding import apply_activation_checkpointing, shard_model
 
 
-def parallelize(model: nn.Module, model_cfg, device: torch.device,
-                param_group_fn: Optional[Callable] = None) -> nn.Module:
+def parallelize(
+    model: nn.Module, model_cfg, device: torch.device, param_group_fn: Optional[Callable] = None
+) -> nn.Module:
     """``model`` on ``device``, with sync BN and activation checkpointing if configured, wrapped
     for data parallelism: DDP, or the sharded engine with ``MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP``.
 
@@ -26,7 +27,9 @@ def parallelize(model: nn.Module, model_cfg, device: torch.device,
     param) -> key`` keeps optimizer parameter groups apart in flat shards.
     """
     if not dist.is_initialized():
-        raise RuntimeError("parallelize needs a process group; start the run with vistrain.distributed.launch")
+        raise RuntimeError(
+            "parallelize needs a process group; start the run with vistrain.distributed.launch"
+        )
     model = model.to(device)
     if model_cfg.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN:
         model = _convert_sync_bn(model, model_cfg.SYNC_BN_CONFIG.GROUP_SIZE)

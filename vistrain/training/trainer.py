@@ -17,17 +17,23 @@ from typing import Optional
 import torch
 from torch import nn
 
-from vistrain.engine.run_setup import start_run
+from vistrain.checkpoint import (
+    EpochLayout,
+    find_latest_checkpoint,
+    load_pretrained,
+    load_sharded_checkpoint,
+    restore_rng,
+    resume_iteration,
+    save_sharded_checkpoint,
+)
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed import comm
-from vistrain.checkpoint import load_pretrained, restore_rng
-from vistrain.engine.checkpoint import (EpochLayout, find_latest_checkpoint, load_checkpoint, resume_iteration,
-                                       save_checkpoint)
-from vistrain.engine.logger import NonFiniteLossError, TrainingMeter, logger
-from vistrain.engine.parallel import parallelize
 from vistrain.losses import build_loss
 from vistrain.models import build_model
 from vistrain.optim import build_lr_schedule, build_optimizer, param_group_key, set_lr
+from vistrain.runtime.logger import NonFiniteLossError, TrainingMeter, logger
+from vistrain.runtime.parallel import parallelize
+from vistrain.runtime.run_setup import start_run
 
 _AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -62,8 +68,12 @@ def train(cfg) -> None:
     optimizer = build_optimizer(cfg.OPTIMIZER, model)
     lr_schedule = build_lr_schedule(cfg.OPTIMIZER, iters_per_epoch)
     settings = _step_settings(cfg, model, device)
-    layout = EpochLayout(iters_per_epoch, cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA * comm.get_world_size(),
-                         len(loader.dataset), settings.update_freq)
+    layout = EpochLayout(
+        iters_per_epoch,
+        cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA * comm.get_world_size(),
+        len(loader.dataset),
+        settings.update_freq,
+    )
     num_epochs = cfg.OPTIMIZER.num_epochs
     total_iterations = num_epochs * iters_per_epoch
 
@@ -124,13 +134,17 @@ def _accumulation_group(in_epoch: int, iters_per_epoch: int, update_freq: int) -
     return _Group(size=size, is_last=in_epoch + 1 == start + size)
 
 
-def _forward_backward(model: nn.Module, criterion, batch: dict, s: StepSettings, group: _Group) -> torch.Tensor:
+def _forward_backward(
+    model: nn.Module, criterion, batch: dict, s: StepSettings, group: _Group
+) -> torch.Tensor:
     """Forward + loss under autocast, backward of loss / group size. Returns the (unscaled) loss."""
     crops = [c.to(s.device, non_blocking=True) for c in batch["crops"]]
     # DDP and the sharded engine skip the gradient all-reduce / reduce-scatter inside no_sync()
     sync = contextlib.nullcontext() if group.is_last else model.no_sync()
     with sync:
-        with torch.autocast(s.device.type, dtype=s.amp_dtype or torch.float32, enabled=s.amp_dtype is not None):
+        with torch.autocast(
+            s.device.type, dtype=s.amp_dtype or torch.float32, enabled=s.amp_dtype is not None
+        ):
             loss = criterion(model(crops), len(crops))
         # dividing by the group size makes the accumulated gradient the mean over its micro-batches
         scaled = loss / group.size
@@ -181,7 +195,9 @@ def _grad_scaler(model: nn.Module) -> torch.amp.GradScaler:
     """float16 loss scaling; the sharded engine needs its own scaler (inf checks across shards)."""
     from vistrain.fsdp import FullyShardedDataParallel, ShardedGradScaler
 
-    return ShardedGradScaler() if isinstance(model, FullyShardedDataParallel) else torch.amp.GradScaler("cuda")
+    return (
+        ShardedGradScaler() if isinstance(model, FullyShardedDataParallel) else torch.amp.GradScaler("cuda")
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,8 +213,9 @@ def _crossed(saved_at: int, iteration: int, frequency: int) -> bool:
     return frequency > 0 and iteration // frequency > saved_at // frequency
 
 
-def _checkpoint(cfg, meter, model, optimizer, criterion, s: StepSettings, iteration: int,
-                layout: EpochLayout) -> int:
+def _checkpoint(
+    cfg, meter, model, optimizer, criterion, s: StepSettings, iteration: int, layout: EpochLayout
+) -> int:
     """Save ``checkpoint_<iteration>`` (collective); returns ``iteration``."""
     epoch, in_epoch = divmod(iteration, layout.iters_per_epoch)
     # never save a run that diverged: the loss window, and the weights (a step can make them NaN
@@ -208,9 +225,10 @@ def _checkpoint(cfg, meter, model, optimizer, criterion, s: StepSettings, iterat
     extra = {"loss": criterion.state_dict()}  # per rank: the SwAV queue differs between ranks
     if s.scaler is not None:
         extra["grad_scaler"] = s.scaler.state_dict()
-    meta = {"iteration_in_epoch": in_epoch, **layout.as_meta(), "config": cfg.dump()}
-    path = save_checkpoint(cfg.CHECKPOINT.DIR, iteration, epoch, model, optimizer, extra, meta,
-                           keep_last=cfg.CHECKPOINT.KEEP_LAST)
+    meta = {"epoch": epoch, "iteration_in_epoch": in_epoch, **layout.as_meta(), "config": cfg.dump()}
+    path = save_sharded_checkpoint(
+        cfg.CHECKPOINT.DIR, iteration, model, optimizer, extra, meta, keep_last=cfg.CHECKPOINT.KEEP_LAST
+    )
     logger.info(f"saved {path}")
     return iteration
 
@@ -222,7 +240,9 @@ def _check_finite_weights(model: nn.Module, iteration: int) -> None:
         local = param.to_local() if hasattr(param, "to_local") else param  # fully_shard: DTensor shards
         bad += (~torch.isfinite(local.detach())).any()
     if comm.all_reduce_sum(bad).item() > 0:
-        raise NonFiniteLossError(f"model weights became NaN/inf by iteration {iteration}; not saving a checkpoint")
+        raise NonFiniteLossError(
+            f"model weights became NaN/inf by iteration {iteration}; not saving a checkpoint"
+        )
 
 
 def _resume(run_dir: str, model, optimizer, criterion, scaler, layout: EpochLayout) -> int:
@@ -231,15 +251,18 @@ def _resume(run_dir: str, model, optimizer, criterion, scaler, layout: EpochLayo
     path = find_latest_checkpoint(run_dir)
     if path is None:
         return 0
-    state = load_checkpoint(path, model, optimizer)
-    iteration = resume_iteration(state["meta"], layout, path)
+    state = load_sharded_checkpoint(path, model, optimizer)
+    meta, extra = state["metadata"], state["extra"]
+    iteration = resume_iteration(meta, layout, path)
     if state["same_world_size"]:  # per-rank state: rank r continues rank r's RNG streams and queue
-        criterion.load_state_dict(state["loss"])
+        criterion.load_state_dict(extra["loss"])
         restore_rng(state["rng"])
     else:
-        logger.info(f"{path} was saved by {state['meta']['world_size']} ranks: per-rank loss state "
-                    "(e.g. the SwAV queue) and RNG streams start afresh")
-    if scaler is not None and "grad_scaler" in state:
-        scaler.load_state_dict(state["grad_scaler"])
+        logger.info(
+            f"{path} was saved by {meta['world_size']} ranks: per-rank loss state "
+            "(e.g. the SwAV queue) and RNG streams start afresh"
+        )
+    if scaler is not None and "grad_scaler" in extra:
+        scaler.load_state_dict(extra["grad_scaler"])
     logger.info(f"resumed from {path} at iteration {iteration}")
     return iteration

@@ -71,7 +71,7 @@ class TrainingMeter:
             from torch.utils.tensorboard import SummaryWriter  # slow import: rank 0 only
 
             self.writer = SummaryWriter(log_dir=os.path.join(run_dir, "tb"))
-            self.metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+            self.metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")  # noqa: SIM115  closed by close()
 
     def update(self, loss: torch.Tensor, num_images: int, num_skipped: int = 0) -> None:
         """Add one iteration's (this rank's) loss and batch size. No host sync."""

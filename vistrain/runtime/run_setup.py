@@ -9,7 +9,7 @@ import torch
 from vistrain.config import save_config
 from vistrain.distributed import comm
 from vistrain.distributed.launch import resolve_device
-from vistrain.engine.logger import setup_logging
+from vistrain.runtime.logger import setup_logging
 
 
 def start_run(cfg) -> torch.device:
