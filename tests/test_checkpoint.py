@@ -36,7 +36,7 @@ from vistrain.checkpoint import save as save_module
 from vistrain.config import load_config
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import FullyShardedDataParallel as FSDP
-from vistrain.fsdp import auto_wrap, by_class
+from vistrain.fsdp import auto_wrap, by_class, shard_handle
 from vistrain.fsdp.flat_param import shard_slices
 from vistrain.training.trainer import train
 
@@ -77,10 +77,10 @@ def _owned_state(model, optimizer):
     for p in model.parameters():
         state = optimizer.state.get(p, {})
         if isinstance(model, FSDP):
-            h = p._fsdp_handle
+            h = shard_handle(p)
             pieces = [
-                (p._fsdp_origins[i].fqn, off, start, n)
-                for i, off, start, n in shard_slices(p._fsdp_origins, h.world_size, h.rank)
+                (h.origins[i].fqn, off, start, n)
+                for i, off, start, n in shard_slices(h.origins, h.world_size, h.rank)
             ]
         else:
             fqn = next(n for n, q in model.module.named_parameters() if q is p)
@@ -421,7 +421,7 @@ def _torch_sharded(seed):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from vistrain.runtime.sharding import TorchShardedModel
+    from vistrain.fsdp import TorchShardedModel
 
     net = make_net(seed)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

@@ -1,5 +1,6 @@
 """Config loading: recipes, _BASE_ chains, typed overrides, and every bad-input message (also via the CLI)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -191,3 +192,39 @@ def test_cli_bad_config_exits_2_with_one_line(argv, message):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_saved_config_of_another_version_is_refused(tmp_path):
+    cfg = load_config(["config=test/swav_tiny"])
+    path = tmp_path / "config.yaml"
+    save_config(cfg, str(path))
+    assert "VERSION: 1" in path.read_text()
+    path.write_text(path.read_text().replace("VERSION: 1", "VERSION: 0"))
+    with pytest.raises(ConfigError, match="written for config VERSION 0, this vistrain reads VERSION 1"):
+        load_config([f"config={path}"])
+    with pytest.raises(ConfigError, match="VERSION is set by vistrain"):
+        load_config(["config.VERSION=2"])
+
+
+def test_recipes_ship_with_a_plain_install(tmp_path):
+    """``pip install .`` (not editable) must carry configs/ as vistrain.configs, found from any cwd."""
+    target = tmp_path / "site"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--target", str(target), str(REPO)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert install.returncode == 0, install.stderr[-2000:]
+    probe = (
+        "from vistrain.config import load_config, available_configs; "
+        "from vistrain.config.loader import CONFIGS_DIR; "
+        "load_config(['config=regnet_fsdp']); print(CONFIGS_DIR); print(len(available_configs()))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(target)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    where, count = result.stdout.split()
+    assert Path(where) == target / "vistrain" / "configs"
+    assert int(count) == len(available_configs())

@@ -21,7 +21,15 @@ from torch.utils.checkpoint import checkpoint
 
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import FullyShardedDataParallel as FSDP
-from vistrain.fsdp import ShardedGradScaler, auto_wrap, by_class, gathered, origin_sq_norms, params_of
+from vistrain.fsdp import (
+    ShardedGradScaler,
+    auto_wrap,
+    by_class,
+    gathered,
+    origin_sq_norms,
+    params_of,
+    shard_origins,
+)
 from vistrain.fsdp.flat_param import ParamOrigin, shard_range, shard_size, shard_slices
 
 TOL = 1e-5
@@ -233,8 +241,9 @@ def _norms_worker(rank, world):
     reference = {k: v.pow(2).sum() for k, v in make_net().state_dict().items()}
     worst = 0.0
     for p, n in zip(params, norms):
-        for idx, s_start, _, length in shard_slices(p._fsdp_origins, world, rank):
-            expect = reference[p._fsdp_origins[idx].fqn]
+        origins = shard_origins(p)
+        for idx, s_start, _, length in shard_slices(origins, world, rank):
+            expect = reference[origins[idx].fqn]
             worst = max(worst, (n[s_start : s_start + length] - expect).abs().max().item() / expect.item())
     return worst
 

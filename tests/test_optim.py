@@ -2,7 +2,6 @@
 
 import functools
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -133,49 +132,40 @@ def test_builder_errors():
 # ------------------------------------------------------------------ sharded (flat) parameters
 
 
-class _FakeSharded(nn.Module):
-    """What the engine hands the optimizer: flat shards carrying ``_fsdp_origins``."""
+def _sharded_groups_worker(rank, world, split_key):
+    """Wrap _Model with the real engine (one unit); the optimizer's groups as (names, flags)."""
+    from vistrain.fsdp import FullyShardedDataParallel, shard_origins
 
-    def __init__(self, model, opt_cfg, split_key=True):
-        super().__init__()
-        by_group = {}
-        for mname, module in model.named_modules():
-            for pname, p in module.named_parameters(recurse=False):
-                fqn = f"{mname}.{pname}"
-                key = param_group_key(fqn, module, p, opt_cfg) if split_key else "all"
-                by_group.setdefault(key, []).append(SimpleNamespace(fqn=fqn, module=module, shape=p.shape))
-        self.flats = nn.ParameterList()
-        for origins in by_group.values():
-            flat = nn.Parameter(torch.zeros(sum(math.prod(o.shape) for o in origins) // 2 + 1))
-            flat._fsdp_origins = origins
-            self.flats.append(flat)
+    cfg = _opt_cfg(name="lars", head_lr_multiplier=2.0)
+    key_fn = functools.partial(param_group_key, opt_cfg=cfg) if split_key else None
+    sharded = FullyShardedDataParallel(_Model(), param_group_fn=key_fn)
+    try:
+        opt = build_optimizer(cfg, sharded)
+    except ValueError as error:
+        return {"error": str(error)}
+    groups = []
+    for group in opt.param_groups:
+        keys = {
+            param_group_key(o.fqn, o.module, None, cfg)
+            for flat in group["params"]
+            for o in shard_origins(flat)
+        }
+        groups.append((group["name"], sorted(keys), group["lars_exclude"], group["lr_multiplier"]))
+    return {"groups": groups, "num_shards": len(list(sharded.parameters()))}
 
 
 def test_shard_groups_follow_origins():
-    model = _Model()
-    cfg = _opt_cfg(name="lars", head_lr_multiplier=2.0)
-    sharded = _FakeSharded(model, cfg)
-    opt = build_optimizer(cfg, sharded)
-    assert len(opt.param_groups) == len(sharded.flats)  # one shard per group here
-    for group, flat in zip(opt.param_groups, sharded.flats):
-        assert group["params"] == [flat]
-        keys = {param_group_key(o.fqn, o.module, None, cfg) for o in flat._fsdp_origins}
-        assert keys == {group["name"]}
-    flags = {g["name"]: (g["lars_exclude"], g["lr_multiplier"]) for g in opt.param_groups}
+    (out,) = run_on_ranks(_sharded_groups_worker, 1, True)
+    assert len(out["groups"]) == out["num_shards"]  # one shard per group here
+    for name, keys, _, _ in out["groups"]:
+        assert keys == [name]
+    flags = {name: (exclude, mult) for name, _, exclude, mult in out["groups"]}
     assert flags["head_decay"] == (False, 2.0) and flags["no_decay_lars_exclude"] == (True, 1.0)
 
 
 def test_shard_mixing_groups_is_an_error():
-    model, cfg = _Model(), _opt_cfg()
-    with pytest.raises(
-        ValueError,
-        match="flat shard mixes param groups: trunk.0.weight is 'decay' but trunk.1.weight is 'no_decay'",
-    ):
-        build_optimizer(cfg, _FakeSharded(model, cfg, split_key=False))
-    empty = _FakeSharded(nn.Linear(2, 2), cfg)
-    empty.flats[0]._fsdp_origins = []
-    with pytest.raises(ValueError, match="empty _fsdp_origins"):
-        build_optimizer(cfg, empty)
+    (out,) = run_on_ranks(_sharded_groups_worker, 1, False)
+    assert "flat shard mixes param groups: trunk.0.weight is 'decay' but trunk.0.bias is" in out["error"]
 
 
 # ------------------------------------------------------------------ LARS
@@ -251,7 +241,7 @@ def test_lars_on_flat_shard_uses_per_original_norms(monkeypatch):
     grads = [(torch.randn(6, generator=gen), torch.randn(4, generator=gen)) for _ in range(2)]
     flat = nn.Parameter(torch.cat([a, b, torch.zeros(2)]))
     separate = [nn.Parameter(a.clone()), nn.Parameter(b.clone())]
-    monkeypatch.setattr(lars_module, "_origin_sq_norms", _segment_sq_norms({id(flat): [(0, 6), (6, 10)]}))
+    monkeypatch.setattr(lars_module, "origin_sq_norms", _segment_sq_norms({id(flat): [(0, 6), (6, 10)]}))
     opt_flat = LARS([flat], lr=0.1, weight_decay=1e-3, eta=0.01)
     opt_sep = LARS(separate, lr=0.1, weight_decay=1e-3, eta=0.01)
     for ga, gb in grads:
@@ -264,7 +254,7 @@ def test_lars_on_flat_shard_uses_per_original_norms(monkeypatch):
     # The trust ratio differs per original: one norm over the whole flat would give another result.
     whole = nn.Parameter(torch.cat([a, b]))
     opt_whole = LARS([whole], lr=0.1, weight_decay=1e-3, eta=0.01)
-    monkeypatch.setattr(lars_module, "_origin_sq_norms", _plain_origin_sq_norms)
+    monkeypatch.setattr(lars_module, "origin_sq_norms", _plain_origin_sq_norms)
     for ga, gb in grads:
         whole.grad = torch.cat([ga, gb])
         opt_whole.step()

@@ -23,7 +23,7 @@ def main(argv) -> int:
 
     try:
         launch(get_job(cfg.ENGINE_NAME), cfg)
-    except ConfigError as e:  # impossible distributed settings, unknown engine: nothing started
+    except ConfigError as e:  # impossible distributed settings, unknown ENGINE_NAME: nothing started
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except RankFailedError as e:

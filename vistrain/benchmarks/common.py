@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vistrain.checkpoint import load_pretrained
 from vistrain.data import set_epoch
 from vistrain.distributed import comm
 from vistrain.models import build_model
@@ -83,7 +84,6 @@ def load_weights(model: nn.Module, weights_cfg) -> None:
         if comm.is_main_process():
             logger.warning("MODEL.WEIGHTS_INIT.PARAMS_FILE is empty: evaluating a RANDOMLY INITIALISED trunk")
         return
-    from vistrain.checkpoint import load_pretrained
 
     report = load_pretrained(model, weights_cfg)
     unexpected = [key for key in report.unexpected if key.startswith("trunk.")]

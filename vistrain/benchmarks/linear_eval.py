@@ -26,9 +26,10 @@ from torch import nn
 from vistrain.benchmarks import common
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed import comm
+from vistrain.fsdp import unwrap
 from vistrain.optim import build_lr_schedule, build_optimizer, set_lr
 from vistrain.runtime.logger import TrainingMeter, logger
-from vistrain.runtime.parallel import parallelize, unwrap
+from vistrain.runtime.parallel import parallelize
 from vistrain.runtime.run_setup import start_run
 
 

@@ -16,6 +16,7 @@ import torch
 
 from vistrain.checkpoint.files import save_atomic
 from vistrain.checkpoint.pretrained import WeightsSource
+from vistrain.models.trunks.regnet import to_torchvision_state_dict
 
 
 def consolidated_state_dict(path: str, prefix: str = "") -> "OrderedDict[str, torch.Tensor]":
@@ -39,7 +40,6 @@ def to_torchvision(path: str, out: str) -> Dict[str, torch.Tensor]:
     for a custom size), ``tv.fc = nn.Identity()``, ``tv.load_state_dict(sd, strict=True)``; then
     ``tv(x)`` equals our trunk's ``"avgpool"`` feature.
     """
-    from vistrain.models.trunks.regnet import to_torchvision_state_dict
 
     state = to_torchvision_state_dict(consolidated_state_dict(path, "trunk."), prefix="trunk.")
     save_atomic(state, out)

@@ -15,12 +15,12 @@ from typing import Dict, List
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
+from vistrain.checkpoint.files import CheckpointError
 from vistrain.distributed import comm
-from vistrain.fsdp import FullyShardedDataParallel
+from vistrain.fsdp import Backend, FullyShardedDataParallel, backend_of, shard_handle, unwrap
 from vistrain.fsdp.flat_param import shard_slices
-from vistrain.fsdp.fully_sharded import clean_name
+from vistrain.fsdp.names import clean_name
 
 
 @dataclass(frozen=True)
@@ -61,18 +61,19 @@ def model_layout(model: nn.Module) -> ModelLayout:
 
     PyTorch's ``fully_shard`` (``TorchShardedModel``) goes through :mod:`torch_backend` instead.
     """
-    if type(model).__name__ == "TorchShardedModel":
+    backend = backend_of(model)
+    if backend is Backend.TORCH:
         raise TypeError("TorchShardedModel goes through vistrain.checkpoint.torch_backend")
-    if isinstance(model, FullyShardedDataParallel):
+    if backend is Backend.BUILTIN:
         return _sharded_layout(model)
-    return _replicated_layout(model.module if isinstance(model, DDP) else model)
+    return _replicated_layout(unwrap(model))
 
 
 def _sharded_layout(model: FullyShardedDataParallel) -> ModelLayout:
     params, infos = [], {}
     world = comm.get_world_size()
     for shard in model.parameters():
-        handle = getattr(shard, "_fsdp_handle", None)
+        handle = shard_handle(shard)
         if handle is None:
             raise TypeError("a parameter of the sharded model is not a flat shard; wrap the whole model")
         if handle.world_size != world:
@@ -80,7 +81,7 @@ def _sharded_layout(model: FullyShardedDataParallel) -> ModelLayout:
                 f"shards over a process group of {handle.world_size} of {world} ranks (replicated "
                 "shard groups) cannot be checkpointed by vistrain.checkpoint"
             )
-        origins = shard._fsdp_origins
+        origins = handle.origins
         segments = [
             Segment(origins[i].fqn, offset, start, length)
             for i, offset, start, length in shard_slices(origins, handle.world_size, handle.rank)
@@ -125,3 +126,30 @@ def flat_view(tensor: torch.Tensor) -> torch.Tensor:
     if not tensor.is_contiguous():
         raise ValueError("checkpointing needs contiguous parameters and optimizer state")
     return tensor.detach().view(-1)
+
+
+def check_matches(meta: dict, infos: Dict[str, dict], buffers: Dict[str, torch.Tensor], path: str) -> None:
+    """One-line CheckpointError naming the first parameter or buffer that differs from the model."""
+    saved = meta["params"]
+    for fqn, info in infos.items():
+        if fqn not in saved:
+            raise CheckpointError(
+                f"{path}: the model's parameter {fqn!r} is not in the checkpoint "
+                f"(a checkpoint of another model? it holds e.g. {next(iter(saved), None)!r})"
+            )
+        if list(saved[fqn]["shape"]) != list(info["shape"]):
+            raise CheckpointError(
+                f"{path}: {fqn} has shape {tuple(saved[fqn]['shape'])} in the checkpoint "
+                f"but {tuple(info['shape'])} in the model"
+            )
+    unexpected = [fqn for fqn in saved if fqn not in infos]
+    if unexpected:
+        raise CheckpointError(f"{path}: parameter {unexpected[0]!r} of the checkpoint is not in the model")
+    for name, buf in buffers.items():
+        if name not in meta["buffers"]:
+            raise CheckpointError(f"{path}: the model's buffer {name!r} is not in the checkpoint")
+        if list(meta["buffers"][name]["shape"]) != list(buf.shape):
+            raise CheckpointError(
+                f"{path}: buffer {name} has shape {tuple(meta['buffers'][name]['shape'])} "
+                f"in the checkpoint but {tuple(buf.shape)} in the model"
+            )

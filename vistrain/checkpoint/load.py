@@ -16,7 +16,7 @@ import torch
 
 from vistrain.checkpoint import torch_backend
 from vistrain.checkpoint.files import CheckpointError, rank_file, read_metadata, safe_load
-from vistrain.checkpoint.layout import LocalParam, ModelLayout, flat_view, model_layout
+from vistrain.checkpoint.layout import LocalParam, ModelLayout, check_matches, flat_view, model_layout
 from vistrain.distributed import comm
 
 logger = logging.getLogger("vistrain")
@@ -85,33 +85,6 @@ class SliceReader:
             if found is not None:
                 return found
         return None
-
-
-def check_matches(meta: dict, infos: Dict[str, dict], buffers: Dict[str, torch.Tensor], path: str) -> None:
-    """One-line CheckpointError naming the first parameter or buffer that differs from the model."""
-    saved = meta["params"]
-    for fqn, info in infos.items():
-        if fqn not in saved:
-            raise CheckpointError(
-                f"{path}: the model's parameter {fqn!r} is not in the checkpoint "
-                f"(a checkpoint of another model? it holds e.g. {next(iter(saved), None)!r})"
-            )
-        if list(saved[fqn]["shape"]) != list(info["shape"]):
-            raise CheckpointError(
-                f"{path}: {fqn} has shape {tuple(saved[fqn]['shape'])} in the checkpoint "
-                f"but {tuple(info['shape'])} in the model"
-            )
-    unexpected = [fqn for fqn in saved if fqn not in infos]
-    if unexpected:
-        raise CheckpointError(f"{path}: parameter {unexpected[0]!r} of the checkpoint is not in the model")
-    for name, buf in buffers.items():
-        if name not in meta["buffers"]:
-            raise CheckpointError(f"{path}: the model's buffer {name!r} is not in the checkpoint")
-        if list(meta["buffers"][name]["shape"]) != list(buf.shape):
-            raise CheckpointError(
-                f"{path}: buffer {name} has shape {tuple(meta['buffers'][name]['shape'])} "
-                f"in the checkpoint but {tuple(buf.shape)} in the model"
-            )
 
 
 def load_sharded_checkpoint(path: str, model, optimizer=None) -> dict:

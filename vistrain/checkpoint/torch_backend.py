@@ -12,11 +12,12 @@ from typing import Dict, List
 
 import torch
 
-from vistrain.checkpoint.layout import dtype_name
+from vistrain.checkpoint.layout import check_matches, dtype_name
+from vistrain.fsdp import Backend, backend_of
 
 
 def is_torch_sharded(model) -> bool:
-    return type(model).__name__ == "TorchShardedModel"
+    return backend_of(model) is Backend.TORCH
 
 
 def _options(**kwargs):
@@ -70,8 +71,6 @@ def load_full_states(model, optimizer, reader) -> None:
         set_model_state_dict,
         set_optimizer_state_dict,
     )
-
-    from vistrain.checkpoint.load import check_matches
 
     module = model.module
     infos = _infos(module)

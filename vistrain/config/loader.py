@@ -60,6 +60,8 @@ def load_config(argv: Sequence[str]) -> CfgNode:
     if name is not None:
         _merge_file(cfg, resolve_config_path(name), chain=())
     for key, text in overrides:
+        if key == "VERSION":
+            raise ConfigError("VERSION is set by vistrain itself (it tells which key layout a config uses)")
         _set_key(cfg, key, _parse_literal(key, text), raw=text, where="command line")
     cfg.freeze()
     return cfg
@@ -148,10 +150,20 @@ def _merge_file(cfg: CfgNode, path: Path, chain: Tuple[Path, ...]) -> None:
         cycle = " -> ".join(_show(p) for p in chain + (path,))
         raise ConfigError(f"_BASE_ chain is cyclic: {cycle}")
     data = _read_yaml(path)
+    _check_version(cfg, data, path)
     bases = data.pop(BASE_KEY, [])
     for base in bases if isinstance(bases, list) else [bases]:
         _merge_file(cfg, _resolve_base(path, base), chain + (path,))
     _merge_mapping(cfg, data, where=_show(path))
+
+
+def _check_version(cfg: CfgNode, data: dict, path: Path) -> None:
+    """A file that names a VERSION (every saved config.yaml does) must match this vistrain's."""
+    if "VERSION" in data and data["VERSION"] != cfg.VERSION:
+        raise ConfigError(
+            f"{_show(path)}: written for config VERSION {data['VERSION']!r}, this vistrain reads "
+            f"VERSION {cfg.VERSION}; recreate it from a recipe (config=NAME) instead"
+        )
 
 
 def _read_yaml(path: Path) -> dict:

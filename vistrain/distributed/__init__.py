@@ -7,7 +7,6 @@ from vistrain.distributed.comm import (  # noqa: F401
     all_reduce_max,
     all_reduce_sum,
     barrier,
-    broadcast_object,
     get_rank,
     get_world_size,
     is_dist,

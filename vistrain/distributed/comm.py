@@ -89,15 +89,6 @@ def all_gather_with_grad(tensor: torch.Tensor, group=None) -> torch.Tensor:
     return _GatherWithGrad.apply(tensor, group)
 
 
-def broadcast_object(obj, src: int = 0):
-    """Send a picklable object from ``src`` to every rank (identity in one process)."""
-    if get_world_size() == 1:
-        return obj
-    box: List[Optional[object]] = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
 def all_gather_object(obj) -> list:
     """List of every rank's picklable ``obj`` (``[obj]`` in one process)."""
     if get_world_size() == 1:

@@ -12,11 +12,12 @@ import dataclasses
 import datetime
 import multiprocessing.connection
 import os
-import pickle  # torch.multiprocessing children pickle their traceback text into error files
+import shutil
 import signal
 import socket
 import tempfile
 import time
+import traceback
 from typing import Callable, Dict, List, Mapping
 
 import torch
@@ -61,9 +62,9 @@ def launch(main_fn: Callable[[CfgNode], object], cfg: CfgNode) -> None:
     """
     plan = plan_launch(cfg.DISTRIBUTED, cfg.MACHINE, os.environ)
     if not plan.spawn:
-        _run_rank(plan.local_rank, main_fn, cfg, plan)
+        _start_rank(plan.local_rank, main_fn, cfg, plan)
     elif plan.local_ranks == 1:
-        _run_rank(0, main_fn, cfg, plan)  # in-process: faster start, debuggers work
+        _start_rank(0, main_fn, cfg, plan)  # in-process: faster start, debuggers work
     else:
         _spawn_and_watch(main_fn, cfg, plan)
 
@@ -204,7 +205,16 @@ def _free_port() -> int:
 # running ranks
 
 
-def _run_rank(local_rank: int, main_fn, cfg: CfgNode, plan: LaunchPlan) -> None:
+def _run_rank(local_rank: int, main_fn, cfg: CfgNode, plan: LaunchPlan, error_dir: str) -> None:
+    """Body of every spawned rank: ``_start_rank``, its traceback written to ``error_dir`` on failure."""
+    try:
+        _start_rank(local_rank, main_fn, cfg, plan)
+    except BaseException:
+        _write_traceback(error_dir, local_rank)
+        raise
+
+
+def _start_rank(local_rank: int, main_fn, cfg: CfgNode, plan: LaunchPlan) -> None:
     """Body of every rank: device, process group, ``main_fn(cfg)``."""
     rank = plan.first_rank + local_rank
     if plan.device == "cuda":
@@ -226,19 +236,26 @@ def _run_rank(local_rank: int, main_fn, cfg: CfgNode, plan: LaunchPlan) -> None:
 
 
 def _spawn_and_watch(main_fn, cfg: CfgNode, plan: LaunchPlan) -> None:
-    context = mp.start_processes(
-        _run_rank, args=(main_fn, cfg, plan), nprocs=plan.local_ranks, join=False, start_method="spawn"
-    )
-    processes = context.processes
+    error_dir = tempfile.mkdtemp(prefix="vistrain-ranks-")
     try:
-        failed = _wait_for_failure(processes)
-    except BaseException:  # Ctrl-C in the launcher: take the ranks down with it
-        _stop(processes)
-        raise
-    if failed:
-        _stop(processes)
-        raise RankFailedError(_failure_report(failed, processes, context.error_files, plan.first_rank))
-    _remove_files(context.error_files)
+        context = mp.start_processes(
+            _run_rank,
+            args=(main_fn, cfg, plan, error_dir),
+            nprocs=plan.local_ranks,
+            join=False,
+            start_method="spawn",
+        )
+        processes = context.processes
+        try:
+            failed = _wait_for_failure(processes)
+        except BaseException:  # Ctrl-C in the launcher: take the ranks down with it
+            _stop(processes)
+            raise
+        if failed:
+            _stop(processes)
+            raise RankFailedError(_failure_report(failed, processes, error_dir, plan.first_rank))
+    finally:
+        shutil.rmtree(error_dir, ignore_errors=True)
 
 
 def _wait_for_failure(processes) -> List[int]:
@@ -264,16 +281,28 @@ def _stop(processes, grace: float = STOP_GRACE_SECONDS) -> None:
             return
 
 
-def _failure_report(failed: List[int], processes, error_files: List[str], first_rank: int) -> str:
+def _traceback_path(error_dir: str, local_rank: int) -> str:
+    return os.path.join(error_dir, f"rank{local_rank}.txt")
+
+
+def _write_traceback(error_dir: str, local_rank: int) -> None:
+    """The failing rank's traceback as text, for the launcher to report (written, then renamed)."""
+    path = _traceback_path(error_dir, local_rank)
+    with open(f"{path}.tmp", "w") as f:
+        f.write(traceback.format_exc())
+    os.replace(f"{path}.tmp", path)
+
+
+def _failure_report(failed: List[int], processes, error_dir: str, first_rank: int) -> str:
     """Describe the rank that failed first: its traceback if it raised, its signal if it was killed."""
     tracebacks: Dict[int, str] = {}
     written: Dict[int, float] = {}
     for i in failed:
-        if os.path.exists(error_files[i]):
-            written[i] = os.path.getmtime(error_files[i])
-            with open(error_files[i], "rb") as f:
-                tracebacks[i] = pickle.load(f)
-    _remove_files(error_files)
+        path = _traceback_path(error_dir, i)
+        if os.path.exists(path):
+            written[i] = os.path.getmtime(path)
+            with open(path) as f:
+                tracebacks[i] = f.read()
     # A rank without a traceback died from a signal or os._exit; its peers then fail in
     # collectives, so it is the likelier cause. Among tracebacks, the earliest written wins.
     silent = [i for i in failed if i not in tracebacks]
@@ -292,9 +321,3 @@ def _describe_exit(code: int) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code} without a traceback"
-
-
-def _remove_files(paths: List[str]) -> None:
-    for path in paths:
-        if os.path.exists(path):
-            os.remove(path)

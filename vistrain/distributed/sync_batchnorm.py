@@ -19,9 +19,9 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from vistrain.distributed.comm import all_reduce_sum, get_rank, get_world_size
+from vistrain.torch_compat import BatchNormBase
 
 
 def _stats_dtype(x: torch.Tensor) -> torch.dtype:
@@ -94,7 +94,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
         return dx, dweight, dbias, None, None, None, None, None
 
 
-class CPUSyncBatchNorm(_BatchNorm):
+class CPUSyncBatchNorm(BatchNormBase):
     """BatchNorm over (N, C, ...) inputs whose training statistics span ``process_group``.
 
     Drop-in for ``nn.BatchNorm{1,2,3}d`` (same parameters, buffers and state-dict keys). Training
@@ -143,7 +143,7 @@ class CPUSyncBatchNorm(_BatchNorm):
             )
 
     def _update_batch_count(self) -> float:
-        """Running-average factor, as _BatchNorm.forward: momentum, or 1/batches seen when None."""
+        """Running-average factor, as torch's BatchNorm forward: momentum, or 1/batches seen when None."""
         if not (self.training and self.track_running_stats) or self.num_batches_tracked is None:
             return 0.0 if self.momentum is None else self.momentum
         self.num_batches_tracked.add_(1)
@@ -161,7 +161,7 @@ def _on_cuda(module: nn.Module) -> bool:
     return any(t.is_cuda for t in tensors)
 
 
-def _synced_copy(bn: _BatchNorm, process_group) -> nn.Module:
+def _synced_copy(bn: BatchNormBase, process_group) -> nn.Module:
     """A sync BN that shares ``bn``'s parameter and buffer objects (optimizer refs stay valid)."""
     cls = nn.SyncBatchNorm if _on_cuda(bn) else CPUSyncBatchNorm
     new = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, process_group)
@@ -176,7 +176,7 @@ def _synced_copy(bn: _BatchNorm, process_group) -> nn.Module:
 
 
 def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
-    """Replace every (not yet synced) ``_BatchNorm`` in ``module`` by a synchronised one.
+    """Replace every (not yet synced) batch norm in ``module`` by a synchronised one.
 
     Parameters on CUDA -> ``torch.nn.SyncBatchNorm``, else :class:`CPUSyncBatchNorm`. The new
     module reuses the old parameters and buffers (so requires_grad, values, device and dtype are
@@ -184,7 +184,7 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
     modules are kept as they are. Returns ``module`` itself, or its replacement when ``module``
     is a BatchNorm.
     """
-    if isinstance(module, _BatchNorm) and not _is_synced(module):
+    if isinstance(module, BatchNormBase) and not _is_synced(module):
         return _synced_copy(module, process_group)
     for name, child in module.named_children():
         new_child = convert_sync_batchnorm(child, process_group)

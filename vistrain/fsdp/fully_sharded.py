@@ -22,7 +22,9 @@ from torch import nn
 from torch.autograd import Variable
 
 from vistrain.fsdp.flat_param import FlatParamHandle, ParamOrigin
+from vistrain.fsdp.grad import clip_grad_norm_
 from vistrain.fsdp.mixed_precision import cast_floating, default_compute_dtype, low_precision_dtype
+from vistrain.fsdp.names import FLAT_PARAM_PREFIX, WRAPPED_NAME, clean_name
 from vistrain.fsdp.ownership import (
     check_wrappable,
     compute_device,
@@ -30,14 +32,7 @@ from vistrain.fsdp.ownership import (
     owned_modules,
     owned_params,
 )
-
-WRAPPED_NAME = "_fsdp_wrapped_module"
-FLAT_PARAM_PREFIX = "flat_param_"
-
-
-def clean_name(name: str) -> str:
-    """Drop wrapper path components: 'a._fsdp_wrapped_module.b' -> 'a.b'."""
-    return name.replace(WRAPPED_NAME + ".", "").replace("." + WRAPPED_NAME, "").replace(WRAPPED_NAME, "")
+from vistrain.fsdp.state_dict import full_state_dict, load_full_state_dict, local_mode
 
 
 class _RootState:
@@ -332,37 +327,27 @@ class FullyShardedDataParallel(nn.Module):
     # -- state dicts, gradients (implemented in state_dict.py / grad.py) ---------------------------
     def state_dict(self, *args, **kwargs):
         """The full state dict: keys and shapes of the unwrapped module. Collective."""
-        from vistrain.fsdp.state_dict import full_state_dict
-
         if self._state_dict_mode == "local" or self._summoned:
             return super().state_dict(*args, **kwargs)
         return full_state_dict(self, super().state_dict)
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load a full (unwrapped-module) state dict. Collective."""
-        from vistrain.fsdp.state_dict import load_full_state_dict
-
         if self._state_dict_mode == "local":
             return super().load_state_dict(state_dict, strict)
         return load_full_state_dict(self, state_dict, strict, super().state_dict)
 
     def local_state_dict(self):
         """This rank's shards and buffers, keyed by wrapper-internal names."""
-        from vistrain.fsdp.state_dict import local_mode
-
         with local_mode(self):
             return self.state_dict()
 
     def load_local_state_dict(self, state_dict, strict: bool = True):
-        from vistrain.fsdp.state_dict import local_mode
-
         with local_mode(self):
             return self.load_state_dict(state_dict, strict)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the global gradient norm over every shard on every rank; returns the norm."""
-        from vistrain.fsdp.grad import clip_grad_norm_
-
         return clip_grad_norm_(
             list(self.parameters()), max_norm, norm_type, self.process_group, self.compute_device
         )

@@ -3,7 +3,7 @@
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchShardedGradScaler
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -46,25 +46,8 @@ def low_precision_dtype(obj: Any):
     return None
 
 
-class ShardedGradScaler(torch.amp.GradScaler):
-    """``torch.amp.GradScaler`` for sharded gradients: inf/NaN checks agree across ranks.
-
-    Each rank only sees its own gradient shards, so one rank may find an overflow that another
-    misses; skipping the step on some ranks only would desynchronise the replicas. The found-inf
-    flags are therefore max-reduced over ``process_group`` before the step decision.
-    """
-
-    def __init__(self, device: str = "cuda", process_group=None, **kwargs):
-        super().__init__(device, **kwargs)
-        self.process_group = process_group
-
-    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16, *args, **kwargs):
-        # Shards are fp32 masters; fp16 gradients can only come from move/offload paths.
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, True, *args, **kwargs)
-        if dist.is_available() and dist.is_initialized():
-            flags = list(per_device.values()) or [found_inf]
-            for flag in flags:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
-            if not per_device:
-                per_device[found_inf.device] = found_inf
-        return per_device
+# fp16 loss scaling for shards: each rank sees only its own gradient shards, so one rank may find
+# an overflow another misses; skipping the step on some ranks only would desynchronise replicas.
+# torch's public FSDP scaler max-reduces the found-inf flags over the process group (CPU and CUDA),
+# which is exactly what our flat shards need: ShardedGradScaler(device, process_group=...).
+ShardedGradScaler = TorchShardedGradScaler

@@ -6,31 +6,32 @@ the plain model (and back). Building it is collective: every rank gathers every 
 
 import contextlib
 from collections import OrderedDict
+from typing import List, NamedTuple
 
 import torch
-from torch.nn.modules.module import _IncompatibleKeys
 
-from vistrain.fsdp.fully_sharded import FLAT_PARAM_PREFIX, clean_name
+from vistrain.fsdp.names import clean_name, is_shard_key
 
 
-def _is_shard_key(key: str) -> bool:
-    return key.rsplit(".", 1)[-1].startswith(FLAT_PARAM_PREFIX)
+class IncompatibleKeys(NamedTuple):
+    """What ``load_state_dict`` returns (the fields of torch's own result)."""
+
+    missing_keys: List[str]
+    unexpected_keys: List[str]
 
 
 def full_state_dict(fsdp, module_state_dict) -> "OrderedDict[str, torch.Tensor]":
     """Gather the full parameters of every unit and return clean-keyed detached copies."""
     with fsdp.summon_full_params(writeback=False):
         raw = module_state_dict()
-        return OrderedDict(
-            (clean_name(k), v.detach().clone()) for k, v in raw.items() if not _is_shard_key(k)
-        )
+        return OrderedDict((clean_name(k), v.detach().clone()) for k, v in raw.items() if not is_shard_key(k))
 
 
 def load_full_state_dict(fsdp, state_dict, strict: bool, module_state_dict):
     """Copy ``state_dict`` (clean keys) into the full parameters and write the shards back."""
     with fsdp.summon_full_params(writeback=True):
         internal = module_state_dict(keep_vars=True)
-        targets = {clean_name(k): v for k, v in internal.items() if not _is_shard_key(k)}
+        targets = {clean_name(k): v for k, v in internal.items() if not is_shard_key(k)}
         missing = [k for k in targets if k not in state_dict]
         unexpected = [k for k in state_dict if k not in targets]
         if strict and (missing or unexpected):
@@ -50,7 +51,7 @@ def load_full_state_dict(fsdp, state_dict, strict: bool, module_state_dict):
                         f"model's {tuple(target.shape)}"
                     )
                 target.copy_(value)
-    return _IncompatibleKeys(missing, unexpected)
+    return IncompatibleKeys(missing, unexpected)
 
 
 @contextlib.contextmanager

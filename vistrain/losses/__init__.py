@@ -16,6 +16,7 @@ from typing import List
 import torch
 from torch import nn
 
+from vistrain.fsdp import gathered, params_of
 from vistrain.losses.simclr import SimCLRLoss
 from vistrain.losses.swav import SwAVLoss, sinkhorn_knopp
 from vistrain.models.heads.swav import SwAVPrototypes
@@ -90,7 +91,6 @@ class SwAVCriterion(SSLCriterion):
         """SwAV: "freeze the prototypes during the first epoch" -- drop their gradients."""
         if iteration >= self.freeze_prototypes_niters:
             return
-        from vistrain.fsdp import params_of  # the sharding engine lands after this module
 
         for module in _prototype_modules(model):
             for param in params_of(module):
@@ -98,7 +98,6 @@ class SwAVCriterion(SSLCriterion):
 
     def after_optimizer_step(self, model: nn.Module) -> None:
         """Project the prototypes back onto the unit sphere (and keep a copy for the queue)."""
-        from vistrain.fsdp import gathered
 
         weights = []
         for module in _prototype_modules(model):

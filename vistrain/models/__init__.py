@@ -1,6 +1,6 @@
 """Models: ``build_model(cfg.MODEL)`` -> SSLModel (trunk from ``TRUNKS``, head from ``HEADS``)."""
 
-from vistrain.models.heads import HEAD_CLASSES, HEADS, SwAVHead, SwAVPrototypes, build_head
+from vistrain.models.heads import HEADS, SwAVHead, SwAVPrototypes, build_head
 from vistrain.models.ssl_model import SSLModel
 from vistrain.models.trunks import TRUNKS, build_trunk
 
@@ -22,7 +22,6 @@ def build_model(model_cfg) -> SSLModel:
 
 __all__ = [
     "HEADS",
-    "HEAD_CLASSES",
     "TRUNKS",
     "SSLModel",
     "SwAVHead",

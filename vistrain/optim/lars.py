@@ -8,17 +8,12 @@ parameters and every original parameter is split across ranks, so the norms come
 that element belongs to, summed over shards and ranks. Sharded LARS therefore equals DDP LARS.
 """
 
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 import torch
 from torch.optim import Optimizer
 
-
-def _origin_sq_norms(params: List[torch.Tensor], tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-    # Imported lazily: the optimizer package must not pull in the sharded engine at import time.
-    from vistrain.fsdp.grad import origin_sq_norms
-
-    return origin_sq_norms(params, tensors)
+from vistrain.fsdp import origin_sq_norms
 
 
 class LARS(Optimizer):
@@ -96,7 +91,7 @@ class LARS(Optimizer):
             return {}
         # One call (one all-reduce when sharded) for the weight and gradient norms together.
         tensors = [p.detach() for p in params] + [p.grad for p in params]
-        sq = _origin_sq_norms(params + params, tensors)
+        sq = origin_sq_norms(params + params, tensors)
         out = {}
         for i, p in enumerate(params):
             w_norm, g_norm = sq[i].sqrt(), sq[len(params) + i].sqrt()

@@ -6,20 +6,23 @@ module, so the same rule classifies
 * plain / DDP models, parameter by parameter, and
 * models sharded by ``vistrain.fsdp``: the engine calls :func:`param_group_key` at wrap time so
   every flat shard holds parameters of ONE group; the optimizer then reads the group back from the
-  shard's ``_fsdp_origins`` (objects with ``.fqn``, ``.module`` and ``.shape``).
+  original parameters the shard holds (``vistrain.fsdp.shard_origins``: ``.fqn``, ``.module``).
 """
 
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
 
-# Norm layers whose affine parameters follow ``regularize_bn``; _NormBase covers every BatchNorm,
+from vistrain.fsdp import shard_origins, unwrap
+from vistrain.fsdp.flat_param import ParamOrigin
+from vistrain.torch_compat import NormBase
+
+# Norm layers whose affine parameters follow ``regularize_bn``; NormBase covers every BatchNorm,
 # SyncBatchNorm (ours too) and InstanceNorm.
 _NORM_TYPES: Tuple[type, ...] = tuple(
-    t for t in (_NormBase, nn.GroupNorm, nn.LayerNorm, getattr(nn, "RMSNorm", None)) if t is not None
+    t for t in (NormBase, nn.GroupNorm, nn.LayerNorm, getattr(nn, "RMSNorm", None)) if t is not None
 )
 
 
@@ -85,18 +88,10 @@ def param_group_key(fqn: str, module: nn.Module, param: Optional[torch.Tensor], 
     return classify(fqn, module, opt_cfg).key
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    # DDP / DataParallel / the fully_shard adapter keep the real model under ``.module``; names
-    # would start with "module.".
-    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
-    is_wrapper = isinstance(model, wrappers) or getattr(model, "is_data_parallel_wrapper", False)
-    return model.module if is_wrapper else model
-
-
 def _iter_owned_params(model: nn.Module) -> Iterator[Tuple[str, nn.Module, nn.Parameter]]:
     """(fqn, owning module, param) for every distinct parameter, in ``named_parameters`` order."""
     seen = set()
-    for module_name, module in _unwrap(model).named_modules():
+    for module_name, module in unwrap(model).named_modules():
         for name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue
@@ -104,11 +99,8 @@ def _iter_owned_params(model: nn.Module) -> Iterator[Tuple[str, nn.Module, nn.Pa
             yield (f"{module_name}.{name}" if module_name else name), module, param
 
 
-def _shard_traits(param, opt_cfg) -> GroupTraits:
+def _shard_traits(origins: Sequence[ParamOrigin], opt_cfg) -> GroupTraits:
     """Traits of a flat shard: every original parameter it holds must fall in the same group."""
-    origins = list(param._fsdp_origins)
-    if not origins:
-        raise ValueError("flat shard has an empty _fsdp_origins list; cannot pick its param group")
     traits = classify(origins[0].fqn, origins[0].module, opt_cfg)
     for origin in origins[1:]:
         other = classify(origin.fqn, origin.module, opt_cfg)
@@ -132,10 +124,8 @@ def build_param_groups(opt_cfg, model: nn.Module) -> List[dict]:
     for fqn, module, param in _iter_owned_params(model):
         if not param.requires_grad:
             continue
-        if hasattr(param, "_fsdp_origins"):
-            traits = _shard_traits(param, opt_cfg)
-        else:
-            traits = classify(fqn, module, opt_cfg)
+        origins = shard_origins(param)
+        traits = classify(fqn, module, opt_cfg) if origins is None else _shard_traits(origins, opt_cfg)
         groups.setdefault(traits.key, (traits, []))[1].append(param)
     if not groups:
         raise ValueError("model has no trainable parameters (all have requires_grad=False)")

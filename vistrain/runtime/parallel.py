@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from vistrain.distributed.sync_batchnorm import convert_sync_batchnorm, sync_bn_process_group
 from vistrain.runtime.sharding import apply_activation_checkpointing, shard_model
 
 
@@ -42,8 +43,6 @@ def parallelize(
 
 
 def _convert_sync_bn(model: nn.Module, group_size: int) -> nn.Module:
-    from vistrain.distributed.sync_batchnorm import convert_sync_batchnorm, sync_bn_process_group
-
     return convert_sync_batchnorm(model, sync_bn_process_group(group_size))
 
 
@@ -61,18 +60,3 @@ def _wrap_ddp(model: nn.Module, device: torch.device, sync_bn: bool) -> DDP:
 
 
 _DDP_ARGS = inspect.signature(DDP.__init__).parameters
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module inside a DDP wrapper (``model`` itself otherwise)."""
-    return model.module if isinstance(model, DDP) else model
-
-
-def full_state_dict(model: nn.Module) -> dict:
-    """Complete weights under the plain module's names. Collective for sharded models: call on every rank."""
-    return unwrap(model).state_dict() if isinstance(model, DDP) else model.state_dict()
-
-
-def load_full_state_dict(model: nn.Module, state: dict) -> None:
-    """Inverse of :func:`full_state_dict` (strict)."""
-    (unwrap(model) if isinstance(model, DDP) else model).load_state_dict(state)

@@ -12,13 +12,13 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 from torchvision.models.regnet import AnyStage, ResBottleneckBlock, SimpleStemIN
 
-from vistrain.fsdp import auto_wrap, by_class
+from vistrain.fsdp import TorchShardedModel, auto_wrap, by_class
 from vistrain.models.heads.mlp import MLP
 from vistrain.models.heads.swav import SwAVPrototypes
+from vistrain.torch_compat import BatchNormBase
 
 BACKENDS = ("builtin", "torch")
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -28,7 +28,7 @@ def unit_classes(fp32_batchnorm: bool) -> dict:
     """Module class -> unit options of the RegNet SSL wrap policy."""
     classes = {ResBottleneckBlock: {}, SimpleStemIN: {}, MLP: {}, SwAVPrototypes: {"keep_fp32": True}}
     if fp32_batchnorm:
-        classes[_BatchNorm] = {"keep_fp32": True}
+        classes[BatchNormBase] = {"keep_fp32": True}
     return classes
 
 
@@ -107,45 +107,3 @@ def torch_fully_shard(model: nn.Module, fsdp_cfg, classes: dict) -> nn.Module:
             )
     fully_shard(model, mesh=mesh, reshard_after_forward=fsdp_cfg.reshard_after_forward, mp_policy=low)
     return TorchShardedModel(model)
-
-
-class TorchShardedModel(nn.Module):
-    """Gives a ``fully_shard`` model the interface the trainer uses (DDP/our engine's names)."""
-
-    is_data_parallel_wrapper = True  # parameter names are those of ``self.module``
-
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def no_sync(self):
-        return _NoGradientSync(self.module)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0):
-        return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type)
-
-    def state_dict(self, *args, **kwargs):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
-
-    def load_state_dict(self, state_dict, strict: bool = True):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        return set_model_state_dict(
-            self.module, state_dict, options=StateDictOptions(full_state_dict=True, strict=strict)
-        )
-
-
-class _NoGradientSync:
-    def __init__(self, module):
-        self.module = module
-
-    def __enter__(self):
-        self.module.set_requires_gradient_sync(False)
-
-    def __exit__(self, *exc):
-        self.module.set_requires_gradient_sync(True)

@@ -28,6 +28,7 @@ from vistrain.checkpoint import (
 )
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed import comm
+from vistrain.fsdp import Backend, ShardedGradScaler, backend_of
 from vistrain.losses import build_loss
 from vistrain.models import build_model
 from vistrain.optim import build_lr_schedule, build_optimizer, param_group_key, set_lr
@@ -157,7 +158,7 @@ def _optimizer_step(model: nn.Module, criterion, optimizer, s: StepSettings, ite
     if s.clip_grad_norm > 0:
         if s.scaler is not None:
             s.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-        if hasattr(model, "clip_grad_norm_"):  # sharded engine: the norm spans all shards
+        if backend_of(model) is not Backend.REPLICATED:  # sharded: the norm spans all shards
             model.clip_grad_norm_(s.clip_grad_norm)
         else:
             torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip_grad_norm)
@@ -193,11 +194,9 @@ def _step_settings(cfg, model: nn.Module, device: torch.device) -> StepSettings:
 
 def _grad_scaler(model: nn.Module) -> torch.amp.GradScaler:
     """float16 loss scaling; the sharded engine needs its own scaler (inf checks across shards)."""
-    from vistrain.fsdp import FullyShardedDataParallel, ShardedGradScaler
-
-    return (
-        ShardedGradScaler() if isinstance(model, FullyShardedDataParallel) else torch.amp.GradScaler("cuda")
-    )
+    if backend_of(model) is Backend.BUILTIN:
+        return ShardedGradScaler()
+    return torch.amp.GradScaler("cuda")
 
 
 # --------------------------------------------------------------------------------------------
@@ -236,8 +235,9 @@ def _checkpoint(
 def _check_finite_weights(model: nn.Module, iteration: int) -> None:
     """Collective: raise on every rank if any rank's parameters (or shards) hold NaN/inf."""
     bad = torch.zeros(1, device=next(model.parameters()).device)
+    torch_sharded = backend_of(model) is Backend.TORCH
     for param in model.parameters():
-        local = param.to_local() if hasattr(param, "to_local") else param  # fully_shard: DTensor shards
+        local = param.to_local() if torch_sharded else param  # fully_shard: DTensor shards
         bad += (~torch.isfinite(local.detach())).any()
     if comm.all_reduce_sum(bad).item() > 0:
         raise NonFiniteLossError(

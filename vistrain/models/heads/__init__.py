@@ -28,9 +28,6 @@ def build_identity_head(head_cfg) -> IdentityHead:
 
 HEADS = {"simclr": build_simclr_head, "swav": build_swav_head, "identity": build_identity_head}
 
-# Head classes holding parameters, for wrap policies that shard "each head" by class.
-HEAD_CLASSES = (MLP, SwAVHead)  # SwAVPrototypes: its own (fp32) unit inside SwAVHead
-
 
 def build_head(head_cfg) -> nn.Module:
     if head_cfg.NAME not in HEADS:
@@ -40,7 +37,6 @@ def build_head(head_cfg) -> nn.Module:
 
 __all__ = [
     "HEADS",
-    "HEAD_CLASSES",
     "IdentityHead",
     "MLP",
     "SwAVHead",

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torchvision.models.regnet import AnyStage, BlockParams, ResBottleneckBlock, SimpleStemIN
 
+from vistrain.torch_compat import regnet_stage_settings
+
 # name -> (depth, w_0, w_a, w_m, group_width, se_ratio). The torchvision sizes copy the arguments
 # of torchvision's builders (tests compare them); the SEER sizes come from the SEER papers' configs.
 PUBLISHED_REGNETS = {
@@ -92,7 +94,7 @@ class RegNetTrunk(nn.Module):
         self.stem = SimpleStemIN(3, stem_width, nn.BatchNorm2d, nn.ReLU)
         stages, width_in = [], stem_width
         for i, (width, stride, depth, group_width, bottleneck) in enumerate(
-            block_params._get_expanded_params(), start=1
+            regnet_stage_settings(block_params), start=1
         ):
             stage = AnyStage(
                 width_in, width, stride, depth, ResBottleneckBlock, nn.BatchNorm2d, nn.ReLU,

@@ -1,0 +1,33 @@
+"""Pins the private torch/torchvision behaviour that vistrain.torch_compat relies on."""
+
+from torch import nn
+from torchvision.models import regnet_y_400mf
+from torchvision.models.regnet import BlockParams
+
+from vistrain.torch_compat import BatchNormBase, NormBase, StageSettings, regnet_stage_settings
+
+
+def test_batch_norm_base_covers_every_batch_norm():
+    for cls in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm):
+        assert issubclass(cls, BatchNormBase), cls
+    assert not issubclass(nn.InstanceNorm2d, BatchNormBase)
+    assert not issubclass(nn.LayerNorm, BatchNormBase)
+
+
+def test_norm_base_covers_batch_and_instance_norm():
+    for cls in (nn.BatchNorm2d, nn.SyncBatchNorm, nn.InstanceNorm2d):
+        assert issubclass(cls, NormBase), cls
+
+
+def test_regnet_stage_settings_match_torchvision_models():
+    """RegNetY-400MF's published design (Radosavovic et al. 2020) and torchvision's own model."""
+    params = BlockParams.from_init_params(depth=16, w_0=48, w_a=27.89, w_m=2.09, group_width=8, se_ratio=0.25)
+    stages = regnet_stage_settings(params)
+    assert all(isinstance(s, StageSettings) for s in stages)
+    assert [s.width for s in stages] == [48, 104, 208, 440]
+    assert [s.depth for s in stages] == [1, 3, 6, 6]
+    assert [s.stride for s in stages] == [2, 2, 2, 2]
+    assert {s.group_width for s in stages} == {8} and {s.bottleneck_multiplier for s in stages} == {1.0}
+    built = regnet_y_400mf().trunk_output
+    assert [len(stage) for stage in built] == [s.depth for s in stages]
+    assert [stage[-1].f.c[0].out_channels for stage in built] == [s.width for s in stages]
