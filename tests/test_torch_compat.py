@@ -31,3 +31,40 @@ def test_regnet_stage_settings_match_torchvision_models():
     built = regnet_y_400mf().trunk_output
     assert [len(stage) for stage in built] == [s.depth for s in stages]
     assert [stage[-1].f.c[0].out_channels for stage in built] == [s.width for s in stages]
+
+
+def test_autograd_callback_runs_at_the_end_of_backward_and_backward_running_says_when():
+    import torch
+
+    from vistrain.torch_compat import backward_running, queue_autograd_callback
+
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+
+    def hook(grad):
+        seen.append(("hook", backward_running()))
+        queue_autograd_callback(lambda: seen.append(("end", backward_running())))
+        return grad
+
+    y.register_hook(hook)
+    y.sum().backward()
+    assert seen == [("hook", True), ("end", True)] and not backward_running()
+
+
+def test_saved_tensors_hooks_are_visible_and_can_be_disabled():
+    import torch
+
+    from vistrain.torch_compat import current_saved_tensors_hooks, saved_tensors_hooks_enabled
+
+    def pack(t):
+        return t
+
+    def unpack(t):
+        return t
+
+    assert current_saved_tensors_hooks() is None and saved_tensors_hooks_enabled()
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        assert current_saved_tensors_hooks() == (pack, unpack)
+    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"):
+        assert not saved_tensors_hooks_enabled()

@@ -9,10 +9,20 @@ what we rely on, so an upgrade that changes it fails loudly there instead of sil
 * ``NormBase`` (``_NormBase``): also covers InstanceNorm; weight decay exclusions need it.
 * ``regnet_stage_settings``: torchvision's ``BlockParams`` computes the per-stage widths, strides,
   depths, group widths and bottleneck ratios of a RegNet only through ``_get_expanded_params``.
+* ``queue_autograd_callback`` (``Variable._execution_engine.queue_callback``): run a function when
+  the current backward pass ends; the sharded engine finishes its gradient reductions there, as
+  torch's own FSDP does.
+* ``backward_running`` (``torch._C._current_graph_task_id``): whether this thread is inside a
+  backward pass (the engine tells a backward an exception interrupted from one still running).
+* ``current_saved_tensors_hooks`` / ``saved_tensors_hooks_enabled``
+  (``torch._C._autograd._top_saved_tensors_default_hooks`` / ``_saved_tensors_hooks_is_enabled``):
+  the engine's saved-tensor hooks wrap those already active (activation checkpointing's).
 """
 
-from typing import List, NamedTuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
+import torch
+from torch.autograd import Variable
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torchvision.models.regnet import BlockParams
 
@@ -33,3 +43,23 @@ class StageSettings(NamedTuple):
 def regnet_stage_settings(block_params: BlockParams) -> List[StageSettings]:
     """Per-stage settings of the RegNet design space point ``block_params``, first stage first."""
     return [StageSettings(*settings) for settings in block_params._get_expanded_params()]
+
+
+def queue_autograd_callback(fn: Callable[[], None]) -> None:
+    """Call ``fn`` once the backward pass that is running now has finished (call from a hook)."""
+    Variable._execution_engine.queue_callback(fn)
+
+
+def backward_running() -> bool:
+    """True inside a backward pass of this thread (hooks, checkpoint recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def current_saved_tensors_hooks() -> Optional[Tuple[Callable, Callable]]:
+    """The innermost active (pack, unpack) saved-tensor hooks, or None."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def saved_tensors_hooks_enabled() -> bool:
+    """False inside ``torch.autograd.graph.disable_saved_tensors_hooks`` (pushing hooks raises)."""
+    return torch._C._autograd._saved_tensors_hooks_is_enabled()

@@ -10,12 +10,14 @@ so the autograd graph and its saved views see the data again after the next gath
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from vistrain.fsdp.timeouts import DEFAULT_COLLECTIVE_TIMEOUT, wait_within
 
 
 @dataclass
@@ -28,6 +30,11 @@ class ParamOrigin:
     shape: torch.Size
     flat_offset: int  # first element inside the unpadded flat vector
     fqn: str = ""  # clean name relative to the root model (set by the outermost wrapper)
+    # Further (module, attr) places holding the same tied parameter; they get the same view.
+    aliases: List[Tuple[nn.Module, str]] = field(default_factory=list)
+
+    def places(self) -> List[Tuple[nn.Module, str]]:
+        return [(self.module, self.attr)] + self.aliases
 
     @property
     def numel(self) -> int:
@@ -122,6 +129,14 @@ def reduce_scatter_into(full: torch.Tensor, lo: int, hi: int, group):
     return fn(out, full, group=group, async_op=True), out
 
 
+@dataclass
+class InFlightGather:
+    """An all-gather of one handle's shards into its ``full`` tensor, started and not yet waited."""
+
+    work: dist.Work
+    source: torch.Tensor  # the shard in compute dtype/device; must live until the wait
+
+
 class FlatParamHandle:
     """Shard storage, gather and gradient reduction for a list of original parameters."""
 
@@ -169,8 +184,8 @@ class FlatParamHandle:
         # view would crash, reading a placeholder fails cleanly.
         self._placeholders = [torch.empty(o.shape, dtype=self.compute_dtype, device="meta") for o in origins]
         self._set_attributes(self._placeholders)
-        self._gather_work = None
-        self._gather_src: Optional[torch.Tensor] = None
+        self.gather: Optional[InFlightGather] = None
+        self.timeout = DEFAULT_COLLECTIVE_TIMEOUT  # set by the owning unit
         self.is_unsharded = False
         self.unsharded_grad_acc: Optional[torch.Tensor] = None  # summed full grads under no_sync
         self.segment_ids = self._segment_ids()
@@ -198,14 +213,17 @@ class FlatParamHandle:
 
     def start_unshard(self) -> None:
         """Launch the all-gather of the full flat vector (asynchronous); no-op when already there."""
-        if self.is_unsharded or self._gather_work is not None:
+        if self.is_unsharded or self.gather is not None:
             return
         nbytes = self.full.numel() * self.full.element_size()
         self.full.untyped_storage().resize_(nbytes)
         GatheredBytes.add(nbytes)
         src = self.shard.detach().to(self.compute_device, self.compute_dtype, non_blocking=True)
-        self._gather_src = src
-        self._gather_work = _gather_into(self._full_data, src, self.group, async_op=True)
+        self.gather = InFlightGather(_gather_into(self._full_data, src, self.group, async_op=True), src)
+
+    def _finish_gather(self) -> None:
+        gather, self.gather = self.gather, None
+        wait_within(gather.work, self.timeout, f"the all-gather of {self.describe()}", self.compute_device)
 
     def wait_unshard(self) -> None:
         """Finish the gather; the modules then see views of ``full`` (also code that autograd
@@ -213,21 +231,23 @@ class FlatParamHandle:
         if self.is_unsharded:
             return
         self.start_unshard()
-        self._gather_work.wait()
-        self._gather_work = None
-        self._gather_src = None
+        self._finish_gather()
         self.is_unsharded = True
         self.set_views()
 
     def reshard(self) -> None:
-        if self._gather_work is not None:  # a prefetch that was never used
-            self._gather_work.wait()
-            self._gather_work = None
-            self._gather_src = None
+        """Free the full weights, including those of a prefetch that was never used."""
+        if self.gather is not None:
+            self._finish_gather()
+            self._free_full()
         if self.is_unsharded:
             self._free_full()
             self.is_unsharded = False
             self._set_attributes(self._placeholders)
+
+    def describe(self) -> str:
+        names = [o.fqn or o.local_fqn for o in self.origins]
+        return f"flat parameter [{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}]"
 
     def set_views(self) -> None:
         """Point every original parameter attribute at fresh views of ``full`` (must be gathered).
@@ -250,16 +270,18 @@ class FlatParamHandle:
         # Plain instance attributes (the parameters were unregistered at wrap time); writing
         # __dict__ directly skips nn.Module.__setattr__'s checks on this hot path.
         for o, tensor in zip(self.origins, tensors):
-            if o.attr in o.module._parameters:  # registered by summon_full_params
-                del o.module._parameters[o.attr]
-            o.module.__dict__[o.attr] = tensor
+            for module, attr in o.places():
+                if attr in module._parameters:  # registered by summon_full_params or a tie
+                    del module._parameters[attr]
+                module.__dict__[attr] = tensor
 
     def expose_as_parameters(self, source: torch.Tensor) -> None:
         """Register views of ``source`` (a full copy) as ordinary parameters of their modules."""
         for o in self.origins:
-            view = source[o.flat_offset : o.flat_offset + o.numel].view(o.shape)
-            o.module.__dict__.pop(o.attr, None)
-            o.module._parameters[o.attr] = nn.Parameter(view, requires_grad=False)
+            param = nn.Parameter(source[o.flat_offset : o.flat_offset + o.numel].view(o.shape), False)
+            for module, attr in o.places():  # a tied parameter stays one object in every place
+                module.__dict__.pop(attr, None)
+                module._parameters[attr] = param
 
     def gather_full_copy(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """A fresh (padded_numel,) tensor with the full values, in the master dtype by default."""

@@ -4,11 +4,14 @@ One instance is one *unit*: the parameters of its wrapped module that are not in
 unit. Per training step and unit::
 
     forward:   all-gather shards -> run module -> free full weights (reshard_after_forward)
-    backward:  (hook on the unit's outputs) all-gather again -> autograd runs the unit's backward
+    backward:  (hook on the unit's outputs, and on unpacking its saved weights) all-gather again
+               -> autograd runs the unit's backward
                -> (hook after the gradient is accumulated) reduce-scatter it, free full weights
     end:       the root waits for outstanding reductions; shard.grad holds the averaged gradient
 
-With the same seed and data the results equal DDP's: same losses, same parameters.
+With the same seed and data the results equal DDP's: same losses, same parameters. The states
+and their recovery after an exception are described in ``lifecycle.py``; cross-rank checks in
+``agreement.py``; buffer broadcasts in ``buffers.py``; collective timeouts in ``timeouts.py``.
 """
 
 import contextlib
@@ -19,10 +22,11 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
 
+from vistrain.fsdp import agreement, lifecycle
 from vistrain.fsdp.flat_param import FlatParamHandle, ParamOrigin
 from vistrain.fsdp.grad import clip_grad_norm_
+from vistrain.fsdp.lifecycle import RootState, TrainingState
 from vistrain.fsdp.mixed_precision import cast_floating, default_compute_dtype, low_precision_dtype
 from vistrain.fsdp.names import FLAT_PARAM_PREFIX, WRAPPED_NAME, clean_name
 from vistrain.fsdp.ownership import (
@@ -32,20 +36,9 @@ from vistrain.fsdp.ownership import (
     owned_modules,
     owned_params,
 )
-from vistrain.fsdp.state_dict import full_state_dict, load_full_state_dict, local_mode
-
-
-class _RootState:
-    """Bookkeeping shared by every unit of one wrapped model; lives on the root."""
-
-    def __init__(self, root):
-        self.root = root
-        self.units: List[FullyShardedDataParallel] = []
-        self.in_backward = False
-        self.require_grad_sync = True
-        self.exec_order: List[FullyShardedDataParallel] = []
-        self.exec_order_final = False
-        self.pending = []  # (handle, work, reduced shard, kept input) of in-flight reduce-scatters
+from vistrain.fsdp.state_dict import full_state_dict, load_full_state_dict, local_mode, summon
+from vistrain.fsdp.timeouts import DEFAULT_COLLECTIVE_TIMEOUT, as_timedelta
+from vistrain.fsdp.tree import iter_tensors
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -68,6 +61,13 @@ class FullyShardedDataParallel(nn.Module):
         param_group_fn: ``fn(fqn, module, param) -> key``; parameters with different keys are
             never flattened together, so optimizer groups (no weight decay on BN...) survive.
         keep_fp32: run this unit entirely in fp32 with autocast off (BatchNorm under AMP).
+        broadcast_buffers: before each training forward, copy the first rank's buffers to every
+            rank (DDP's default), so BatchNorm statistics and ``state_dict()`` agree. Root only.
+        find_unused_parameters: allow units whose outputs do not reach the loss on some ranks
+            (as DDP's option): weights stay gathered until the end of backward (ZeRO-2) and
+            gradients are reduced at its end, after agreeing which ones any rank produced. Root only.
+        collective_timeout: seconds (or a timedelta) after which a waited collective of this
+            unit raises instead of hanging (ranks that ran different units). Default 5 minutes.
     """
 
     is_sharded_unit = True
@@ -87,6 +87,9 @@ class FullyShardedDataParallel(nn.Module):
         sync_module_states: bool = True,
         param_group_fn: Optional[Callable] = None,
         keep_fp32: bool = False,
+        broadcast_buffers: bool = True,
+        find_unused_parameters: bool = False,
+        collective_timeout=DEFAULT_COLLECTIVE_TIMEOUT,
     ):
         check_wrappable(module)
         super().__init__()
@@ -102,23 +105,27 @@ class FullyShardedDataParallel(nn.Module):
         )
         self.fp32_reduce_scatter = fp32_reduce_scatter
         self.move_params_to_cpu = move_params_to_cpu
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.collective_timeout = as_timedelta(collective_timeout)
         self.add_module(WRAPPED_NAME, module)
 
         owned = list(owned_params(module))
         self._handles = self._build_handles(owned, flatten_parameters, param_group_fn, sync_module_states)
         for i, handle in enumerate(self._handles):
+            handle.timeout = self.collective_timeout
             self.register_parameter(f"{FLAT_PARAM_PREFIX}{i}", handle.shard)
             if handle.shard.requires_grad:
                 handle.full.register_post_accumulate_grad_hook(
-                    functools.partial(_post_backward_hook, weakref.ref(self), handle)
+                    functools.partial(lifecycle.post_backward_hook, weakref.ref(self), handle)
                 )
         self._prepare_buffers(buffer_dtype if not keep_fp32 else None, sync_module_states)
         for sub in owned_modules(module):
             sub._fsdp_owner = weakref.ref(self)
         self._assign_root_names()
-        self._root_state: Optional[_RootState] = None
+        self._root_state: Optional[RootState] = None
         self._is_root: Optional[bool] = None
-        self._backward_started = False
+        self.phase = TrainingState.IDLE
         self._summoned = False
         self._state_dict_mode = "full"
         install_optimizer_check()
@@ -126,18 +133,18 @@ class FullyShardedDataParallel(nn.Module):
     # -- construction helpers -------------------------------------------------------------------
     def _build_handles(self, owned, flatten, group_fn, sync) -> List[FlatParamHandle]:
         groups: Dict[tuple, list] = {}
-        for fqn, sub, attr, param in owned:
+        for fqn, sub, attr, param, aliases in owned:
             key = (param.requires_grad, param.dtype, group_fn(fqn, sub, param) if group_fn else None)
             if not flatten:
                 key = key + (fqn,)
-            groups.setdefault(key, []).append((fqn, sub, attr, param))
+            groups.setdefault(key, []).append((fqn, sub, attr, param, aliases))
         reduce_dtype = torch.float32 if self.fp32_reduce_scatter else None
         shard_device = torch.device("cpu") if self.move_params_to_cpu else self.compute_device
         handles = []
         for members in groups.values():
             origins, offset = [], 0
-            for fqn, sub, attr, param in members:
-                origins.append(ParamOrigin(fqn, sub, attr, param.shape, offset))
+            for fqn, sub, attr, param, aliases in members:
+                origins.append(ParamOrigin(fqn, sub, attr, param.shape, offset, aliases=aliases))
                 offset += param.numel()
             params = [m[3] for m in members]
             handles.append(
@@ -152,8 +159,9 @@ class FullyShardedDataParallel(nn.Module):
                     sync,
                 )
             )
-            for param in params:
+            for param, origin in zip(params, origins):
                 param._fsdp_replaced = True  # an optimizer built on it must fail loudly
+                param._fsdp_sharded_as = (weakref.ref(self), origin.local_fqn)
         return handles
 
     def _prepare_buffers(self, buffer_dtype, sync: bool) -> None:
@@ -203,36 +211,64 @@ class FullyShardedDataParallel(nn.Module):
     def _lazy_init(self) -> None:
         if self._root_state is not None:
             return
-        state = _RootState(self)
-        for unit in self.units():
+        units = self.units()
+        names = {id(u): clean_name(n) or "<root>" for n, u in self.named_modules() if u in units}
+        state = RootState(self, units, names)
+        for unit in units:
             unit._root_state, unit._is_root = state, unit is self
-            state.units.append(unit)
 
     def forward(self, *args, **kwargs):
         self._lazy_init()
         state = self._root_state
-        training = torch.is_grad_enabled() and not state.in_backward
-        if training and not state.exec_order_final and self not in state.exec_order:
-            state.exec_order.append(self)
+        training = torch.is_grad_enabled() and state.phase is not TrainingState.BACKWARD
+        if self._is_root:
+            lifecycle.begin_root_forward(state, training)
+        if training:
+            agreement.record_call(self)
+        self.phase = TrainingState.FORWARD if training else self.phase
         self._unshard()  # the gather also points the modules at fresh views of the weights
         if training:
             self._prefetch(+1)
+        outputs = self._run_module(args, kwargs)
+        keep_for_backward = not self.reshard_after_forward or self._is_root or self.find_unused_parameters
+        if state.phase is not TrainingState.BACKWARD and (
+            not torch.is_grad_enabled() or not keep_for_backward
+        ):
+            self._reshard()
+        if torch.is_grad_enabled():
+            for tensor in iter_tensors(outputs):  # an early start; saved-weight hooks guarantee it
+                if tensor.requires_grad:
+                    tensor.register_hook(self._pre_backward_hook)
+        if training:
+            self.phase = TrainingState.IDLE
+        if self._is_root and training:
+            agreement.check_unit_call(state, self.process_group, agreement.END)
+            state.phase = TrainingState.IDLE
+        return outputs
+
+    def _run_module(self, args, kwargs):
         if self.mixed_precision:
             args, kwargs = cast_floating((args, kwargs), self.compute_dtype)
         incoming = None if self.mixed_precision else low_precision_dtype((args, kwargs))
         if incoming is not None:  # a full-precision island inside a mixed-precision network
             args, kwargs = cast_floating((args, kwargs), torch.float32, only_low_precision=True)
-        with _autocast_off(self.compute_device) if self.keep_fp32 else contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            if self.keep_fp32:
+                stack.enter_context(_autocast_off(self.compute_device))
+            if torch.is_grad_enabled():
+                stack.enter_context(lifecycle.saved_weight_hooks(self._root_state))
             outputs = self.module(*args, **kwargs)
         if incoming is not None:  # hand the parent back the precision it computes in
             outputs = cast_floating(outputs, incoming, only_full_precision=True)
-        if not state.in_backward and (
-            not torch.is_grad_enabled() or (self.reshard_after_forward and not self._is_root)
-        ):
-            self._reshard()
-        if torch.is_grad_enabled():
-            _register_on_tensors(outputs, self._pre_backward_hook)
         return outputs
+
+    def reset_iter_state(self) -> None:
+        """Recover from an exception in forward or backward: discard the step's gradients and
+        free every gathered weight (done automatically by the next forward). Root only."""
+        self._lazy_init()
+        if not self._is_root:
+            raise RuntimeError("reset_iter_state() must be called on the root FullyShardedDataParallel")
+        lifecycle.reset_iter_state(self._root_state)
 
     def _unshard(self) -> None:
         for handle in self._handles:
@@ -254,34 +290,38 @@ class FullyShardedDataParallel(nn.Module):
             j = idx + distance * step
             if 0 <= j < len(state.exec_order):
                 nxt = state.exec_order[j]
-                if step > 0 or not nxt._backward_started:
+                if step > 0 or nxt.phase is not TrainingState.BACKWARD:
                     for handle in nxt._handles:
                         handle.start_unshard()
 
     # -- backward -----------------------------------------------------------------------------
     def _pre_backward_hook(self, grad):
-        state = self._root_state
-        if not state.in_backward:
-            state.in_backward = True
-            Variable._execution_engine.queue_callback(state.root._finalize_backward)
-        if not self._backward_started:
-            self._backward_started = True
-            self._unshard()
-            self._prefetch(-1)
+        self._gather_for_backward()
         return grad
 
-    def _finalize_backward(self) -> None:
-        """Root only, once per backward: finish reductions, free everything, reset state."""
+    def _gather_for_backward(self) -> None:
+        """Before the unit's backward reads its weights (output hook or saved-weight unpack)."""
         state = self._root_state
-        for handle, work, reduced, _ in state.pending:
-            work.wait()
-            handle.accumulate_shard_grad(reduced)
-        state.pending.clear()
+        lifecycle.mark_backward(state)
+        if self.phase is not TrainingState.BACKWARD:
+            self.phase = TrainingState.BACKWARD
+            agreement.check_backward_call(state, state.units.index(self))
+            self._unshard()
+            self._prefetch(-1)
+
+    def _finalize_backward(self) -> None:
+        """Root only, once per backward: finish reductions, free everything, back to IDLE."""
+        state = self._root_state
+        agreement.check_backward_call(state, agreement.END)
+        if state.deferred or (self.find_unused_parameters and state.require_grad_sync):
+            lifecycle.reduce_deferred(state, self.process_group)
+        lifecycle.finish_reductions(state)
         for unit in state.units:
             unit._reshard()
-            unit._backward_started = False
-        state.in_backward = False
+            unit.phase = TrainingState.IDLE
+        state.phase = TrainingState.IDLE
         state.exec_order_final = bool(state.exec_order)
+        state.order_checked = True
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -304,29 +344,14 @@ class FullyShardedDataParallel(nn.Module):
         Collective: every rank must enter. Changes are written back to the shards on exit when
         ``writeback``. Not allowed during forward or backward.
         """
-        if self._root_state is not None and self._root_state.in_backward:
-            raise RuntimeError("summon_full_params() cannot be used during backward")
-        units = [u for u in (self.units() if recurse else [self]) if not u._summoned]
-        copies = []
-        for unit in units:
-            unit._summoned = True
-            for handle in unit._handles:
-                full = handle.gather_full_copy()
-                handle.expose_as_parameters(full)
-                copies.append((handle, full))
-        try:
+        lifecycle.recover_if_interrupted(self._root_state)
+        with summon(self, recurse, writeback):
             yield
-        finally:
-            for handle, full in copies:
-                if writeback:
-                    handle.write_back(full)
-                handle.restore_attributes()
-            for unit in units:
-                unit._summoned = False
 
     # -- state dicts, gradients (implemented in state_dict.py / grad.py) ---------------------------
     def state_dict(self, *args, **kwargs):
         """The full state dict: keys and shapes of the unwrapped module. Collective."""
+        lifecycle.recover_if_interrupted(self._root_state)
         if self._state_dict_mode == "local" or self._summoned:
             return super().state_dict(*args, **kwargs)
         return full_state_dict(self, super().state_dict)
@@ -351,33 +376,6 @@ class FullyShardedDataParallel(nn.Module):
         return clip_grad_norm_(
             list(self.parameters()), max_norm, norm_type, self.process_group, self.compute_device
         )
-
-
-def _post_backward_hook(unit_ref, handle: FlatParamHandle, _full: torch.Tensor) -> None:
-    """After autograd has accumulated the unit's full gradient: reduce-scatter it and free."""
-    unit = unit_ref()
-    grad = handle.take_full_grad()
-    if unit is None or grad is None:
-        return
-    handle.reshard()
-    state = unit._root_state
-    if not state.require_grad_sync:
-        handle.accumulate_unsharded(grad)
-        return
-    work, reduced, kept = handle.start_reduce_scatter(grad)
-    state.pending.append((handle, work, reduced, kept))
-
-
-def _register_on_tensors(obj, hook) -> None:
-    if isinstance(obj, torch.Tensor):
-        if obj.requires_grad:
-            obj.register_hook(hook)
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            _register_on_tensors(item, hook)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            _register_on_tensors(item, hook)
 
 
 def _autocast_off(device: torch.device):

@@ -5,6 +5,8 @@ from typing import Any
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchShardedGradScaler
 
+from vistrain.fsdp.tree import iter_tensors, map_tensors
+
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -16,33 +18,27 @@ def default_compute_dtype(device: torch.device) -> torch.dtype:
 def cast_floating(
     obj: Any, dtype: torch.dtype, only_low_precision: bool = False, only_full_precision: bool = False
 ) -> Any:
-    """Cast floating tensors inside nested tuples/lists/dicts to ``dtype``.
+    """Cast floating tensors inside ``obj`` (any container ``tree.map_tensors`` knows) to ``dtype``.
 
     ``only_low_precision`` touches only fp16/bf16 tensors, ``only_full_precision`` only the others.
     """
-    if isinstance(obj, torch.Tensor):
-        if not obj.is_floating_point() or obj.dtype == dtype:
-            return obj
-        low = obj.dtype in _LOW_PRECISION
+
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_floating_point() or tensor.dtype == dtype:
+            return tensor
+        low = tensor.dtype in _LOW_PRECISION
         if (only_low_precision and not low) or (only_full_precision and low):
-            return obj
-        return obj.to(dtype)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(cast_floating(o, dtype, only_low_precision, only_full_precision) for o in obj)
-    if isinstance(obj, dict):
-        return {k: cast_floating(v, dtype, only_low_precision, only_full_precision) for k, v in obj.items()}
-    return obj
+            return tensor
+        return tensor.to(dtype)
+
+    return map_tensors(obj, cast)
 
 
 def low_precision_dtype(obj: Any):
     """The first fp16/bf16 dtype among the floating tensors in ``obj`` (None if there is none)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.dtype if obj.dtype in _LOW_PRECISION else None
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
-    for item in items:
-        found = low_precision_dtype(item)
-        if found is not None:
-            return found
+    for tensor in iter_tensors(obj):
+        if tensor.dtype in _LOW_PRECISION:
+            return tensor.dtype
     return None
 
 

@@ -17,19 +17,57 @@ def owned_modules(module: nn.Module):
 
 
 def owned_params(module: nn.Module, prefix: str = ""):
-    """(fqn, module, attr, param) of parameters not inside nested units."""
-    seen = set()
+    """(fqn, module, attr, param, aliases) of the parameters this unit shards.
+
+    Those of modules not inside nested units, except tied parameters whose scope (the lowest
+    module using them all, set by ``sharing.mark_tied_params``) lies outside ``module``; plus
+    tied parameters whose scope this unit owns, wherever they appear. ``aliases`` lists the
+    further (module, attr) places of a tied parameter.
+    """
+    owned = {id(sub) for sub in owned_modules(module)}
+    found = {}  # id(param) -> [fqn, module, attr, param, aliases]
     for sub, sub_prefix in _owned_with_prefix(module, prefix):
+        _check_not_wrapped_elsewhere(sub, sub_prefix, module)
         for attr, param in sub._parameters.items():
-            if param is None:
-                continue
-            if id(param) in seen:
-                raise NotImplementedError(
-                    f"parameter {sub_prefix}{attr} is shared with another module; tied weights "
-                    "are not supported by FullyShardedDataParallel"
-                )
-            seen.add(id(param))
-            yield f"{sub_prefix}{attr}", sub, attr, param
+            if param is not None and _in_scope(param, owned):
+                _add_place(found, f"{sub_prefix}{attr}", sub, attr, param)
+    for path, sub in module.named_modules(prefix=prefix.rstrip("."), remove_duplicate=False):
+        if id(sub) in owned:
+            continue
+        for attr, param in sub._parameters.items():  # tied ones left here by nested units
+            if param is not None and getattr(param, "_fsdp_tied_scope", None) and _in_scope(param, owned):
+                _add_place(found, f"{path}.{attr}".replace("_fsdp_wrapped_module.", ""), sub, attr, param)
+    return [tuple(entry) for entry in found.values()]
+
+
+def _in_scope(param, owned) -> bool:
+    scope = getattr(param, "_fsdp_tied_scope", None)
+    return scope is None or id(scope()) in owned
+
+
+def _add_place(found, fqn, sub, attr, param) -> None:
+    if getattr(param, "_fsdp_replaced", False):
+        unit, local = param._fsdp_sharded_as
+        raise ValueError(
+            f"parameter {fqn} is tied to {local} of an already wrapped unit ({type(unit().module).__name__}); "
+            "a tied parameter must live in the lowest unit owning all its users: wrap with "
+            "auto_wrap, or wrap a module that contains every user"
+        )
+    entry = found.get(id(param))
+    if entry is None:
+        found[id(param)] = [fqn, sub, attr, param, []]
+    elif (sub, attr) != (entry[1], entry[2]) and (sub, attr) not in entry[4]:
+        entry[4].append((sub, attr))
+
+
+def _check_not_wrapped_elsewhere(sub: nn.Module, path: str, module: nn.Module) -> None:
+    owner = getattr(sub, "_fsdp_owner", None)
+    if owner is not None and owner() is not None:
+        raise ValueError(
+            f"module {path.rstrip('.') or '<root>'} ({type(sub).__name__}) is already inside a "
+            "sharded unit under another name; refer to that unit under both names (auto_wrap "
+            "does this)"
+        )
 
 
 def _owned_with_prefix(module, prefix):

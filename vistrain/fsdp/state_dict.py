@@ -20,6 +20,28 @@ class IncompatibleKeys(NamedTuple):
     unexpected_keys: List[str]
 
 
+@contextlib.contextmanager
+def summon(fsdp, recurse: bool, writeback: bool):
+    """Body of ``summon_full_params``: expose full fp32 copies as parameters, write back on exit."""
+    units = [u for u in (fsdp.units() if recurse else [fsdp]) if not u._summoned]
+    copies = []
+    for unit in units:
+        unit._summoned = True
+        for handle in unit._handles:
+            full = handle.gather_full_copy()
+            handle.expose_as_parameters(full)
+            copies.append((handle, full))
+    try:
+        yield
+    finally:
+        for handle, full in copies:
+            if writeback:
+                handle.write_back(full)
+            handle.restore_attributes()
+        for unit in units:
+            unit._summoned = False
+
+
 def full_state_dict(fsdp, module_state_dict) -> "OrderedDict[str, torch.Tensor]":
     """Gather the full parameters of every unit and return clean-keyed detached copies."""
     with fsdp.summon_full_params(writeback=False):

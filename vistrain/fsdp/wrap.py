@@ -6,6 +6,7 @@ from typing import Callable, Dict, Iterable, Optional, Type, Union
 from torch import nn
 
 from vistrain.fsdp.fully_sharded import FullyShardedDataParallel
+from vistrain.fsdp.sharing import check_untied_leftovers, mark_tied_params, module_references
 
 # A policy maps a module to None (not a unit of its own) or to per-unit option overrides.
 Policy = Callable[[nn.Module], Optional[dict]]
@@ -41,22 +42,30 @@ def auto_wrap(module: nn.Module, policy: Policy, wrap_root: bool = True, **fsdp_
 
     ``fsdp_kwargs`` are the defaults of every unit; the policy's overrides win per unit.
     Returns the root ``FullyShardedDataParallel`` (or the module itself when not ``wrap_root``).
+    Tied parameters go to the lowest unit that owns all their users; a submodule reachable
+    under several names becomes one unit referenced under all of them.
     """
-    _wrap_children(module, policy, fsdp_kwargs)
-    return FullyShardedDataParallel(module, **fsdp_kwargs) if wrap_root else module
+    mark_tied_params(module)
+    _wrap_children(module, policy, fsdp_kwargs, module_references(module))
+    if not wrap_root:
+        check_untied_leftovers(module)
+        return module
+    return FullyShardedDataParallel(module, **fsdp_kwargs)
 
 
-def _wrap_children(module: nn.Module, policy: Policy, defaults: dict, prefix: str = "") -> None:
+def _wrap_children(module: nn.Module, policy: Policy, defaults: dict, refs, prefix: str = "") -> None:
     for name, child in list(module.named_children()):
         if isinstance(child, FullyShardedDataParallel):
-            continue
-        _wrap_children(child, policy, defaults, f"{prefix}{name}.")
+            continue  # already wrapped (also: a shared submodule met under its second name)
+        _wrap_children(child, policy, defaults, refs, f"{prefix}{name}.")
         overrides = policy(child)
         if overrides is not None:
             kwargs = {**defaults, **overrides}
             if kwargs.get("param_group_fn") is not None:
                 kwargs["param_group_fn"] = _from_root(kwargs["param_group_fn"], f"{prefix}{name}.")
-            setattr(module, name, FullyShardedDataParallel(child, **kwargs))
+            unit = FullyShardedDataParallel(child, **kwargs)
+            for parent, child_name in refs.get(id(child), [(module, name)]):
+                parent._modules[child_name] = unit
 
 
 def _from_root(group_fn: Callable, prefix: str) -> Callable:

@@ -80,6 +80,8 @@ def shard_model(model: nn.Module, model_cfg, param_group_fn: Optional[Callable] 
         compute_dtype=_DTYPES[fsdp_cfg.compute_dtype] if mixed else None,
         move_params_to_cpu=fsdp_cfg.move_params_to_cpu,
         param_group_fn=param_group_fn,
+        # as the DDP path: synced BN keeps statistics equal, else rank 0's are broadcast
+        broadcast_buffers=not model_cfg.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN,
     )
 
 

@@ -1,0 +1,44 @@
+"""DDP's ``broadcast_buffers``: every rank starts each training forward from rank 0's buffers.
+
+Without synchronised BatchNorm each rank updates its running statistics from its own batch, so
+``state_dict()`` and evaluation would depend on the rank. DDP copies the first rank's buffers to
+every rank before each training forward; the root unit does the same for every unit's buffers.
+"""
+
+import datetime
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from vistrain.fsdp.ownership import owned_modules
+from vistrain.fsdp.timeouts import wait_within
+
+
+def model_buffers(units) -> List[torch.Tensor]:
+    """Every buffer of every unit's modules, each once, in a fixed order."""
+    seen, out = set(), []
+    for unit in units:
+        for sub in owned_modules(unit.module):
+            for buf in sub._buffers.values():
+                if buf is not None and id(buf) not in seen:
+                    seen.add(id(buf))
+                    out.append(buf)
+    return out
+
+
+def broadcast_buffers(units, group, timeout: datetime.timedelta) -> None:
+    """Copy the group's first rank's buffers to every rank: one broadcast per (dtype, device)."""
+    if dist.get_world_size(group) == 1:
+        return
+    by_kind = {}
+    for buf in model_buffers(units):
+        by_kind.setdefault((buf.dtype, buf.device), []).append(buf)
+    src = dist.get_global_rank(group, 0)
+    for bufs in by_kind.values():
+        flat = torch.cat([buf.reshape(-1) for buf in bufs])
+        work = dist.broadcast(flat, src=src, group=group, async_op=True)
+        wait_within(work, timeout, "the buffer broadcast", flat.device)
+        with torch.no_grad():
+            for buf, value in zip(bufs, flat.split([buf.numel() for buf in bufs])):
+                buf.copy_(value.view_as(buf))

@@ -1,0 +1,48 @@
+"""Bounded waits on the engine's collectives: a missing peer is an error, not a 30-minute hang.
+
+Every asynchronous collective the engine issues (gathers, gradient reductions, buffer broadcasts,
+the first step's order check) is waited on through ``wait_within``. When ranks run different
+units, one of them waits for a collective its peers never issue; the wait then fails after
+``timeout`` with a message saying what was waited for and the likely cause.
+"""
+
+import datetime
+
+import torch
+
+DEFAULT_COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective of the sharded engine did not complete within its timeout on this rank."""
+
+
+def as_timedelta(timeout) -> datetime.timedelta:
+    """Seconds (int/float) or a timedelta; must be positive."""
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=float(timeout))
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"collective_timeout must be positive, got {timeout}")
+    return timeout
+
+
+def wait_within(work, timeout: datetime.timedelta, what: str, device: torch.device) -> None:
+    """``work.wait()`` that raises ``CollectiveTimeout`` naming ``what`` after ``timeout``.
+
+    On CUDA a wait with a timeout would block the CPU until the collective ends (NCCL polls),
+    losing the overlap of communication and compute; there the wait stays stream-ordered and
+    torch's NCCL watchdog bounds a hang by the process group's own timeout (10 minutes unless
+    ``init_process_group(timeout=...)`` says otherwise).
+    """
+    try:
+        if device.type == "cpu":
+            work.wait(timeout=timeout)
+        else:
+            work.wait()
+    except RuntimeError as error:
+        raise CollectiveTimeout(
+            f"FullyShardedDataParallel: {what} did not complete within {timeout.total_seconds():g} s "
+            f"on this rank ({error}). Ranks probably ran different units: a branch taken on some "
+            "ranks only cannot be sharded; an output unused on some ranks needs "
+            "find_unused_parameters=True"
+        ) from error
