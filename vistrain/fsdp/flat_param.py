@@ -223,7 +223,7 @@ class FlatParamHandle:
 
     def _finish_gather(self) -> None:
         gather, self.gather = self.gather, None
-        wait_within(gather.work, self.timeout, f"the all-gather of {self.describe()}", self.compute_device)
+        wait_within(gather.work, self.timeout, self._gather_description, self.compute_device)
 
     def wait_unshard(self) -> None:
         """Finish the gather; the modules then see views of ``full`` (also code that autograd
@@ -244,6 +244,9 @@ class FlatParamHandle:
             self._free_full()
             self.is_unsharded = False
             self._set_attributes(self._placeholders)
+
+    def _gather_description(self) -> str:
+        return f"the all-gather of {self.describe()}"
 
     def describe(self) -> str:
         names = [o.fqn or o.local_fqn for o in self.origins]

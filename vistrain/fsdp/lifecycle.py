@@ -17,6 +17,7 @@ pre-backward gather until the step ends, IDLE otherwise.
 
 import contextlib
 import enum
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -169,11 +170,15 @@ def finish_reductions(state: RootState) -> None:
         wait_within(
             reduction.work,
             reduction.handle.timeout,
-            f"the gradient reduction of {reduction.handle.describe()}",
+            functools.partial(_reduction_description, reduction.handle),
             reduction.source.device,
         )
         reduction.handle.accumulate_shard_grad(reduction.reduced)
     state.pending.clear()
+
+
+def _reduction_description(handle: FlatParamHandle) -> str:
+    return f"the gradient reduction of {handle.describe()}"
 
 
 def start_reduction(state: RootState, handle: FlatParamHandle, grad: torch.Tensor) -> None:

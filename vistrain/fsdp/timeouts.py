@@ -26,8 +26,9 @@ def as_timedelta(timeout) -> datetime.timedelta:
     return timeout
 
 
-def wait_within(work, timeout: datetime.timedelta, what: str, device: torch.device) -> None:
-    """``work.wait()`` that raises ``CollectiveTimeout`` naming ``what`` after ``timeout``.
+def wait_within(work, timeout: datetime.timedelta, what, device: torch.device) -> None:
+    """``work.wait()`` that raises ``CollectiveTimeout`` naming ``what`` (a string, or a function
+    giving one, called only on failure) after ``timeout``.
 
     On CUDA a wait with a timeout would block the CPU until the collective ends (NCCL polls),
     losing the overlap of communication and compute; there the wait stays stream-ordered and
@@ -41,7 +42,7 @@ def wait_within(work, timeout: datetime.timedelta, what: str, device: torch.devi
             work.wait()
     except RuntimeError as error:
         raise CollectiveTimeout(
-            f"FullyShardedDataParallel: {what} did not complete within {timeout.total_seconds():g} s "
+            f"FullyShardedDataParallel: {what() if callable(what) else what} did not complete within {timeout.total_seconds():g} s "
             f"on this rank ({error}). Ranks probably ran different units: a branch taken on some "
             "ranks only cannot be sharded; an output unused on some ranks needs "
             "find_unused_parameters=True"
