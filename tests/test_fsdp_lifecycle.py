@@ -26,7 +26,8 @@ TOL = 1e-5
 
 
 def _reference_and_sharded(make, rank, world, run, ddp_kwargs=None, **fsdp_kwargs):
-    """(DDP result, sharded result) of ``run(model, optimizer)`` on two identical models."""
+    """(DDP result, DDP state dict, sharded result, sharded state dict) of ``run(model, optimizer)``
+    on two identical models; the sharded one has a unit per Block and Linear."""
     ref = DDP(make(), **(ddp_kwargs or {}))
     ref_out = run(ref, make_optimizer("sgd", ref.parameters()))
     model = auto_wrap(make(), by_class([Block, nn.Linear]), **fsdp_kwargs)
