@@ -21,7 +21,7 @@ from vistrain.benchmarks import common
 from vistrain.data import build_loader
 from vistrain.distributed import comm
 from vistrain.runtime.logger import logger
-from vistrain.runtime.run_setup import start_run
+from vistrain.runtime.run_setup import record_config, start_run
 
 SPLITS = ("TRAIN", "TEST")
 
@@ -39,6 +39,7 @@ def extract_features(cfg) -> None:
     os.makedirs(out_dir, exist_ok=True)
 
     trunk, dims = common.build_frozen_trunk(cfg, device)
+    record_config(cfg)  # built and loaded: the job really starts
     names, dtype = list(dims), common.amp_dtype(cfg)
     for split in splits:
         common.check_complete_split(cfg.DATA[split], split)

@@ -27,7 +27,7 @@ from vistrain.benchmarks import common
 from vistrain.data import build_loader
 from vistrain.distributed import comm
 from vistrain.runtime.logger import logger
-from vistrain.runtime.run_setup import start_run
+from vistrain.runtime.run_setup import record_config, start_run
 
 # --------------------------------------------------------------------------------------------
 # pure maths
@@ -132,6 +132,7 @@ def knn(cfg) -> None:
         loaders[split] = build_loader(cfg.DATA, split, seed=cfg.SEED_VALUE, device=device)
     num_classes = common.num_classes(loaders["TRAIN"].dataset, loaders["TEST"].dataset)
     trunk, dims = common.build_frozen_trunk(cfg, device)
+    record_config(cfg)  # built and loaded: the job really starts
     names = list(dims)
     pool, dtype = bench.POOL_SIZE, common.amp_dtype(cfg)
     train_feats, train_labels, train_indices = common.extract(

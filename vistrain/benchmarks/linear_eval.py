@@ -30,7 +30,7 @@ from vistrain.fsdp import unwrap
 from vistrain.optim import build_lr_schedule, build_optimizer, set_lr
 from vistrain.runtime.logger import TrainingMeter, logger
 from vistrain.runtime.parallel import parallelize
-from vistrain.runtime.run_setup import start_run
+from vistrain.runtime.run_setup import record_config, start_run
 
 
 class LinearHeads(nn.Module):
@@ -83,6 +83,7 @@ def linear_eval(cfg) -> None:
     if len(train_loader) == 0:
         raise ValueError("DATA.TRAIN yields no full batch per rank: add data or lower BATCHSIZE_PER_REPLICA")
     trunk, dims = common.build_frozen_trunk(cfg, device)
+    record_config(cfg)  # built and loaded: the job really starts
     source = FrozenFeatures(trunk, list(dims), cfg.BENCHMARK.POOL_SIZE, common.amp_dtype(cfg), device)
     heads = parallelize(LinearHeads(dims, num_classes), _heads_model_config(cfg), device)
     logger.info(

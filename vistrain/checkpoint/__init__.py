@@ -42,6 +42,7 @@ from vistrain.checkpoint.files import (
     is_complete,
     list_checkpoints,
     read_metadata,
+    set_aside,
 )
 from vistrain.checkpoint.load import load_sharded_checkpoint
 from vistrain.checkpoint.pretrained import LoadReport, load_pretrained
@@ -66,5 +67,6 @@ __all__ = [
     "restore_rng",
     "resume_iteration",
     "save_sharded_checkpoint",
+    "set_aside",
     "to_torchvision",
 ]
