@@ -49,16 +49,18 @@ def main(argv: Sequence[str]) -> int:
         check_config(cfg)
     except ConfigError as e:
         return _refuse(f"config error: {e}")
-    return _launch(cfg)
-
-
-def _launch(cfg) -> int:
-    from vistrain.distributed.launch import RankFailedError, launch
-    from vistrain.distributed.supervise import RunFolderBusyError
     from vistrain.jobs import get_job
 
+    return run(get_job(cfg.ENGINE_NAME), cfg)
+
+
+def run(job, cfg) -> int:
+    """Launch ``job`` (a module-level function of cfg) on every rank; the exit code (docstring)."""
+    from vistrain.distributed.launch import RankFailedError, launch
+    from vistrain.distributed.supervise import RunFolderBusyError
+
     try:
-        launch(get_job(cfg.ENGINE_NAME), cfg)
+        launch(job, cfg)
     except ConfigError as e:  # impossible distributed settings: nothing started
         return _refuse(f"config error: {e}")
     except RunFolderBusyError as e:

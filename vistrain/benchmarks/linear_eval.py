@@ -72,7 +72,6 @@ class FrozenFeatures:
 def linear_eval(cfg) -> None:
     """Train linear heads on the frozen trunk's features of DATA.TRAIN, evaluate on DATA.TEST."""
     start = time.perf_counter()
-    _check_one_view(cfg.DATA.TRAIN.TRANSFORMS)
     run_dir = cfg.CHECKPOINT.DIR
     device = start_run(cfg)
 
@@ -181,16 +180,6 @@ def _report(run_dir: str, record: dict, writer) -> None:
 
 # --------------------------------------------------------------------------------------------
 # checks and config
-
-
-def _check_one_view(transforms_cfg) -> None:
-    """Linear evaluation trains on one view per image; extra crops would only cost time."""
-    if transforms_cfg.NAME == "multicrop" and sum(transforms_cfg.NUM_CROPS) != 1:
-        raise ValueError(
-            f"linear evaluation uses one view per image, but DATA.TRAIN.TRANSFORMS.NUM_CROPS is "
-            f"{list(transforms_cfg.NUM_CROPS)}; set NUM_CROPS=[1] (and one SIZE_CROPS / CROP_SCALES entry) "
-            "or TRANSFORMS.NAME=eval"
-        )
 
 
 def _heads_model_config(cfg):

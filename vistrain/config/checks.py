@@ -81,7 +81,10 @@ def writable_folder(value: str) -> Problem:
     existing = path
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    if not os.access(existing, os.W_OK | os.X_OK):
+    if not os.path.isdir(existing):
+        return f"{value} cannot be created: {existing} is a file"
+    read_only = os.statvfs(existing).f_flag & os.ST_RDONLY  # root passes os.access even there
+    if read_only or not os.access(existing, os.W_OK | os.X_OK):
         return f"{value} is not writable ({existing} does not allow this user to write)"
     return None
 
@@ -132,8 +135,8 @@ RULES = {
         one_of(Registry("vistrain.models.trunks.regnet", "PUBLISHED_REGNETS", extra=("custom",)))
     ],
     "MODEL.HEAD.NAME": [one_of(Registry("vistrain.models.heads", "HEADS"))],
-    "MODEL.FSDP_CONFIG.BACKEND": [one_of(("builtin", "torch"))],
-    "MODEL.FSDP_CONFIG.compute_dtype": [one_of(AMP_DTYPES)],
+    "MODEL.FSDP_CONFIG.BACKEND": [one_of(Registry("vistrain.runtime.sharding", "BACKENDS"))],
+    "MODEL.FSDP_CONFIG.compute_dtype": [one_of(Registry("vistrain.runtime.sharding", "COMPUTE_DTYPES"))],
     "MODEL.AMP_PARAMS.AMP_DTYPE": [one_of(AMP_DTYPES)],
     "MODEL.SYNC_BN_CONFIG.GROUP_SIZE": [at_least(0)],
     "MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY": [one_of(("block", "stage"))],

@@ -37,8 +37,6 @@ from vistrain.runtime.logger import NonFiniteLossError, TrainingMeter, logger
 from vistrain.runtime.parallel import parallelize
 from vistrain.runtime.run_setup import record_config, start_run
 
-_AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclasses.dataclass
 class StepSettings:
@@ -183,16 +181,9 @@ def _optimizer_step(model: nn.Module, criterion, optimizer, s: StepSettings, ite
 def _step_settings(cfg, model: nn.Module, device: torch.device) -> StepSettings:
     amp_cfg = cfg.MODEL.AMP_PARAMS
     amp_dtype = None
-    if amp_cfg.USE_AMP:
-        if amp_cfg.AMP_DTYPE not in _AMP_DTYPES:
-            valid = sorted(_AMP_DTYPES)
-            raise ValueError(f"MODEL.AMP_PARAMS.AMP_DTYPE must be one of {valid}, got {amp_cfg.AMP_DTYPE!r}")
-        amp_dtype = _AMP_DTYPES[amp_cfg.AMP_DTYPE]
-        if amp_dtype == torch.float16 and device.type != "cuda":
-            raise ValueError("MODEL.AMP_PARAMS.AMP_DTYPE=float16 needs CUDA; use bfloat16 on CPU")
+    if amp_cfg.USE_AMP:  # name and device were checked before launch (vistrain.config.checks)
+        amp_dtype = getattr(torch, amp_cfg.AMP_DTYPE)
     update_freq = cfg.OPTIMIZER.update_freq
-    if update_freq < 1:
-        raise ValueError(f"OPTIMIZER.update_freq must be >= 1, got {update_freq}")
     scaler = _grad_scaler(model) if amp_dtype == torch.float16 else None
     return StepSettings(device, amp_dtype, scaler, update_freq, float(cfg.OPTIMIZER.clip_grad_norm))
 
