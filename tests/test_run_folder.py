@@ -39,9 +39,9 @@ def _tiny(run_dir, *overrides):
 
 def test_a_second_run_into_a_locked_folder_exits_2_naming_the_holder(tmp_path, capsys):
     with lock_run_folder(str(tmp_path)):
-        with pytest.raises(RunFolderBusyError):
-            with lock_run_folder(str(tmp_path)):  # a separate open file: flock refuses it too
-                pass
+        # a separate open file in the same process: flock refuses it too
+        with pytest.raises(RunFolderBusyError), lock_run_folder(str(tmp_path)):
+            pass
         assert cli.main(_tiny(tmp_path)) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1, lines
@@ -100,9 +100,11 @@ def _wait_gone(pids, seconds: float) -> bool:
 def test_ranks_die_with_a_sigkilled_launcher_and_the_lock_is_released(tmp_path):
     proc, ranks = _start_job(tmp_path)
     try:
-        with pytest.raises(RunFolderBusyError, match=f"pid {proc.pid}, since"):
-            with lock_run_folder(str(tmp_path)):
-                pass
+        with (
+            pytest.raises(RunFolderBusyError, match=f"pid {proc.pid}, since"),
+            lock_run_folder(str(tmp_path)),
+        ):
+            pass
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         assert _wait_gone(ranks, seconds=10), "ranks outlived their launcher"
@@ -206,6 +208,10 @@ if __name__ == "__main__":
     # python tests/test_run_folder.py RUN_DIR: 2 CPU ranks looping on collectives, through the CLI's
     # launcher (exit codes and messages as tools/run_distributed.py)
     job = load_config(
-        ["config.MACHINE.DEVICE=cpu", "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", f"config.CHECKPOINT.DIR={sys.argv[1]}"]
+        [
+            "config.MACHINE.DEVICE=cpu",
+            "config.DISTRIBUTED.NUM_PROC_PER_NODE=2",
+            f"config.CHECKPOINT.DIR={sys.argv[1]}",
+        ]
     )
     sys.exit(cli.run(_collectives_forever, job))

@@ -61,7 +61,10 @@ def resolve_weights_path(path: str) -> str:
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, METADATA)):
             return path
-        latest = find_latest_checkpoint(path)
+        unreadable: List[Tuple[str, str]] = []
+        latest = find_latest_checkpoint(path, unreadable)
+        for _, reason in unreadable:
+            logger.warning(f"skipping unreadable checkpoint: {reason}")
         if latest is None:
             raise CheckpointError(f"{path}: holds no complete checkpoint (no checkpoint_<n>/{METADATA})")
         return latest
