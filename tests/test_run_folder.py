@@ -116,6 +116,42 @@ def test_ranks_die_with_a_sigkilled_launcher_and_the_lock_is_released(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
+# A rank bound to its parent on a system without PR_SET_PDEATHSIG: only the parent-pid check acts.
+# (supervise.py is loaded from its file: the package's __init__ would import torch, which is slow.)
+_NO_PDEATHSIG_RANK = """
+import importlib.util, os, sys, time
+sys.platform = "other"  # not linux: bind_to_launcher skips prctl
+spec = importlib.util.spec_from_file_location("supervise", sys.argv[1])
+supervise = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(supervise)
+supervise.bind_to_launcher(os.getppid())
+print(os.getpid(), flush=True)
+time.sleep(120)
+"""
+_PARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=sys.stdout)
+time.sleep(120)
+"""
+
+
+def test_without_pdeathsig_the_parent_pid_check_ends_an_orphaned_rank():
+    supervise_file = str(HERE.parents[1] / "vistrain" / "distributed" / "supervise.py")
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, _NO_PDEATHSIG_RANK, supervise_file], stdout=subprocess.PIPE, text=True
+    )
+    rank = int(parent.stdout.readline())
+    try:
+        time.sleep(1.5)
+        assert _alive(rank)  # bound, parent alive: keeps running
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        assert _wait_gone([rank], seconds=5)  # re-parented: its check (every 1 s) ends it
+    finally:
+        if _alive(rank):
+            os.kill(rank, signal.SIGKILL)
+
+
 def _plain_checkpoint(run_dir, iteration, samples_seen, keep_last=0):
     model = nn.Linear(3, 2)
     meta = {"epoch": 0, "samples_seen": samples_seen}
