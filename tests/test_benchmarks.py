@@ -27,9 +27,9 @@ from vistrain.benchmarks import (
 from vistrain.benchmarks.knn import build_bank, knn_counts
 from vistrain.checkpoint import CheckpointError
 from vistrain.config import ConfigError, load_config
-from vistrain.config.checks import check_config
 from vistrain.data import build_loader, rank_indices
 from vistrain.distributed.testing import run_on_ranks
+from vistrain.jobs import check_values
 from vistrain.models import build_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,7 +161,7 @@ def test_linear_eval_through_the_launcher_writes_metrics(tmp_path):
 def test_linear_eval_takes_one_view_per_image(tmp_path):
     cfg = load_config(_tiny(tmp_path, "config.DATA.TRAIN.TRANSFORMS.NAME=multicrop"))  # 2 crops (simclr_tiny)
     with pytest.raises(ConfigError, match=r"one view per image.*NUM_CROPS=\[1\]"):  # before launch
-        check_config(cfg)
+        check_values(cfg)
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ import torch
 
 from vistrain import cli
 from vistrain.config import ConfigError, available_configs, load_config
-from vistrain.config.checks import RULES, check_config
+from vistrain.config.checks import RULES
+from vistrain.jobs import check_values
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -116,7 +117,7 @@ def test_a_bad_value_is_refused_by_the_real_command_without_traceback(tmp_path):
 
 def test_every_shipped_config_passes_the_checks():
     for name in available_configs():
-        check_config(load_config([f"config={name}"]))
+        check_values(load_config([f"config={name}"]))
 
 
 def test_every_rule_names_an_existing_key():
@@ -134,10 +135,10 @@ def test_registries_are_the_source_of_names():
 
     cfg = load_config(["config.OPTIMIZER.name=novel"])
     with pytest.raises(ConfigError, match="OPTIMIZER.name must be one of"):
-        check_config(cfg)
+        check_values(cfg)
     OPTIMIZERS["novel"] = OPTIMIZERS["sgd"]
     try:
-        check_config(cfg)
+        check_values(cfg)
     finally:
         del OPTIMIZERS["novel"]
 

@@ -24,9 +24,9 @@ from vistrain.checkpoint import (
     save_sharded_checkpoint,
 )
 from vistrain.config import ConfigError, load_config
-from vistrain.config.checks import check_config
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed.testing import run_on_ranks
+from vistrain.jobs import check_values
 from vistrain.losses import build_loss
 from vistrain.models import build_model
 from vistrain.optim import build_optimizer
@@ -284,4 +284,4 @@ def test_bfloat16_autocast_on_cpu(tmp_path):
     assert fp32 != bf16 and abs(fp32 - bf16) < 0.05 * abs(fp32)  # autocast is on, and still close
     fp16 = _tiny(tmp_path / "fp16", *argv, "config.MODEL.AMP_PARAMS.USE_AMP=true")
     with pytest.raises(ConfigError, match="float16 needs CUDA"):  # refused before launch
-        check_config(load_config([*fp16, "config.MODEL.AMP_PARAMS.AMP_DTYPE=float16"]))
+        check_values(load_config([*fp16, "config.MODEL.AMP_PARAMS.AMP_DTYPE=float16"]))

@@ -44,9 +44,9 @@ def main(argv: Sequence[str]) -> int:
         return 0 if argv else EXIT_REFUSED
     try:
         cfg = load_config(argv)
-        from vistrain.config.checks import check_config  # loads the registries (and torch)
+        from vistrain.jobs import check_values  # the registries (and torch): after the typo check
 
-        check_config(cfg)
+        check_values(cfg)
     except ConfigError as e:
         return _refuse(f"config error: {e}")
     from vistrain.jobs import get_job

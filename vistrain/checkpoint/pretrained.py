@@ -21,7 +21,13 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 
-from vistrain.checkpoint.files import METADATA, CheckpointError, find_latest_checkpoint, safe_load
+from vistrain.checkpoint.files import (
+    METADATA,
+    CheckpointError,
+    check_readable,
+    find_latest_checkpoint,
+    safe_load,
+)
 from vistrain.checkpoint.load import SliceReader
 
 logger = logging.getLogger("vistrain")
@@ -54,6 +60,16 @@ class WeightsSource:
         if key in self.reader.meta["params"]:
             return self.reader.read_param(key)
         return self.reader.read_buffer(key)
+
+
+def check_weights_file(path: str) -> None:
+    """Raise CheckpointError / FileNotFoundError (one line) unless ``path`` (a ``.pt`` file, a
+    checkpoint folder or a run folder) resolves to files that open. Memory-mapped: cheap."""
+    path = resolve_weights_path(path)
+    if os.path.isdir(path):
+        check_readable(path)
+    else:
+        safe_load(path)
 
 
 def resolve_weights_path(path: str) -> str:

@@ -6,16 +6,17 @@ checks every value against :data:`RULES` (one entry per key with limits) and
 dtypes, ranges, data paths that must exist, the run folder that must be writable, the weights
 file that must load. The first problem is a one-line :class:`ConfigError`; nothing is written.
 
-Valid names come from the registries themselves (``Registry("vistrain.optim", "OPTIMIZERS")``),
-resolved only when :func:`check_config` runs: each registry stays the one list of its names, and
-importing this module (done by ``load_config``) never loads torch, so typos are answered at once.
-The launcher calls ``check_config`` right after loading, before it locks the run folder or
-starts a rank.
+Registry names (optimizers, heads, data sources...) and the probes of files and models live in
+higher layers, which this lowest layer must not import (tests/test_layering.py). The table names
+them by key (``one_of("optimizers")``) and the caller passes a :class:`Catalog` holding the live
+registries: ``vistrain.jobs.catalog()``, the top layer. So each registry stays the one list of its
+names, nothing here loads torch, and the launcher checks right after loading, before it locks the
+run folder or starts a rank.
 """
 
-import importlib
+import dataclasses
 import os
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from fvcore.common.config import CfgNode
 
@@ -24,33 +25,37 @@ from vistrain.config.loader import ConfigError
 Problem = Optional[str]  # a rule's answer: None when the value is fine, else what is wrong with it
 
 
-class Registry:
-    """The names of a registry dict ``module.attr``, imported when first asked for."""
+@dataclasses.dataclass(frozen=True)
+class Catalog:
+    """What only the layers above the config know, handed to :func:`check_config`."""
 
-    def __init__(self, module: str, attr: str, extra: Sequence[str] = ()):
-        self.module, self.attr, self.extra = module, attr, tuple(extra)
-
-    def names(self) -> Sequence[str]:
-        return sorted(getattr(importlib.import_module(self.module), self.attr)) + list(self.extra)
-
-
-def _names(choices) -> Sequence[str]:
-    return choices.names() if isinstance(choices, Registry) else choices
+    names: Mapping[str, Sequence[str]]  # registry key ("optimizers", "heads"...) -> valid names
+    weights_problem: Callable[[str], Problem]  # WEIGHTS_INIT.PARAMS_FILE -> what keeps it from loading
+    trunk_features: Callable[[CfgNode], Sequence[str]]  # MODEL.TRUNK -> its feature names
+    # (ValueError for an impossible trunk)
+    cuda_available: bool
 
 
-def one_of(choices) -> Callable:
-    def rule(value) -> Problem:
-        valid = _names(choices)
+Choices = Union[str, Sequence[str]]  # a registry key of the Catalog, or the names themselves
+
+
+def _names(choices: Choices, catalog: Catalog) -> Sequence[str]:
+    return catalog.names[choices] if isinstance(choices, str) else choices
+
+
+def one_of(choices: Choices) -> Callable:
+    def rule(value, catalog: Catalog) -> Problem:
+        valid = _names(choices, catalog)
         return None if value in valid else f"must be one of {', '.join(valid)}; got {value!r}"
 
     return rule
 
 
-def each_one_of(choices) -> Callable:
+def each_one_of(choices: Choices) -> Callable:
     """A non-empty list whose every element is a valid name."""
 
-    def rule(value) -> Problem:
-        valid = _names(choices)
+    def rule(value, catalog: Catalog) -> Problem:
+        valid = _names(choices, catalog)
         wrong = [v for v in value if v not in valid]
         if not value or wrong:
             return f"must be a non-empty list of {', '.join(valid)}; got {list(value)}"
@@ -60,18 +65,18 @@ def each_one_of(choices) -> Callable:
 
 
 def at_least(low) -> Callable:
-    return lambda value: None if value >= low else f"must be >= {low}; got {value}"
+    return lambda value, _: None if value >= low else f"must be >= {low}; got {value}"
 
 
 def above(low) -> Callable:
-    return lambda value: None if value > low else f"must be > {low}; got {value}"
+    return lambda value, _: None if value > low else f"must be > {low}; got {value}"
 
 
-def probability(value) -> Problem:
+def probability(value, _) -> Problem:
     return None if 0 <= value <= 1 else f"is a probability in [0, 1]; got {value}"
 
 
-def writable_folder(value: str) -> Problem:
+def writable_folder(value: str, _) -> Problem:
     """A folder that exists and is writable, or could be created (nearest existing parent writable)."""
     if not value:
         return "is empty; name the run folder"
@@ -89,20 +94,9 @@ def writable_folder(value: str) -> Problem:
     return None
 
 
-def loadable_weights(value: str) -> Problem:
-    """ "" (random init), a consolidated ``.pt`` file, a checkpoint folder or a run folder; the
-    file(s) must open (memory-mapped, never executing code)."""
-    if not value:
-        return None
-    from vistrain.checkpoint.files import CheckpointError, check_readable, safe_load
-    from vistrain.checkpoint.pretrained import resolve_weights_path
-
-    try:
-        path = resolve_weights_path(value)
-        check_readable(path) if os.path.isdir(path) else safe_load(path)
-    except (CheckpointError, FileNotFoundError) as error:
-        return f"cannot be loaded: {error}"
-    return None
+def loadable_weights(value: str, catalog: Catalog) -> Problem:
+    """ "" (random init), or a file / checkpoint folder / run folder whose files open."""
+    return catalog.weights_problem(value) if value else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -113,7 +107,7 @@ AMP_DTYPES = ("bfloat16", "float16")
 RUN_FOLDER_KEY = "CHECKPOINT.DIR"
 
 RULES = {
-    "ENGINE_NAME": [one_of(Registry("vistrain.jobs", "JOBS"))],
+    "ENGINE_NAME": [one_of("engines")],
     "LOG_FREQUENCY": [at_least(1)],
     "MACHINE.DEVICE": [one_of(("auto", "cpu", "cuda"))],
     "DISTRIBUTED.BACKEND": [one_of(("auto", "nccl", "gloo"))],
@@ -125,29 +119,27 @@ RULES = {
     "DATA.NUM_DATALOADER_WORKERS": [at_least(0)],
     "DATA.*.BATCHSIZE_PER_REPLICA": [at_least(1)],
     "DATA.*.SPLIT": [one_of(("train", "val"))],
-    "DATA.*.TRANSFORMS.NAME": [one_of(Registry("vistrain.data.transforms", "TRANSFORMS"))],
+    "DATA.*.TRANSFORMS.NAME": [one_of("transforms")],
     "DATA.*.TRANSFORMS.HORIZONTAL_FLIP": [probability],
     "DATA.*.TRANSFORMS.BLUR_PROB": [probability],
     "DATA.*.TRANSFORMS.SOLARIZE_PROB": [probability],
     "DATA.*.TRANSFORMS.COLOR_DISTORTION": [at_least(0)],
-    "MODEL.TRUNK.NAME": [one_of(Registry("vistrain.models.trunks", "TRUNKS"))],
-    "MODEL.TRUNK.REGNET.NAME": [
-        one_of(Registry("vistrain.models.trunks.regnet", "PUBLISHED_REGNETS", extra=("custom",)))
-    ],
-    "MODEL.HEAD.NAME": [one_of(Registry("vistrain.models.heads", "HEADS"))],
-    "MODEL.FSDP_CONFIG.BACKEND": [one_of(Registry("vistrain.runtime.sharding", "BACKENDS"))],
-    "MODEL.FSDP_CONFIG.compute_dtype": [one_of(Registry("vistrain.runtime.sharding", "COMPUTE_DTYPES"))],
+    "MODEL.TRUNK.NAME": [one_of("trunks")],
+    "MODEL.TRUNK.REGNET.NAME": [one_of("regnets")],
+    "MODEL.HEAD.NAME": [one_of("heads")],
+    "MODEL.FSDP_CONFIG.BACKEND": [one_of("sharding backends")],
+    "MODEL.FSDP_CONFIG.compute_dtype": [one_of("compute dtypes")],
     "MODEL.AMP_PARAMS.AMP_DTYPE": [one_of(AMP_DTYPES)],
     "MODEL.SYNC_BN_CONFIG.GROUP_SIZE": [at_least(0)],
     "MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY": [one_of(("block", "stage"))],
     "MODEL.WEIGHTS_INIT.PARAMS_FILE": [loadable_weights],
-    "LOSS.NAME": [one_of(Registry("vistrain.losses", "LOSSES"))],
-    "OPTIMIZER.name": [one_of(Registry("vistrain.optim", "OPTIMIZERS"))],
+    "LOSS.NAME": [one_of("losses")],
+    "OPTIMIZER.name": [one_of("optimizers")],
     "OPTIMIZER.num_epochs": [at_least(1)],
     "OPTIMIZER.update_freq": [at_least(1)],
     "OPTIMIZER.clip_grad_norm": [at_least(0)],
     "OPTIMIZER.head_lr_multiplier": [at_least(0)],
-    "OPTIMIZER.param_schedulers.lr.name": [one_of(Registry("vistrain.optim.schedulers", "SCHEDULES"))],
+    "OPTIMIZER.param_schedulers.lr.name": [one_of("lr schedules")],
     "OPTIMIZER.param_schedulers.lr.warmup_epochs": [at_least(0)],
     RUN_FOLDER_KEY: [writable_folder],
     "CHECKPOINT.CHECKPOINT_FREQUENCY": [at_least(1)],
@@ -168,17 +160,17 @@ SPLITS_READ = {"train": ("TRAIN",), "linear_eval": ("TRAIN", "TEST"), "knn": ("T
 # public API
 
 
-def check_config(cfg: CfgNode) -> None:
+def check_config(cfg: CfgNode, catalog: Catalog) -> None:
     """Raise ConfigError (one line: key, problem, allowed values) for the first bad value."""
     for pattern, rules in RULES.items():
         for key in _expand(pattern):
             value = _get(cfg, key)
             for rule in rules:
-                problem = rule(value)
+                problem = rule(value, catalog)
                 if problem:
                     raise ConfigError(f"{key} {problem}")
     for cross_rule in CROSS_RULES:
-        problem = cross_rule(cfg)
+        problem = cross_rule(cfg, catalog)
         if problem:
             raise ConfigError(problem)
 
@@ -205,13 +197,12 @@ def _splits_read(cfg: CfgNode) -> Sequence[str]:
     return SPLITS_READ.get(cfg.ENGINE_NAME, ())
 
 
-def _data_sources(cfg: CfgNode) -> Problem:
+def _data_sources(cfg: CfgNode, catalog: Catalog) -> Problem:
     """Every split the job reads names known sources, one DATA_PATHS entry each, and the paths
     that a source reads exist and are not empty."""
-    sources = Registry("vistrain.data.datasets", "SOURCES").names()
     for split in _splits_read(cfg):
         split_cfg, key = cfg.DATA[split], f"DATA.{split}"
-        problem = each_one_of(sources)(split_cfg.DATA_SOURCES)
+        problem = each_one_of("data sources")(split_cfg.DATA_SOURCES, catalog)
         if problem:
             return f"{key}.DATA_SOURCES {problem}"
         if len(split_cfg.DATA_PATHS) != len(split_cfg.DATA_SOURCES):
@@ -242,42 +233,37 @@ def _data_path_problem(kind: Optional[str], path: str) -> Problem:
     return None
 
 
-def _trunk_features(cfg: CfgNode) -> Problem:
-    """MODEL.TRUNK.OUT_FEATURES and BENCHMARK.FEATURES name features the trunk has: stem, s1..sK
-    (K stages of this RegNet) and avgpool."""
-    from vistrain.models.trunks.regnet import block_params_from_config
-
+def _trunk_features(cfg: CfgNode, catalog: Catalog) -> Problem:
+    """MODEL.TRUNK.OUT_FEATURES (and, for benchmarks, BENCHMARK.FEATURES) name features the trunk
+    has (a RegNet: stem, s1..sK for its K stages, avgpool)."""
     try:
-        stages = len(block_params_from_config(cfg.MODEL.TRUNK.REGNET).widths)
-    except ValueError as error:  # a custom RegNet with impossible design parameters
+        valid = list(catalog.trunk_features(cfg.MODEL.TRUNK))
+    except ValueError as error:  # e.g. a custom RegNet with impossible design parameters
         return str(error).splitlines()[0]
-    valid = ["stem", *(f"s{i}" for i in range(1, stages + 1)), "avgpool"]
     benchmark = cfg.ENGINE_NAME in ("linear_eval", "knn", "extract_features")
     for key in ("MODEL.TRUNK.OUT_FEATURES", "BENCHMARK.FEATURES")[: 2 if benchmark else 1]:
-        problem = each_one_of(valid)(_get(cfg, key))
+        problem = each_one_of(valid)(_get(cfg, key), catalog)
         if problem:
             return f"{key} {problem}"
     return None
 
 
-def _float16_needs_cuda(cfg: CfgNode) -> Problem:
-    amp = cfg.MODEL.AMP_PARAMS
-    if not (amp.USE_AMP and amp.AMP_DTYPE == "float16"):
-        return None
-    import torch
-
-    on_cuda = cfg.MACHINE.DEVICE == "cuda" or (cfg.MACHINE.DEVICE == "auto" and torch.cuda.is_available())
-    return None if on_cuda else "MODEL.AMP_PARAMS.AMP_DTYPE=float16 needs CUDA; use bfloat16 on CPU"
+def _float16_needs_cuda(cfg: CfgNode, catalog: Catalog) -> Problem:
+    amp, device = cfg.MODEL.AMP_PARAMS, cfg.MACHINE.DEVICE
+    on_cuda = device == "cuda" or (device == "auto" and catalog.cuda_available)
+    if amp.USE_AMP and amp.AMP_DTYPE == "float16" and not on_cuda:
+        return "MODEL.AMP_PARAMS.AMP_DTYPE=float16 needs CUDA; use bfloat16 on CPU"
+    return None
 
 
-def _warmup_within_training(cfg: CfgNode) -> Problem:
+def _warmup_within_training(cfg: CfgNode, _: Catalog) -> Problem:
     warmup, epochs = cfg.OPTIMIZER.param_schedulers.lr.warmup_epochs, cfg.OPTIMIZER.num_epochs
     if warmup >= epochs and cfg.ENGINE_NAME in ("train", "linear_eval"):
         return f"OPTIMIZER.param_schedulers.lr.warmup_epochs ({warmup}) must be below num_epochs ({epochs})"
     return None
 
 
-def _feature_banks_complete(cfg: CfgNode) -> Problem:
+def _feature_banks_complete(cfg: CfgNode, _: Catalog) -> Problem:
     """kNN and feature extraction need every image: a dropped last batch would lose some."""
     if cfg.ENGINE_NAME not in ("knn", "extract_features"):
         return None
@@ -287,7 +273,7 @@ def _feature_banks_complete(cfg: CfgNode) -> Problem:
     return None
 
 
-def _one_view_for_linear_eval(cfg: CfgNode) -> Problem:
+def _one_view_for_linear_eval(cfg: CfgNode, _: Catalog) -> Problem:
     """Linear evaluation trains on one view per image; extra crops would only cost time."""
     transforms = cfg.DATA.TRAIN.TRANSFORMS
     if cfg.ENGINE_NAME != "linear_eval" or transforms.NAME != "multicrop" or sum(transforms.NUM_CROPS) == 1:
