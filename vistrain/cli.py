@@ -39,6 +39,14 @@ def usage() -> str:
 
 
 def main(argv: Sequence[str]) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # while loading and checking: nothing started, nothing written
+        print("interrupted before the run started", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: Sequence[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else EXIT_REFUSED
