@@ -253,7 +253,8 @@ def _resume(run_dir: str, model, optimizer, criterion, scaler, layout: EpochLayo
     Returns (the iteration to continue from, the resumed checkpoint's own iteration); (0, 0) when
     there is none.
     """
-    path = comm.broadcast_object(_pick_checkpoint(run_dir) if comm.is_main_process() else None)
+    # rank 0 decides (and sets unreadable checkpoints aside) for everyone
+    path = comm.all_gather_object(_pick_checkpoint(run_dir) if comm.is_main_process() else None)[0]
     if path is None:
         return 0, 0
     state = load_sharded_checkpoint(path, model, optimizer)
