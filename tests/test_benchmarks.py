@@ -26,9 +26,10 @@ from vistrain.benchmarks import (
 )
 from vistrain.benchmarks.knn import build_bank, knn_counts
 from vistrain.checkpoint import CheckpointError
-from vistrain.config import load_config
+from vistrain.config import ConfigError, load_config
 from vistrain.data import build_loader, rank_indices
 from vistrain.distributed.testing import run_on_ranks
+from vistrain.jobs import check_values
 from vistrain.models import build_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,8 +160,8 @@ def test_linear_eval_through_the_launcher_writes_metrics(tmp_path):
 
 def test_linear_eval_takes_one_view_per_image(tmp_path):
     cfg = load_config(_tiny(tmp_path, "config.DATA.TRAIN.TRANSFORMS.NAME=multicrop"))  # 2 crops (simclr_tiny)
-    with pytest.raises(ValueError, match=r"one view per image.*NUM_CROPS=\[1\]"):
-        linear_eval(cfg)
+    with pytest.raises(ConfigError, match=r"one view per image.*NUM_CROPS=\[1\]"):  # before launch
+        check_values(cfg)
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ LAYERS: List[Set[str]] = [
     {"checkpoint"},
     {"runtime"},
     {"training", "benchmarks"},
-    {"jobs"},
+    {"jobs", "cli"},
 ]
 
 

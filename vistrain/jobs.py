@@ -1,14 +1,29 @@
 """The jobs a run can perform, picked by ``ENGINE_NAME`` (VISSL's name for it).
 
 The top layer: it imports the training loop and the benchmarks, and nothing imports it except the
-entry scripts in ``tools/``. (Three things are easy to confuse: the *sharded engine* is
+command line (``vistrain.cli``, ``tools/``). It also hands the config layer the live registries
+that values are checked against (:func:`catalog`). (Three things are easy to confuse: the *sharded engine* is
 ``vistrain.fsdp``; a *job* is what one rank runs, chosen here; ``ENGINE_NAME`` is the config key.)
 """
 
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
+
+import torch
 
 from vistrain.benchmarks import extract_features, knn, linear_eval
+from vistrain.checkpoint.files import CheckpointError
+from vistrain.checkpoint.pretrained import check_weights_file
 from vistrain.config import ConfigError
+from vistrain.config.checks import Catalog, check_config
+from vistrain.data.datasets import SOURCES
+from vistrain.data.transforms import TRANSFORMS
+from vistrain.losses import LOSSES
+from vistrain.models.heads import HEADS
+from vistrain.models.trunks import TRUNKS
+from vistrain.models.trunks.regnet import PUBLISHED_REGNETS, feature_names
+from vistrain.optim import OPTIMIZERS
+from vistrain.optim.schedulers import SCHEDULES
+from vistrain.runtime.sharding import BACKENDS, COMPUTE_DTYPES
 from vistrain.training import train
 
 # ENGINE_NAME -> function(cfg) run on every rank by vistrain.distributed.launch
@@ -27,4 +42,40 @@ def get_job(name: str) -> Callable:
     return JOBS[name]
 
 
-__all__ = ["JOBS", "get_job"]
+def catalog() -> Catalog:
+    """The live registries and probes that ``vistrain.config.checks`` checks values against."""
+    registries = {
+        "engines": JOBS,
+        "optimizers": OPTIMIZERS,
+        "lr schedules": SCHEDULES,
+        "losses": LOSSES,
+        "trunks": TRUNKS,
+        "regnets": [*PUBLISHED_REGNETS, "custom"],
+        "heads": HEADS,
+        "data sources": SOURCES,
+        "transforms": TRANSFORMS,
+        "sharding backends": BACKENDS,
+        "compute dtypes": COMPUTE_DTYPES,
+    }
+    return Catalog(
+        names={key: sorted(names) for key, names in registries.items()},
+        weights_problem=_weights_problem,
+        trunk_features=lambda trunk_cfg: feature_names(trunk_cfg.REGNET),
+        cuda_available=torch.cuda.is_available(),
+    )
+
+
+def check_values(cfg) -> None:
+    """Every value of ``cfg`` against the config's table of allowed values; ConfigError (one line)."""
+    check_config(cfg, catalog())
+
+
+def _weights_problem(path: str) -> Optional[str]:
+    try:
+        check_weights_file(path)
+    except (CheckpointError, FileNotFoundError) as error:
+        return f"cannot be loaded: {error}"
+    return None
+
+
+__all__ = ["JOBS", "catalog", "check_values", "get_job"]

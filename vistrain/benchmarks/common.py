@@ -26,9 +26,6 @@ from vistrain.models import build_model
 from vistrain.runtime.logger import logger
 from vistrain.runtime.parallel import parallelize
 
-_AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 # --------------------------------------------------------------------------------------------
 # the frozen trunk
 
@@ -57,8 +54,6 @@ def build_frozen_trunk(cfg, device: torch.device) -> Tuple[nn.Module, Dict[str, 
     ``no_grad``); dims gives each feature's width after :func:`pool_feature`.
     """
     pool_size = cfg.BENCHMARK.POOL_SIZE
-    if pool_size < 1:
-        raise ValueError(f"BENCHMARK.POOL_SIZE must be >= 1, got {pool_size}")
     model_cfg = trunk_model_config(cfg)
     model = build_model(model_cfg)
     dims = pooled_dims(model.trunk.feature_dims, cfg.BENCHMARK.FEATURES, pool_size)
@@ -104,13 +99,8 @@ def _first(keys: List[str], shown: int = 5) -> str:
 def amp_dtype(cfg):
     """Autocast dtype of the trunk forward (None: fp32), from MODEL.AMP_PARAMS."""
     amp_cfg = cfg.MODEL.AMP_PARAMS
-    if not amp_cfg.USE_AMP:
-        return None
-    if amp_cfg.AMP_DTYPE not in _AMP_DTYPES:
-        raise ValueError(
-            f"MODEL.AMP_PARAMS.AMP_DTYPE must be one of {sorted(_AMP_DTYPES)}, got {amp_cfg.AMP_DTYPE!r}"
-        )
-    return _AMP_DTYPES[amp_cfg.AMP_DTYPE]
+    # the name was checked before launch (vistrain.config.checks)
+    return getattr(torch, amp_cfg.AMP_DTYPE) if amp_cfg.USE_AMP else None
 
 
 @torch.no_grad()
@@ -138,12 +128,6 @@ def pooled_dims(channels: Dict[str, int], names: Sequence[str], pool_size: int) 
     """Width of each pooled feature: C * P * P for stage maps, C for "avgpool" (``channels``: the
     trunk's ``feature_dims``)."""
     return {name: channels[name] * (1 if name == "avgpool" else pool_size**2) for name in names}
-
-
-def check_complete_split(split_cfg, split: str) -> None:
-    """Feature banks need every image: a dropped last batch would silently lose some."""
-    if split_cfg.DROP_LAST:
-        raise ValueError(f"DATA.{split}.DROP_LAST must be False to use every image of the split")
 
 
 @torch.no_grad()

@@ -21,27 +21,21 @@ from vistrain.benchmarks import common
 from vistrain.data import build_loader
 from vistrain.distributed import comm
 from vistrain.runtime.logger import logger
-from vistrain.runtime.run_setup import start_run
-
-SPLITS = ("TRAIN", "TEST")
+from vistrain.runtime.run_setup import record_config, start_run
 
 
 def extract_features(cfg) -> None:
     """Extract BENCHMARK.FEATURES of every BENCHMARK.EXTRACT_SPLITS split; see the module docstring."""
     splits = list(cfg.BENCHMARK.EXTRACT_SPLITS)
-    if not splits or any(split not in SPLITS for split in splits):
-        raise ValueError(
-            f"BENCHMARK.EXTRACT_SPLITS must be a non-empty subset of {list(SPLITS)}, got {splits}"
-        )
     run_dir = cfg.CHECKPOINT.DIR
     out_dir = cfg.BENCHMARK.OUTPUT_DIR or os.path.join(run_dir, "features")
     device = start_run(cfg)
     os.makedirs(out_dir, exist_ok=True)
 
     trunk, dims = common.build_frozen_trunk(cfg, device)
+    record_config(cfg)  # built and loaded: the job really starts
     names, dtype = list(dims), common.amp_dtype(cfg)
     for split in splits:
-        common.check_complete_split(cfg.DATA[split], split)
         loader = build_loader(cfg.DATA, split, seed=cfg.SEED_VALUE, device=device)
         features, labels, indices = common.extract(
             trunk, loader, names, cfg.BENCHMARK.POOL_SIZE, dtype, device

@@ -27,7 +27,7 @@ from vistrain.benchmarks import common
 from vistrain.data import build_loader
 from vistrain.distributed import comm
 from vistrain.runtime.logger import logger
-from vistrain.runtime.run_setup import start_run
+from vistrain.runtime.run_setup import record_config, start_run
 
 # --------------------------------------------------------------------------------------------
 # pure maths
@@ -120,18 +120,14 @@ def knn(cfg) -> None:
     """k-NN top-1/top-5 on DATA.TEST with DATA.TRAIN as the neighbour bank, per BENCHMARK.FEATURES."""
     start = time.perf_counter()
     bench = cfg.BENCHMARK
-    if bench.KNN_K < 1 or bench.KNN_TEMPERATURE <= 0:
-        raise ValueError(
-            f"BENCHMARK.KNN_K must be >= 1 and KNN_TEMPERATURE > 0, got {bench.KNN_K}, {bench.KNN_TEMPERATURE}"
-        )
     device = start_run(cfg)
 
     loaders = {}
     for split in ("TRAIN", "TEST"):
-        common.check_complete_split(cfg.DATA[split], split)
         loaders[split] = build_loader(cfg.DATA, split, seed=cfg.SEED_VALUE, device=device)
     num_classes = common.num_classes(loaders["TRAIN"].dataset, loaders["TEST"].dataset)
     trunk, dims = common.build_frozen_trunk(cfg, device)
+    record_config(cfg)  # built and loaded: the job really starts
     names = list(dims)
     pool, dtype = bench.POOL_SIZE, common.amp_dtype(cfg)
     train_feats, train_labels, train_indices = common.extract(

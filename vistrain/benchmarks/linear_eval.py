@@ -30,7 +30,7 @@ from vistrain.fsdp import unwrap
 from vistrain.optim import build_lr_schedule, build_optimizer, set_lr
 from vistrain.runtime.logger import TrainingMeter, logger
 from vistrain.runtime.parallel import parallelize
-from vistrain.runtime.run_setup import start_run
+from vistrain.runtime.run_setup import record_config, start_run
 
 
 class LinearHeads(nn.Module):
@@ -72,7 +72,6 @@ class FrozenFeatures:
 def linear_eval(cfg) -> None:
     """Train linear heads on the frozen trunk's features of DATA.TRAIN, evaluate on DATA.TEST."""
     start = time.perf_counter()
-    _check_one_view(cfg.DATA.TRAIN.TRANSFORMS)
     run_dir = cfg.CHECKPOINT.DIR
     device = start_run(cfg)
 
@@ -83,6 +82,7 @@ def linear_eval(cfg) -> None:
     if len(train_loader) == 0:
         raise ValueError("DATA.TRAIN yields no full batch per rank: add data or lower BATCHSIZE_PER_REPLICA")
     trunk, dims = common.build_frozen_trunk(cfg, device)
+    record_config(cfg)  # built and loaded: the job really starts
     source = FrozenFeatures(trunk, list(dims), cfg.BENCHMARK.POOL_SIZE, common.amp_dtype(cfg), device)
     heads = parallelize(LinearHeads(dims, num_classes), _heads_model_config(cfg), device)
     logger.info(
@@ -180,16 +180,6 @@ def _report(run_dir: str, record: dict, writer) -> None:
 
 # --------------------------------------------------------------------------------------------
 # checks and config
-
-
-def _check_one_view(transforms_cfg) -> None:
-    """Linear evaluation trains on one view per image; extra crops would only cost time."""
-    if transforms_cfg.NAME == "multicrop" and sum(transforms_cfg.NUM_CROPS) != 1:
-        raise ValueError(
-            f"linear evaluation uses one view per image, but DATA.TRAIN.TRANSFORMS.NUM_CROPS is "
-            f"{list(transforms_cfg.NUM_CROPS)}; set NUM_CROPS=[1] (and one SIZE_CROPS / CROP_SCALES entry) "
-            "or TRANSFORMS.NAME=eval"
-        )
 
 
 def _heads_model_config(cfg):

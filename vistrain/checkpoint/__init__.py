@@ -21,12 +21,16 @@ The file format (the one description; the modules below refer here). A run folde
     metadata.json   written LAST by rank 0: every original parameter (fqn, shape, dtype,
                     requires_grad, ``slices`` = [rank, start, length] of the files holding it),
                     buffers, the optimizer class / state kinds / param groups, iteration, epoch,
-                    iteration_in_epoch, iters_per_epoch, global_batch, num_samples, world size,
-                    config, vistrain and torch versions.
+                    iteration_in_epoch, iters_per_epoch, global_batch, num_samples,
+                    samples_seen (= epoch * num_samples + iteration_in_epoch * global_batch),
+                    world size, config, vistrain and torch versions.
 
 A save writes into ``checkpoint_<it>.tmp/`` (files fsync'd) and rank 0 renames the folder after
 every rank finished, so a crash or a full disk never leaves a half checkpoint under a final name;
-a folder with its final name and a ``metadata.json`` is complete. Reading never executes code
+a folder with its final name and a ``metadata.json`` is complete. Checkpoints are ranked by
+``samples_seen``, not by the iteration in their name (which means different progress at different
+world sizes): "latest" and pruning follow it (files.py). One whose metadata.json or a rank file
+cannot be read is skipped; a resuming run renames it ``checkpoint_<it>.corrupt``. Reading never executes code
 (``torch.load(weights_only=True)``); a bad file is a one-line :class:`CheckpointError`.
 
 Resume on any world size M (saved by N ranks): each rank reads only the rank files overlapping
@@ -42,6 +46,7 @@ from vistrain.checkpoint.files import (
     is_complete,
     list_checkpoints,
     read_metadata,
+    set_aside,
 )
 from vistrain.checkpoint.load import load_sharded_checkpoint
 from vistrain.checkpoint.pretrained import LoadReport, load_pretrained
@@ -66,5 +71,6 @@ __all__ = [
     "restore_rng",
     "resume_iteration",
     "save_sharded_checkpoint",
+    "set_aside",
     "to_torchvision",
 ]

@@ -13,6 +13,7 @@ FORMAT = "vistrain-sharded-checkpoint/1"
 METADATA = "metadata.json"
 TMP_SUFFIX = ".tmp"
 _OLD_SUFFIX = ".old"  # a checkpoint being replaced by a re-save of the same iteration
+_CORRUPT_SUFFIX = ".corrupt"  # an unreadable checkpoint a resuming run skipped (set_aside)
 _NAME = re.compile(r"^checkpoint_(\d+)$")
 
 
@@ -121,11 +122,15 @@ def publish(tmp: str, final: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# discovery
+# discovery: checkpoints ranked by training progress, not by their iteration number
+#
+# Iteration numbers mean different progress at different world sizes (4 iterations per epoch on
+# 2 ranks, 3 on 3 ranks), so "latest" is the checkpoint with the most samples seen
+# (``samples_seen`` = epoch * num_samples + iteration_in_epoch * global_batch, metadata.json).
 
 
 def list_checkpoints(run_dir: str) -> List[Tuple[int, str]]:
-    """(iteration, path) of every ``checkpoint_<n>`` folder (complete or not), oldest first."""
+    """(iteration, path) of every ``checkpoint_<n>`` folder (complete or not), by iteration."""
     if not os.path.isdir(run_dir):
         return []
     found = [
@@ -134,6 +139,12 @@ def list_checkpoints(run_dir: str) -> List[Tuple[int, str]]:
         if (m := _NAME.match(name))
     ]
     return sorted(found)
+
+
+def progress_key(meta: dict) -> Tuple[int, int]:
+    """Sort key of a checkpoint's progress: (samples seen, iteration). Checkpoints written without
+    ``samples_seen`` (weights-only saves, other tools) rank below those with it, by iteration."""
+    return (int(meta.get("samples_seen", -1)), int(meta["iteration"]))
 
 
 def is_complete(path: str) -> bool:
@@ -145,24 +156,76 @@ def is_complete(path: str) -> bool:
     return all(os.path.isfile(os.path.join(path, name)) for name in meta.get("rank_files", []))
 
 
-def find_latest_checkpoint(run_dir: str) -> Optional[str]:
-    """Path of the complete checkpoint with the highest iteration in ``run_dir``, or None."""
-    for _, path in reversed(list_checkpoints(run_dir)):
-        if is_complete(path):
-            return path
-    return None
+def ranked_checkpoints(run_dir: str) -> Tuple[List[str], List[Tuple[str, str]]]:
+    """(complete checkpoints, most advanced first; [(path, reason)] of unreadable ones).
+
+    A folder without ``metadata.json`` is an interrupted save or not ours and is neither; one whose
+    metadata.json does not parse, or lacks a rank file it lists, is unreadable.
+    """
+    ranked, unreadable = [], []
+    for _, path in list_checkpoints(run_dir):
+        if not os.path.exists(os.path.join(path, METADATA)):
+            continue
+        try:
+            meta = read_metadata(path)
+            missing = [n for n in meta.get("rank_files", []) if not os.path.isfile(os.path.join(path, n))]
+            if missing:
+                raise CheckpointError(f"{path}: rank file {missing[0]} is missing")
+            ranked.append((progress_key(meta), path))
+        except (CheckpointError, KeyError, TypeError, ValueError) as error:
+            unreadable.append((path, _first_line(error)))
+    return [path for _, path in sorted(ranked, reverse=True)], unreadable
+
+
+def check_readable(path: str) -> None:
+    """CheckpointError (one line) unless every rank file of ``path`` opens (memory-mapped: only
+    the zip directory and the pickled structure are read, so this is cheap)."""
+    meta = read_metadata(path)
+    for name in meta.get("rank_files", []):
+        safe_load(os.path.join(path, name))
+
+
+def find_latest_checkpoint(run_dir: str, unreadable: Optional[List[Tuple[str, str]]] = None) -> Optional[str]:
+    """Path of the most advanced complete, readable checkpoint in ``run_dir``, or None.
+
+    Unreadable checkpoints (corrupt metadata.json or rank file) are skipped; ``unreadable``, when
+    given, receives (path, one-line reason) for each of them, so the caller can report them.
+    """
+    ranked, bad = ranked_checkpoints(run_dir)
+    found = None
+    for path in ranked:
+        try:
+            check_readable(path)
+        except CheckpointError as error:
+            bad.append((path, _first_line(error)))
+            continue
+        found = path
+        break
+    if unreadable is not None:
+        unreadable.extend(bad)
+    return found
+
+
+def set_aside(path: str) -> str:
+    """Rename an unreadable checkpoint to ``<path>.corrupt`` (``.corrupt2``... if taken) so no
+    later save reuses its name and overwrites it; returns the new path."""
+    for n in range(1, 1000):
+        target = f"{path}{_CORRUPT_SUFFIX}{n if n > 1 else ''}"
+        if not os.path.exists(target):
+            os.replace(path, target)
+            fsync_dir(os.path.dirname(path))
+            return target
+    raise CheckpointError(f"{path}: cannot set it aside, {path}{_CORRUPT_SUFFIX}* all taken")
 
 
 def prune(run_dir: str, keep_last: int) -> None:
-    """Keep the ``keep_last`` newest complete checkpoints (all when <= 0); drop older folders and
-    leftovers of interrupted saves (``.tmp``)."""
-    listed = list_checkpoints(run_dir)
-    complete = [it for it, path in listed if is_complete(path)]
-    if keep_last > 0 and len(complete) > keep_last:
-        oldest_kept = complete[-keep_last]
-        for iteration, path in listed:
-            if iteration < oldest_kept:
-                shutil.rmtree(path, ignore_errors=True)
+    """Keep the ``keep_last`` most advanced complete checkpoints (all when <= 0); delete the other
+    complete ones and leftovers of interrupted saves (``.tmp``). Unreadable checkpoints are
+    left alone (their progress is unknown)."""
+    ranked, _ = ranked_checkpoints(run_dir)
+    if keep_last > 0:
+        for path in ranked[keep_last:]:
+            shutil.rmtree(path, ignore_errors=True)
     for name in os.listdir(run_dir):
         if name.endswith(TMP_SUFFIX) and _NAME.match(name[: -len(TMP_SUFFIX)]):
             shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)

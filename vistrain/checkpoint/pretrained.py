@@ -21,7 +21,13 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 
-from vistrain.checkpoint.files import METADATA, CheckpointError, find_latest_checkpoint, safe_load
+from vistrain.checkpoint.files import (
+    METADATA,
+    CheckpointError,
+    check_readable,
+    find_latest_checkpoint,
+    safe_load,
+)
 from vistrain.checkpoint.load import SliceReader
 
 logger = logging.getLogger("vistrain")
@@ -56,12 +62,25 @@ class WeightsSource:
         return self.reader.read_buffer(key)
 
 
+def check_weights_file(path: str) -> None:
+    """Raise CheckpointError / FileNotFoundError (one line) unless ``path`` (a ``.pt`` file, a
+    checkpoint folder or a run folder) resolves to files that open. Memory-mapped: cheap."""
+    path = resolve_weights_path(path)
+    if os.path.isdir(path):
+        check_readable(path)
+    else:
+        safe_load(path)
+
+
 def resolve_weights_path(path: str) -> str:
     """A checkpoint folder or file for ``path`` (a run folder gives its latest checkpoint)."""
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, METADATA)):
             return path
-        latest = find_latest_checkpoint(path)
+        unreadable: List[Tuple[str, str]] = []
+        latest = find_latest_checkpoint(path, unreadable)
+        for _, reason in unreadable:
+            logger.warning(f"skipping unreadable checkpoint: {reason}")
         if latest is None:
             raise CheckpointError(f"{path}: holds no complete checkpoint (no checkpoint_<n>/{METADATA})")
         return latest

@@ -29,6 +29,11 @@ class EpochLayout:
             "num_samples": self.num_samples,
         }
 
+    def samples_seen(self, epoch: int, iteration_in_epoch: int) -> int:
+        """Training progress, comparable across world sizes and batch sizes:
+        ``epoch * num_samples + iteration_in_epoch * global_batch`` (checkpoints are ranked by it)."""
+        return epoch * self.num_samples + iteration_in_epoch * self.global_batch
+
 
 def resume_iteration(meta: dict, now: EpochLayout, path: str) -> int:
     """The iteration of this run equivalent to where checkpoint ``meta`` stopped (module docstring)."""

@@ -165,7 +165,7 @@ _C.OPTIMIZER.param_schedulers.lr.gamma = 0.1
 _C.CHECKPOINT = CN()
 _C.CHECKPOINT.DIR = "./checkpoints"  # run folder: checkpoints, config.yaml, metrics, TensorBoard
 _C.CHECKPOINT.AUTO_RESUME = True  # continue from the latest complete checkpoint in DIR
-_C.CHECKPOINT.CHECKPOINT_FREQUENCY = 1  # every N epochs
+_C.CHECKPOINT.CHECKPOINT_FREQUENCY = 1  # every N epochs (the last epoch is always saved)
 _C.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY = -1  # also every N iterations (-1: off)
 _C.CHECKPOINT.KEEP_LAST = 3  # complete checkpoints kept (older ones deleted)
 

@@ -8,6 +8,7 @@ exits non-zero (an exception, a SIGKILL, the OOM killer) the others are stopped 
 its peers waiting in a collective until the timeout.
 """
 
+import contextlib
 import dataclasses
 import datetime
 import multiprocessing.connection
@@ -26,6 +27,7 @@ import torch.multiprocessing as mp
 from fvcore.common.config import CfgNode
 
 from vistrain.config.loader import ConfigError
+from vistrain.distributed import supervise
 
 STOP_GRACE_SECONDS = 5.0  # after a failure, time the other ranks get to exit on their own, then SIGTERM
 
@@ -57,16 +59,17 @@ def launch(main_fn: Callable[[CfgNode], object], cfg: CfgNode) -> None:
     """Run ``main_fn(cfg)`` on every rank of the job described by ``cfg.DISTRIBUTED``.
 
     ``main_fn`` must be a module-level function (it is pickled for spawned processes).
-    Raises ConfigError (before anything starts) for impossible settings and RankFailedError when
-    a spawned rank fails.
+    Raises ConfigError (before anything starts) for impossible settings, RunFolderBusyError when
+    another run holds ``CHECKPOINT.DIR``, and RankFailedError when a spawned rank fails.
     """
     plan = plan_launch(cfg.DISTRIBUTED, cfg.MACHINE, os.environ)
-    if not plan.spawn:
-        _start_rank(plan.local_rank, main_fn, cfg, plan)
-    elif plan.local_ranks == 1:
-        _start_rank(0, main_fn, cfg, plan)  # in-process: faster start, debuggers work
-    else:
-        _spawn_and_watch(main_fn, cfg, plan)
+    with _run_folder_lock(cfg, plan):
+        if not plan.spawn:
+            _start_rank(plan.local_rank, main_fn, cfg, plan)
+        elif plan.local_ranks == 1:
+            _start_rank(0, main_fn, cfg, plan)  # in-process: faster start, debuggers work
+        else:
+            _spawn_and_watch(main_fn, cfg, plan)
 
 
 def resolve_device(machine_cfg: CfgNode) -> str:
@@ -235,20 +238,36 @@ def _start_rank(local_rank: int, main_fn, cfg: CfgNode, plan: LaunchPlan) -> Non
     dist.destroy_process_group()
 
 
+def _run_folder_lock(cfg: CfgNode, plan: LaunchPlan):
+    """One run per CHECKPOINT.DIR: held by the process that is, or spawns, global rank 0."""
+    if plan.first_rank + plan.local_rank == 0:
+        return supervise.lock_run_folder(cfg.CHECKPOINT.DIR)
+    return contextlib.nullcontext()
+
+
+def _run_spawned_rank(local_rank: int, launcher_pid: int, main_fn, cfg, plan, error_dir: str) -> None:
+    supervise.bind_to_launcher(launcher_pid)  # never outlive the launcher, leave Ctrl-C to it
+    _run_rank(local_rank, main_fn, cfg, plan, error_dir)
+
+
 def _spawn_and_watch(main_fn, cfg: CfgNode, plan: LaunchPlan) -> None:
     error_dir = tempfile.mkdtemp(prefix="vistrain-ranks-")
     try:
-        context = mp.start_processes(
-            _run_rank,
-            args=(main_fn, cfg, plan, error_dir),
-            nprocs=plan.local_ranks,
-            join=False,
-            start_method="spawn",
-        )
+        with supervise.spawning_ignores_sigint():
+            context = mp.start_processes(
+                _run_spawned_rank,
+                args=(os.getpid(), main_fn, cfg, plan, error_dir),
+                nprocs=plan.local_ranks,
+                join=False,
+                start_method="spawn",
+            )
         processes = context.processes
         try:
             failed = _wait_for_failure(processes)
-        except BaseException:  # Ctrl-C in the launcher: take the ranks down with it
+        except KeyboardInterrupt:  # Ctrl-C: the ranks ignore SIGINT; stop them now, no grace
+            _terminate(processes)
+            raise
+        except BaseException:
             _stop(processes)
             raise
         if failed:
@@ -273,6 +292,19 @@ def _stop(processes, grace: float = STOP_GRACE_SECONDS) -> None:
     for escalate in (None, "terminate", "kill"):
         for p in processes:
             if escalate and p.is_alive():
+                getattr(p, escalate)()
+        deadline = time.monotonic() + grace
+        for p in processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+        if not any(p.is_alive() for p in processes):
+            return
+
+
+def _terminate(processes, grace: float = STOP_GRACE_SECONDS) -> None:
+    """SIGTERM every rank, SIGKILL those still alive after ``grace`` s; return once all are gone."""
+    for escalate in ("terminate", "kill"):
+        for p in processes:
+            if p.is_alive():
                 getattr(p, escalate)()
         deadline = time.monotonic() + grace
         for p in processes:

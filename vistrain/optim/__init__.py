@@ -34,7 +34,7 @@ def _adamw(groups: List[dict], opt_cfg, lr: float) -> torch.optim.Optimizer:
 
 
 # name -> builder(param groups, cfg.OPTIMIZER, initial lr). Weight decay comes from the groups.
-_OPTIMIZERS: Dict[str, Callable] = {"sgd": _sgd, "lars": _lars, "adamw": _adamw}
+OPTIMIZERS: Dict[str, Callable] = {"sgd": _sgd, "lars": _lars, "adamw": _adamw}
 
 
 def build_optimizer(opt_cfg, model: nn.Module) -> torch.optim.Optimizer:
@@ -44,10 +44,10 @@ def build_optimizer(opt_cfg, model: nn.Module) -> torch.optim.Optimizer:
     ``lars_exclude`` for LARS). Every group starts at ``base_value * lr_multiplier``; the trainer
     then calls :func:`set_lr` with the schedule each iteration.
     """
-    if opt_cfg.name not in _OPTIMIZERS:
-        raise ValueError(f"unknown optimizer '{opt_cfg.name}'; valid: {sorted(_OPTIMIZERS)}")
+    if opt_cfg.name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer '{opt_cfg.name}'; valid: {sorted(OPTIMIZERS)}")
     groups = build_param_groups(opt_cfg, model)
     base_lr = float(opt_cfg.param_schedulers.lr.base_value)
     for group in groups:
         group["lr"] = base_lr * group["lr_multiplier"]
-    return _OPTIMIZERS[opt_cfg.name](groups, opt_cfg, base_lr)
+    return OPTIMIZERS[opt_cfg.name](groups, opt_cfg, base_lr)

@@ -48,7 +48,7 @@ def _constant(lr_cfg, num_epochs: float, iters_per_epoch: int) -> ParamScheduler
 # name -> (builder(lr_cfg, num_epochs, iters_per_epoch), fvcore interval scaling after a warmup).
 # Cosine is "rescaled" so it starts at base_value when warmup ends; multistep is "fixed" so its
 # milestones stay absolute epochs.
-_SCHEDULES: Dict[str, tuple] = {
+SCHEDULES: Dict[str, tuple] = {
     "cosine": (_cosine, "rescaled"),
     "multistep": (_multistep, "fixed"),
     "constant": (_constant, "fixed"),
@@ -81,9 +81,9 @@ def build_lr_schedule(opt_cfg, iterations_per_epoch: int) -> Callable[[int], flo
             f"need iterations_per_epoch > 0 and num_epochs > 0, got {iterations_per_epoch} "
             f"and {opt_cfg.num_epochs}"
         )
-    if lr_cfg.name not in _SCHEDULES:
-        raise ValueError(f"unknown lr schedule '{lr_cfg.name}'; valid: {sorted(_SCHEDULES)}")
-    build, scaling = _SCHEDULES[lr_cfg.name]
+    if lr_cfg.name not in SCHEDULES:
+        raise ValueError(f"unknown lr schedule '{lr_cfg.name}'; valid: {sorted(SCHEDULES)}")
+    build, scaling = SCHEDULES[lr_cfg.name]
     main = build(lr_cfg, num_epochs, iterations_per_epoch)
     warmup = float(lr_cfg.warmup_epochs)
     if not 0 <= warmup < num_epochs:

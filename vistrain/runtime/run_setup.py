@@ -6,6 +6,7 @@ import random
 import numpy as np
 import torch
 
+from vistrain.checkpoint.files import fsync_dir
 from vistrain.config import save_config
 from vistrain.distributed import comm
 from vistrain.distributed.launch import resolve_device
@@ -13,18 +14,47 @@ from vistrain.runtime.logger import setup_logging
 
 
 def start_run(cfg) -> torch.device:
-    """Log to ``CHECKPOINT.DIR``, save the resolved config there (rank 0), seed, return the device.
+    """Log to ``CHECKPOINT.DIR``, seed, return the device. (The config is recorded by
+    :func:`record_config` only once the job really starts working.)
 
     Every rank uses the same seed: identical initial weights (DDP and the sharded engine also
     broadcast them); the data layer derives per-rank orders and augmentations from it itself.
     """
     run_dir = cfg.CHECKPOINT.DIR
     setup_logging(run_dir)
-    if comm.is_main_process():
-        save_config(cfg, os.path.join(run_dir, "config.yaml"))
     random.seed(cfg.SEED_VALUE)
     np.random.seed(cfg.SEED_VALUE)
     torch.manual_seed(cfg.SEED_VALUE)
     if resolve_device(cfg.MACHINE) == "cuda":
         return torch.device("cuda", torch.cuda.current_device())  # set per local rank by launch
     return torch.device("cpu")
+
+
+def record_config(cfg, trained_until: int = 0) -> str:
+    """Rank 0: write ``CHECKPOINT.DIR/config.yaml`` now that the job really starts; returns its path.
+
+    Called only once a run is past every check and resume, so runs that fail early or find nothing
+    to do never replace the record. A previous, different ``config.yaml`` describes what trained
+    the checkpoints up to iteration ``trained_until`` (the one this run resumed from; 0 when none):
+    it is kept as ``config.<trained_until>.yaml`` (``config.<trained_until>.2.yaml``... if taken).
+    """
+    path = os.path.join(cfg.CHECKPOINT.DIR, "config.yaml")
+    if not comm.is_main_process():
+        return path
+    if os.path.isfile(path):
+        with open(path) as f:
+            previous = f.read()
+        if previous == cfg.dump():
+            return path
+        os.replace(path, _free_name(cfg.CHECKPOINT.DIR, f"config.{trained_until}"))
+        fsync_dir(cfg.CHECKPOINT.DIR)
+    save_config(cfg, path)
+    return path
+
+
+def _free_name(folder: str, stem: str) -> str:
+    candidate, n = os.path.join(folder, f"{stem}.yaml"), 1
+    while os.path.exists(candidate):
+        n += 1
+        candidate = os.path.join(folder, f"{stem}.{n}.yaml")
+    return candidate

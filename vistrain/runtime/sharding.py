@@ -21,7 +21,7 @@ from vistrain.models.heads.swav import SwAVPrototypes
 from vistrain.torch_compat import BatchNormBase
 
 BACKENDS = ("builtin", "torch")
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+COMPUTE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def unit_classes(fp32_batchnorm: bool) -> dict:
@@ -58,18 +58,12 @@ def shard_model(model: nn.Module, model_cfg, param_group_fn: Optional[Callable] 
     optimizer groups apart in the flat shards (builtin backend).
     """
     fsdp_cfg = model_cfg.FSDP_CONFIG
-    if fsdp_cfg.BACKEND not in BACKENDS:
-        raise ValueError(f"MODEL.FSDP_CONFIG.BACKEND must be one of {BACKENDS}, got {fsdp_cfg.BACKEND!r}")
-    if fsdp_cfg.compute_dtype not in _DTYPES:
-        raise ValueError(
-            f"MODEL.FSDP_CONFIG.compute_dtype must be one of {sorted(_DTYPES)}, "
-            f"got {fsdp_cfg.compute_dtype!r}"
-        )
+    # BACKEND and compute_dtype were checked before launch (vistrain.config.checks)
     low_precision = fsdp_cfg.mixed_precision or model_cfg.AMP_PARAMS.USE_AMP
     classes = unit_classes(fp32_batchnorm=low_precision)
     if fsdp_cfg.BACKEND == "torch":
         return torch_fully_shard(model, fsdp_cfg, classes)
-    mixed = fsdp_cfg.mixed_precision and _DTYPES[fsdp_cfg.compute_dtype] != torch.float32
+    mixed = fsdp_cfg.mixed_precision and COMPUTE_DTYPES[fsdp_cfg.compute_dtype] != torch.float32
     return auto_wrap(
         model,
         by_class(classes),
@@ -77,7 +71,7 @@ def shard_model(model: nn.Module, model_cfg, param_group_fn: Optional[Callable] 
         mixed_precision=mixed,
         fp32_reduce_scatter=fsdp_cfg.fp32_reduce_scatter,
         flatten_parameters=fsdp_cfg.flatten_parameters,
-        compute_dtype=_DTYPES[fsdp_cfg.compute_dtype] if mixed else None,
+        compute_dtype=COMPUTE_DTYPES[fsdp_cfg.compute_dtype] if mixed else None,
         move_params_to_cpu=fsdp_cfg.move_params_to_cpu,
         param_group_fn=param_group_fn,
         # as the DDP path: synced BN keeps statistics equal, else rank 0's are broadcast
@@ -92,9 +86,9 @@ def torch_fully_shard(model: nn.Module, fsdp_cfg, classes: dict) -> nn.Module:
 
     device = next(model.parameters()).device
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mixed = fsdp_cfg.mixed_precision and _DTYPES[fsdp_cfg.compute_dtype] != torch.float32
+    mixed = fsdp_cfg.mixed_precision and COMPUTE_DTYPES[fsdp_cfg.compute_dtype] != torch.float32
     low = MixedPrecisionPolicy(
-        param_dtype=_DTYPES[fsdp_cfg.compute_dtype] if mixed else None,
+        param_dtype=COMPUTE_DTYPES[fsdp_cfg.compute_dtype] if mixed else None,
         reduce_dtype=torch.float32 if fsdp_cfg.fp32_reduce_scatter else None,
     )
     full = MixedPrecisionPolicy()

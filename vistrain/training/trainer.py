@@ -12,7 +12,7 @@ number of completed iterations.
 import contextlib
 import dataclasses
 import functools
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ from vistrain.checkpoint import (
     restore_rng,
     resume_iteration,
     save_sharded_checkpoint,
+    set_aside,
 )
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed import comm
@@ -34,9 +35,7 @@ from vistrain.models import build_model
 from vistrain.optim import build_lr_schedule, build_optimizer, param_group_key, set_lr
 from vistrain.runtime.logger import NonFiniteLossError, TrainingMeter, logger
 from vistrain.runtime.parallel import parallelize
-from vistrain.runtime.run_setup import start_run
-
-_AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+from vistrain.runtime.run_setup import record_config, start_run
 
 
 @dataclasses.dataclass
@@ -79,12 +78,16 @@ def train(cfg) -> None:
     total_iterations = num_epochs * iters_per_epoch
 
     # ---- resume
-    iteration = 0
+    iteration, resumed_from = 0, 0
     if cfg.CHECKPOINT.AUTO_RESUME:
-        iteration = _resume(run_dir, model, optimizer, criterion, settings.scaler, layout)
+        iteration, resumed_from = _resume(run_dir, model, optimizer, criterion, settings.scaler, layout)
     if iteration >= total_iterations:
-        logger.info(f"nothing to do: {run_dir} already holds iteration {iteration} of {total_iterations}")
+        logger.info(
+            f"nothing to do: {run_dir} already holds {iteration / iters_per_epoch:g} epochs of the "
+            f"{num_epochs} asked for (raise OPTIMIZER.num_epochs to train on)"
+        )
         return
+    record_config(cfg, trained_until=resumed_from)
     logger.info(
         f"training {num_epochs} epochs x {iters_per_epoch} iterations on {comm.get_world_size()} ranks "
         f"({device.type}), from iteration {iteration}"
@@ -178,16 +181,9 @@ def _optimizer_step(model: nn.Module, criterion, optimizer, s: StepSettings, ite
 def _step_settings(cfg, model: nn.Module, device: torch.device) -> StepSettings:
     amp_cfg = cfg.MODEL.AMP_PARAMS
     amp_dtype = None
-    if amp_cfg.USE_AMP:
-        if amp_cfg.AMP_DTYPE not in _AMP_DTYPES:
-            valid = sorted(_AMP_DTYPES)
-            raise ValueError(f"MODEL.AMP_PARAMS.AMP_DTYPE must be one of {valid}, got {amp_cfg.AMP_DTYPE!r}")
-        amp_dtype = _AMP_DTYPES[amp_cfg.AMP_DTYPE]
-        if amp_dtype == torch.float16 and device.type != "cuda":
-            raise ValueError("MODEL.AMP_PARAMS.AMP_DTYPE=float16 needs CUDA; use bfloat16 on CPU")
+    if amp_cfg.USE_AMP:  # name and device were checked before launch (vistrain.config.checks)
+        amp_dtype = getattr(torch, amp_cfg.AMP_DTYPE)
     update_freq = cfg.OPTIMIZER.update_freq
-    if update_freq < 1:
-        raise ValueError(f"OPTIMIZER.update_freq must be >= 1, got {update_freq}")
     scaler = _grad_scaler(model) if amp_dtype == torch.float16 else None
     return StepSettings(device, amp_dtype, scaler, update_freq, float(cfg.OPTIMIZER.clip_grad_norm))
 
@@ -224,7 +220,13 @@ def _checkpoint(
     extra = {"loss": criterion.state_dict()}  # per rank: the SwAV queue differs between ranks
     if s.scaler is not None:
         extra["grad_scaler"] = s.scaler.state_dict()
-    meta = {"epoch": epoch, "iteration_in_epoch": in_epoch, **layout.as_meta(), "config": cfg.dump()}
+    meta = {
+        "epoch": epoch,
+        "iteration_in_epoch": in_epoch,
+        "samples_seen": layout.samples_seen(epoch, in_epoch),  # what ranks checkpoints (files.py)
+        **layout.as_meta(),
+        "config": cfg.dump(),
+    }
     path = save_sharded_checkpoint(
         cfg.CHECKPOINT.DIR, iteration, model, optimizer, extra, meta, keep_last=cfg.CHECKPOINT.KEEP_LAST
     )
@@ -245,12 +247,16 @@ def _check_finite_weights(model: nn.Module, iteration: int) -> None:
         )
 
 
-def _resume(run_dir: str, model, optimizer, criterion, scaler, layout: EpochLayout) -> int:
-    """Load the latest complete checkpoint of ``run_dir`` (saved on any world size); return the
-    iteration to continue from (0 when there is none)."""
-    path = find_latest_checkpoint(run_dir)
+def _resume(run_dir: str, model, optimizer, criterion, scaler, layout: EpochLayout) -> Tuple[int, int]:
+    """Load the most advanced complete checkpoint of ``run_dir`` (saved on any world size).
+
+    Returns (the iteration to continue from, the resumed checkpoint's own iteration); (0, 0) when
+    there is none.
+    """
+    # rank 0 decides (and sets unreadable checkpoints aside) for everyone
+    path = comm.all_gather_object(_pick_checkpoint(run_dir) if comm.is_main_process() else None)[0]
     if path is None:
-        return 0
+        return 0, 0
     state = load_sharded_checkpoint(path, model, optimizer)
     meta, extra = state["metadata"], state["extra"]
     iteration = resume_iteration(meta, layout, path)
@@ -265,4 +271,15 @@ def _resume(run_dir: str, model, optimizer, criterion, scaler, layout: EpochLayo
     if scaler is not None and "grad_scaler" in extra:
         scaler.load_state_dict(extra["grad_scaler"])
     logger.info(f"resumed from {path} at iteration {iteration}")
-    return iteration
+    return iteration, meta["iteration"]
+
+
+def _pick_checkpoint(run_dir: str) -> Optional[str]:
+    """Rank 0: the most advanced readable checkpoint; unreadable ones on the way are reported in
+    one line each and renamed ``*.corrupt`` so that no save of this run can overwrite them."""
+    unreadable: List[Tuple[str, str]] = []
+    path = find_latest_checkpoint(run_dir, unreadable)
+    for bad, reason in unreadable:
+        kept = set_aside(bad)
+        logger.warning(f"skipping unreadable checkpoint: {reason}; kept as {kept}")
+    return path

@@ -48,6 +48,13 @@ PUBLISHED_REGNETS = {
 PUBLISHED_STEM_WIDTH = 32  # every published RegNet uses a 32-channel stem
 
 
+def feature_names(regnet_cfg) -> List[str]:
+    """The features a RegNet of ``regnet_cfg`` offers (MODEL.TRUNK.OUT_FEATURES): stem, s1..sK for
+    its K stages, avgpool. Pure arithmetic, nothing is built; ValueError for impossible parameters."""
+    stages = len(block_params_from_config(regnet_cfg).widths)
+    return ["stem", *(f"s{i}" for i in range(1, stages + 1)), "avgpool"]
+
+
 def block_params_from_config(regnet_cfg) -> BlockParams:
     """Per-stage settings for ``cfg.MODEL.TRUNK.REGNET`` (a published NAME or "custom")."""
     name = regnet_cfg.NAME

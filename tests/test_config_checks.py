@@ -1,0 +1,162 @@
+"""Every config value is checked before anything starts (vistrain.config.checks): a bad one exits 2
+with one line naming the key, no traceback, and nothing written; --help and no arguments print
+the usage."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vistrain import cli
+from vistrain.config import ConfigError, available_configs, load_config
+from vistrain.config.checks import RULES
+from vistrain.jobs import check_values
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _refused(capsys, argv):
+    """(exit code, stderr lines) of the CLI run in this process."""
+    code = cli.main(argv)
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def _tiny(run_dir, *overrides):
+    return ["config=test/simclr_tiny", f"config.CHECKPOINT.DIR={run_dir}", *overrides]
+
+
+def _bad_values(tmp_path):
+    """(overrides, what the one line must say) for values that load (right key, right type) but
+    can never run."""
+    empty = tmp_path / "empty_folder"
+    empty.mkdir()
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    truncated = tmp_path / "truncated.pt"
+    torch.save({"w": torch.zeros(1000)}, truncated)
+    truncated.write_bytes(truncated.read_bytes()[:300])
+    knn = ["config.ENGINE_NAME=knn", "config.DATA.TRAIN.DROP_LAST=False"]
+    return [
+        (["config.OPTIMIZER.name=adam"], "OPTIMIZER.name must be one of adamw, lars, sgd; got 'adam'"),
+        (["config.MODEL.HEAD.NAME=mlp"], "MODEL.HEAD.NAME must be one of identity, simclr, swav"),
+        (["config.MODEL.TRUNK.REGNET.NAME=regnet_y_401mf"], "MODEL.TRUNK.REGNET.NAME must be one of"),
+        (["config.DATA.TRAIN.DATA_SOURCES=[disk]"], "DATA.TRAIN.DATA_SOURCES must be a non-empty list of"),
+        (
+            ["config.MODEL.AMP_PARAMS.AMP_DTYPE=bf16"],
+            "AMP_DTYPE must be one of bfloat16, float16; got 'bf16'",
+        ),
+        (
+            knn + ["config.BENCHMARK.FEATURES=[s9]"],
+            "BENCHMARK.FEATURES must be a non-empty list of stem, s1, s2,",
+        ),
+        (
+            ["config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=0"],
+            "DATA.TRAIN.BATCHSIZE_PER_REPLICA must be >= 1; got 0",
+        ),
+        (["config.OPTIMIZER.num_epochs=0"], "OPTIMIZER.num_epochs must be >= 1; got 0"),
+        (["config.OPTIMIZER.num_epochs=-1"], "OPTIMIZER.num_epochs must be >= 1; got -1"),
+        (
+            [
+                "config.DATA.TRAIN.DATA_SOURCES=[disk_folder]",
+                f"config.DATA.TRAIN.DATA_PATHS=[{tmp_path}/nope]",
+            ],
+            f"DATA.TRAIN.DATA_PATHS: disk_folder folder {tmp_path}/nope does not exist",
+        ),
+        (
+            ["config.DATA.TRAIN.DATA_SOURCES=[disk_folder]", f"config.DATA.TRAIN.DATA_PATHS=[{empty}]"],
+            f"folder {empty} is empty",
+        ),
+        (
+            ["config.DATA.TRAIN.DATA_SOURCES=[disk_filelist]"],
+            "disk_filelist needs a file; DATA_PATHS entry is empty",
+        ),
+        (["config.CHECKPOINT.DIR="], "CHECKPOINT.DIR is empty"),
+        ([f"config.CHECKPOINT.DIR={a_file}/run"], f"{a_file} is a file"),
+        (
+            [f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={truncated}"],
+            "truncated.pt: corrupt, truncated or unsafe",
+        ),
+        ([f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={tmp_path}/none.pt"], "none.pt does not exist"),
+        (
+            ["config.MODEL.FSDP_CONFIG.BACKEND=fairscale"],
+            "MODEL.FSDP_CONFIG.BACKEND must be one of builtin, torch",
+        ),
+        (["config.MACHINE.DEVICE=gpu"], "MACHINE.DEVICE must be one of auto, cpu, cuda"),
+    ]
+
+
+def test_bad_values_exit_2_with_one_line_and_write_nothing(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    for overrides, message in _bad_values(tmp_path):
+        before = sorted(os.listdir(tmp_path))
+        code, lines = _refused(capsys, _tiny(run_dir, *overrides))
+        assert code == 2, overrides
+        assert len(lines) == 1 and lines[0].startswith("config error: "), lines
+        assert message in lines[0], (message, lines[0])
+        assert sorted(os.listdir(tmp_path)) == before and not run_dir.exists()
+
+
+def test_a_bad_value_is_refused_by_the_real_command_without_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "run_distributed.py"), *_tiny(tmp_path / "run")]
+        + ["config.OPTIMIZER.name=adam", "config.DISTRIBUTED.NUM_PROC_PER_NODE=2"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "config error: OPTIMIZER.name must be one of adamw, lars, sgd; got 'adam'"
+    ]
+    assert not (tmp_path / "run").exists()
+
+
+def test_every_shipped_config_passes_the_checks():
+    for name in available_configs():
+        check_values(load_config([f"config={name}"]))
+
+
+def test_every_rule_names_an_existing_key():
+    cfg = load_config([])
+    for pattern in RULES:
+        node = cfg
+        for part in pattern.replace("*", "TRAIN").split("."):
+            assert part in node, pattern
+            node = node[part]
+
+
+def test_registries_are_the_source_of_names():
+    """A name added to a registry is accepted without touching the config layer."""
+    from vistrain.optim import OPTIMIZERS
+
+    cfg = load_config(["config.OPTIMIZER.name=novel"])
+    with pytest.raises(ConfigError, match="OPTIMIZER.name must be one of"):
+        check_values(cfg)
+    OPTIMIZERS["novel"] = OPTIMIZERS["sgd"]
+    try:
+        check_values(cfg)
+    finally:
+        del OPTIMIZERS["novel"]
+
+
+def test_loading_a_config_does_not_import_torch():
+    code = (
+        "import sys; from vistrain.config import load_config; import vistrain.cli; "
+        "load_config(['config=regnet_fsdp']); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_help_and_no_arguments_print_the_usage(capsys):
+    assert cli.main(["--help"]) == 0
+    usage = capsys.readouterr().out
+    assert usage.startswith("usage: python tools/run_distributed.py config=NAME [config.SECTION.KEY=VALUE")
+    assert "regnet_fsdp" in usage and "pretrain/swav_regnet_demo" in usage
+    assert "vistrain/config/defaults.py" in usage and len(usage.splitlines()) < 15
+    assert cli.main([]) == 2
+    assert capsys.readouterr().err == usage

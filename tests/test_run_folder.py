@@ -1,0 +1,253 @@
+"""Run folders nothing can corrupt: one run per folder, ranks that die with their launcher, Ctrl-C
+in one line, checkpoints ranked by training progress (unreadable ones set aside, never
+overwritten), config.yaml recorded only by runs that train.
+
+The process tests start this file as a script (``python tests/test_run_folder.py RUN_DIR``): a real
+launcher (``vistrain.cli.run``) with 2 spawned CPU ranks that loop on collectives.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from vistrain import cli
+from vistrain.checkpoint import find_latest_checkpoint, read_metadata, save_sharded_checkpoint
+from vistrain.checkpoint.files import prune
+from vistrain.config import load_config
+from vistrain.distributed.supervise import LOCK_NAME, RunFolderBusyError, lock_run_folder
+from vistrain.distributed.testing import run_on_ranks
+from vistrain.training.trainer import _pick_checkpoint, train
+
+HERE = Path(__file__).resolve()
+
+
+def _tiny(run_dir, *overrides):
+    return ["config=test/simclr_tiny", f"config.CHECKPOINT.DIR={run_dir}", *overrides]
+
+
+# --------------------------------------------------------------------------------------------
+# one run per folder
+
+
+def test_a_second_run_into_a_locked_folder_exits_2_naming_the_holder(tmp_path, capsys):
+    with lock_run_folder(str(tmp_path)):
+        # a separate open file in the same process: flock refuses it too
+        with pytest.raises(RunFolderBusyError), lock_run_folder(str(tmp_path)):
+            pass
+        assert cli.main(_tiny(tmp_path)) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"run folder busy: {tmp_path} is in use by another run (host ")
+    assert f"host {socket.gethostname()}, pid {os.getpid()}, since 20" in lines[0]
+    assert sorted(os.listdir(tmp_path)) == [LOCK_NAME]  # the refused run wrote nothing
+    with lock_run_folder(str(tmp_path)):  # released when the holder left its block
+        pass
+
+
+def _collectives_forever(cfg):
+    """Write this rank's pid, then all-reduce in a loop (a healthy job would run for 5 minutes)."""
+    import torch.distributed as dist
+
+    Path(cfg.CHECKPOINT.DIR, f"pid{dist.get_rank()}").write_text(str(os.getpid()))
+    for _ in range(3000):
+        dist.all_reduce(torch.ones(1))
+        time.sleep(0.1)
+
+
+def _start_job(run_dir: Path):
+    """The launcher as its own process group (like a shell job); returns it once both ranks run."""
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE), str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 150
+    while not all((run_dir / f"pid{r}").exists() for r in (0, 1)):
+        assert proc.poll() is None and time.monotonic() < deadline, "ranks did not start"
+        time.sleep(0.2)
+    time.sleep(0.5)
+    return proc, [int((run_dir / f"pid{r}").read_text()) for r in (0, 1)]
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting to be reaped is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_gone(pids, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while any(_alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_ranks_die_with_a_sigkilled_launcher_and_the_lock_is_released(tmp_path):
+    proc, ranks = _start_job(tmp_path)
+    try:
+        with (
+            pytest.raises(RunFolderBusyError, match=f"pid {proc.pid}, since"),
+            lock_run_folder(str(tmp_path)),
+        ):
+            pass
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert _wait_gone(ranks, seconds=10), "ranks outlived their launcher"
+        with lock_run_folder(str(tmp_path)):  # the kernel dropped the dead launcher's flock
+            pass
+    finally:
+        for pid in ranks:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+# A rank bound to its parent on a system without PR_SET_PDEATHSIG: only the parent-pid check acts.
+# (supervise.py is loaded from its file: the package's __init__ would import torch, which is slow.)
+_NO_PDEATHSIG_RANK = """
+import importlib.util, os, sys, time
+sys.platform = "other"  # not linux: bind_to_launcher skips prctl
+spec = importlib.util.spec_from_file_location("supervise", sys.argv[1])
+supervise = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(supervise)
+supervise.bind_to_launcher(os.getppid())
+print(os.getpid(), flush=True)
+time.sleep(120)
+"""
+_PARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=sys.stdout)
+time.sleep(120)
+"""
+
+
+def test_without_pdeathsig_the_parent_pid_check_ends_an_orphaned_rank():
+    supervise_file = str(HERE.parents[1] / "vistrain" / "distributed" / "supervise.py")
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, _NO_PDEATHSIG_RANK, supervise_file], stdout=subprocess.PIPE, text=True
+    )
+    rank = int(parent.stdout.readline())
+    try:
+        time.sleep(1.5)
+        assert _alive(rank)  # bound, parent alive: keeps running
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        assert _wait_gone([rank], seconds=5)  # re-parented: its check (every 1 s) ends it
+    finally:
+        if _alive(rank):
+            os.kill(rank, signal.SIGKILL)
+
+
+def _plain_checkpoint(run_dir, iteration, samples_seen, keep_last=0):
+    model = nn.Linear(3, 2)
+    meta = {"epoch": 0, "samples_seen": samples_seen}
+    return save_sharded_checkpoint(str(run_dir), iteration, model, None, {}, meta, keep_last)
+
+
+def test_ctrl_c_stops_every_rank_and_names_the_last_checkpoint_in_one_line(tmp_path):
+    _plain_checkpoint(tmp_path, 3, samples_seen=96)
+    proc, ranks = _start_job(tmp_path)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert err.strip().splitlines() == [
+        f"interrupted: all ranks stopped; last complete checkpoint: {tmp_path / 'checkpoint_3'}"
+    ]
+    assert "Traceback" not in out + err and "terminate called" not in out + err
+    assert _wait_gone(ranks, seconds=5)
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoints ranked by progress
+
+
+def test_latest_and_pruning_follow_samples_seen_not_iteration_numbers(tmp_path):
+    """The issue's case: 2 ranks save 22 (epoch 1) and 44 (epoch 2), 3 ranks then save 21 (epoch 3)."""
+    epoch = 352  # samples per epoch
+    _plain_checkpoint(tmp_path, 22, samples_seen=epoch)
+    _plain_checkpoint(tmp_path, 44, samples_seen=2 * epoch)
+    _plain_checkpoint(tmp_path, 21, samples_seen=3 * epoch)
+    assert find_latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint_21")
+    prune(str(tmp_path), keep_last=2)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint_*")) == ["checkpoint_21", "checkpoint_44"]
+
+
+@pytest.mark.parametrize("damage", ["truncated metadata", "corrupt rank file", "missing rank file"])
+def test_an_unreadable_checkpoint_is_reported_and_set_aside(tmp_path, damage, caplog):
+    _plain_checkpoint(tmp_path, 4, samples_seen=32)
+    bad = Path(_plain_checkpoint(tmp_path, 8, samples_seen=64))
+    if damage == "truncated metadata":
+        text = (bad / "metadata.json").read_text()
+        (bad / "metadata.json").write_text(text[: len(text) // 2])
+    elif damage == "corrupt rank file":
+        (bad / "rank0.pt").write_bytes((bad / "rank0.pt").read_bytes()[:100])
+    else:
+        (bad / "rank0.pt").unlink()
+    unreadable = []
+    assert find_latest_checkpoint(str(tmp_path), unreadable) == str(tmp_path / "checkpoint_4")
+    assert [path for path, _ in unreadable] == [str(bad)]
+    with caplog.at_level("WARNING", logger="vistrain"):
+        assert _pick_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint_4")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "\n" not in warnings[0]
+    assert warnings[0].startswith("skipping unreadable checkpoint: ")
+    assert warnings[0].endswith(f"kept as {bad}.corrupt")
+    assert not bad.exists() and Path(f"{bad}.corrupt").is_dir()  # a save of checkpoint_8 can't touch it
+    prune(str(tmp_path), keep_last=1)
+    assert Path(f"{bad}.corrupt").is_dir()  # pruning leaves it alone too
+
+
+def _train(rank, world_size, argv):
+    train(load_config(argv))
+
+
+def test_world_size_changes_resume_from_the_most_advanced_and_record_each_config(tmp_path):
+    """1 rank x 2 epochs (8 iterations each: checkpoints 8, 16), then 2 ranks to epoch 3 (4 per
+    epoch: checkpoint 12, less numbered but more advanced), then a rerun asking for 3 epochs."""
+    run_on_ranks(_train, 1, _tiny(tmp_path, "config.OPTIMIZER.num_epochs=2"))
+    first_config = (tmp_path / "config.yaml").read_text()
+    run_on_ranks(_train, 2, _tiny(tmp_path, "config.OPTIMIZER.num_epochs=3"))
+    assert sorted(p.name for p in tmp_path.glob("checkpoint_*")) == ["checkpoint_12", "checkpoint_16"]
+    latest = find_latest_checkpoint(str(tmp_path))
+    assert latest == str(tmp_path / "checkpoint_12")
+    assert read_metadata(latest)["samples_seen"] == 3 * 32 and read_metadata(latest)["epoch"] == 3
+    log = (tmp_path / "log.txt").read_text()
+    assert f"resumed from {tmp_path / 'checkpoint_16'} at iteration 8" in log
+    # the first run's config trained everything up to checkpoint_16
+    assert (tmp_path / "config.16.yaml").read_text() == first_config
+    second_config = (tmp_path / "config.yaml").read_text()
+    assert "num_epochs: 3" in second_config
+
+    # nothing to do: says epochs, and leaves the record alone even with other settings
+    run_on_ranks(_train, 2, _tiny(tmp_path, "config.OPTIMIZER.num_epochs=3", "config.LOG_FREQUENCY=1"))
+    assert "nothing to do: " in (tmp_path / "log.txt").read_text()
+    assert "already holds 3 epochs of the 3 asked for" in (tmp_path / "log.txt").read_text()
+    assert (tmp_path / "config.yaml").read_text() == second_config
+    assert sorted(p.name for p in tmp_path.glob("config*.yaml")) == ["config.16.yaml", "config.yaml"]
+
+
+if __name__ == "__main__":
+    # python tests/test_run_folder.py RUN_DIR: 2 CPU ranks looping on collectives, through the CLI's
+    # launcher (exit codes and messages as tools/run_distributed.py)
+    job = load_config(
+        [
+            "config.MACHINE.DEVICE=cpu",
+            "config.DISTRIBUTED.NUM_PROC_PER_NODE=2",
+            f"config.CHECKPOINT.DIR={sys.argv[1]}",
+        ]
+    )
+    sys.exit(cli.run(_collectives_forever, job))

@@ -1,0 +1,295 @@
+"""The allowed values of the config (one table, beside the defaults) and the check run before a job.
+
+``load_config`` checks that keys exist and have the default's type; :func:`check_config` then
+checks every value against :data:`RULES` (one entry per key with limits) and
+:data:`CROSS_RULES` (limits that involve several keys, the engine, or the file system): names,
+dtypes, ranges, data paths that must exist, the run folder that must be writable, the weights
+file that must load. The first problem is a one-line :class:`ConfigError`; nothing is written.
+
+Registry names (optimizers, heads, data sources...) and the probes of files and models live in
+higher layers, which this lowest layer must not import (tests/test_layering.py). The table names
+them by key (``one_of("optimizers")``) and the caller passes a :class:`Catalog` holding the live
+registries: ``vistrain.jobs.catalog()``, the top layer. So each registry stays the one list of its
+names, nothing here loads torch, and the launcher checks right after loading, before it locks the
+run folder or starts a rank.
+"""
+
+import dataclasses
+import os
+from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
+
+from fvcore.common.config import CfgNode
+
+from vistrain.config.loader import ConfigError
+
+Problem = Optional[str]  # a rule's answer: None when the value is fine, else what is wrong with it
+
+
+@dataclasses.dataclass(frozen=True)
+class Catalog:
+    """What only the layers above the config know, handed to :func:`check_config`."""
+
+    names: Mapping[str, Sequence[str]]  # registry key ("optimizers", "heads"...) -> valid names
+    weights_problem: Callable[[str], Problem]  # WEIGHTS_INIT.PARAMS_FILE -> what keeps it from loading
+    trunk_features: Callable[[CfgNode], Sequence[str]]  # MODEL.TRUNK -> its feature names
+    # (ValueError for an impossible trunk)
+    cuda_available: bool
+
+
+Choices = Union[str, Sequence[str]]  # a registry key of the Catalog, or the names themselves
+
+
+def _names(choices: Choices, catalog: Catalog) -> Sequence[str]:
+    return catalog.names[choices] if isinstance(choices, str) else choices
+
+
+def one_of(choices: Choices) -> Callable:
+    def rule(value, catalog: Catalog) -> Problem:
+        valid = _names(choices, catalog)
+        return None if value in valid else f"must be one of {', '.join(valid)}; got {value!r}"
+
+    return rule
+
+
+def each_one_of(choices: Choices) -> Callable:
+    """A non-empty list whose every element is a valid name."""
+
+    def rule(value, catalog: Catalog) -> Problem:
+        valid = _names(choices, catalog)
+        wrong = [v for v in value if v not in valid]
+        if not value or wrong:
+            return f"must be a non-empty list of {', '.join(valid)}; got {list(value)}"
+        return None
+
+    return rule
+
+
+def at_least(low) -> Callable:
+    return lambda value, _: None if value >= low else f"must be >= {low}; got {value}"
+
+
+def above(low) -> Callable:
+    return lambda value, _: None if value > low else f"must be > {low}; got {value}"
+
+
+def probability(value, _) -> Problem:
+    return None if 0 <= value <= 1 else f"is a probability in [0, 1]; got {value}"
+
+
+def writable_folder(value: str, _) -> Problem:
+    """A folder that exists and is writable, or could be created (nearest existing parent writable)."""
+    if not value:
+        return "is empty; name the run folder"
+    path = os.path.abspath(os.path.expanduser(value))
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{value} exists and is not a folder"
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{value} cannot be created: {existing} is a file"
+    read_only = os.statvfs(existing).f_flag & os.ST_RDONLY  # root passes os.access even there
+    if read_only or not os.access(existing, os.W_OK | os.X_OK):
+        return f"{value} is not writable ({existing} does not allow this user to write)"
+    return None
+
+
+def loadable_weights(value: str, catalog: Catalog) -> Problem:
+    """ "" (random init), or a file / checkpoint folder / run folder whose files open."""
+    return catalog.weights_problem(value) if value else None
+
+
+# --------------------------------------------------------------------------------------------
+# the table: dotted key -> rules its value must satisfy. "DATA.*" keys hold for DATA.TRAIN and
+# DATA.TEST; which of them a job reads is decided in _data_sources below.
+
+AMP_DTYPES = ("bfloat16", "float16")
+RUN_FOLDER_KEY = "CHECKPOINT.DIR"
+
+RULES = {
+    "ENGINE_NAME": [one_of("engines")],
+    "LOG_FREQUENCY": [at_least(1)],
+    "MACHINE.DEVICE": [one_of(("auto", "cpu", "cuda"))],
+    "DISTRIBUTED.BACKEND": [one_of(("auto", "nccl", "gloo"))],
+    "DISTRIBUTED.NUM_NODES": [at_least(1)],
+    "DISTRIBUTED.NUM_PROC_PER_NODE": [at_least(1)],
+    "DISTRIBUTED.NODE_ID": [at_least(0)],
+    "DISTRIBUTED.INIT_METHOD": [one_of(("tcp", "env", "file"))],
+    "DISTRIBUTED.TIMEOUT_SECONDS": [at_least(1)],
+    "DATA.NUM_DATALOADER_WORKERS": [at_least(0)],
+    "DATA.*.BATCHSIZE_PER_REPLICA": [at_least(1)],
+    "DATA.*.SPLIT": [one_of(("train", "val"))],
+    "DATA.*.TRANSFORMS.NAME": [one_of("transforms")],
+    "DATA.*.TRANSFORMS.HORIZONTAL_FLIP": [probability],
+    "DATA.*.TRANSFORMS.BLUR_PROB": [probability],
+    "DATA.*.TRANSFORMS.SOLARIZE_PROB": [probability],
+    "DATA.*.TRANSFORMS.COLOR_DISTORTION": [at_least(0)],
+    "MODEL.TRUNK.NAME": [one_of("trunks")],
+    "MODEL.TRUNK.REGNET.NAME": [one_of("regnets")],
+    "MODEL.HEAD.NAME": [one_of("heads")],
+    "MODEL.FSDP_CONFIG.BACKEND": [one_of("sharding backends")],
+    "MODEL.FSDP_CONFIG.compute_dtype": [one_of("compute dtypes")],
+    "MODEL.AMP_PARAMS.AMP_DTYPE": [one_of(AMP_DTYPES)],
+    "MODEL.SYNC_BN_CONFIG.GROUP_SIZE": [at_least(0)],
+    "MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY": [one_of(("block", "stage"))],
+    "MODEL.WEIGHTS_INIT.PARAMS_FILE": [loadable_weights],
+    "LOSS.NAME": [one_of("losses")],
+    "OPTIMIZER.name": [one_of("optimizers")],
+    "OPTIMIZER.num_epochs": [at_least(1)],
+    "OPTIMIZER.update_freq": [at_least(1)],
+    "OPTIMIZER.clip_grad_norm": [at_least(0)],
+    "OPTIMIZER.head_lr_multiplier": [at_least(0)],
+    "OPTIMIZER.param_schedulers.lr.name": [one_of("lr schedules")],
+    "OPTIMIZER.param_schedulers.lr.warmup_epochs": [at_least(0)],
+    RUN_FOLDER_KEY: [writable_folder],
+    "CHECKPOINT.CHECKPOINT_FREQUENCY": [at_least(1)],
+    "BENCHMARK.POOL_SIZE": [at_least(1)],
+    "BENCHMARK.KNN_K": [at_least(1)],
+    "BENCHMARK.KNN_TEMPERATURE": [above(0)],
+    "BENCHMARK.KNN_CHUNK_SIZE": [at_least(1)],
+    "BENCHMARK.EXTRACT_SPLITS": [each_one_of(("TRAIN", "TEST"))],
+}
+
+# what DATA_PATHS entries a source reads: must exist and hold something
+PATH_KINDS = {"disk_folder": "folder", "disk_filelist": "file"}
+# DATA splits each engine reads (extract_features: BENCHMARK.EXTRACT_SPLITS)
+SPLITS_READ = {"train": ("TRAIN",), "linear_eval": ("TRAIN", "TEST"), "knn": ("TRAIN", "TEST")}
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+
+
+def check_config(cfg: CfgNode, catalog: Catalog) -> None:
+    """Raise ConfigError (one line: key, problem, allowed values) for the first bad value."""
+    for pattern, rules in RULES.items():
+        for key in _expand(pattern):
+            value = _get(cfg, key)
+            for rule in rules:
+                problem = rule(value, catalog)
+                if problem:
+                    raise ConfigError(f"{key} {problem}")
+    for cross_rule in CROSS_RULES:
+        problem = cross_rule(cfg, catalog)
+        if problem:
+            raise ConfigError(problem)
+
+
+def _expand(pattern: str) -> Iterable[str]:
+    if pattern.startswith("DATA.*."):
+        return [pattern.replace("*", split) for split in ("TRAIN", "TEST")]
+    return [pattern]
+
+
+def _get(cfg: CfgNode, key: str):
+    for part in key.split("."):
+        cfg = cfg[part]
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# rules over several keys
+
+
+def _splits_read(cfg: CfgNode) -> Sequence[str]:
+    if cfg.ENGINE_NAME == "extract_features":
+        return list(cfg.BENCHMARK.EXTRACT_SPLITS)
+    return SPLITS_READ.get(cfg.ENGINE_NAME, ())
+
+
+def _data_sources(cfg: CfgNode, catalog: Catalog) -> Problem:
+    """Every split the job reads names known sources, one DATA_PATHS entry each, and the paths
+    that a source reads exist and are not empty."""
+    for split in _splits_read(cfg):
+        split_cfg, key = cfg.DATA[split], f"DATA.{split}"
+        problem = each_one_of("data sources")(split_cfg.DATA_SOURCES, catalog)
+        if problem:
+            return f"{key}.DATA_SOURCES {problem}"
+        if len(split_cfg.DATA_PATHS) != len(split_cfg.DATA_SOURCES):
+            return (
+                f"{key}.DATA_PATHS has {len(split_cfg.DATA_PATHS)} entries for "
+                f"{len(split_cfg.DATA_SOURCES)} DATA_SOURCES; give one path per source"
+            )
+        for source, path in zip(split_cfg.DATA_SOURCES, split_cfg.DATA_PATHS):
+            problem = _data_path_problem(PATH_KINDS.get(source), path)
+            if problem:
+                return f"{key}.DATA_PATHS: {source} {problem}"
+    return None
+
+
+def _data_path_problem(kind: Optional[str], path: str) -> Problem:
+    if kind is None:
+        return None  # synthetic / bundled data: no path read
+    if not path:
+        return f"needs a {kind}; DATA_PATHS entry is empty"
+    if kind == "folder" and not os.path.isdir(path):
+        return f"folder {path} does not exist"
+    if kind == "folder" and not os.listdir(path):
+        return f"folder {path} is empty"
+    if kind == "file" and not os.path.isfile(path):
+        return f"file {path} does not exist"
+    if kind == "file" and os.path.getsize(path) == 0:
+        return f"file {path} is empty"
+    return None
+
+
+def _trunk_features(cfg: CfgNode, catalog: Catalog) -> Problem:
+    """MODEL.TRUNK.OUT_FEATURES (and, for benchmarks, BENCHMARK.FEATURES) name features the trunk
+    has (a RegNet: stem, s1..sK for its K stages, avgpool)."""
+    try:
+        valid = list(catalog.trunk_features(cfg.MODEL.TRUNK))
+    except ValueError as error:  # e.g. a custom RegNet with impossible design parameters
+        return str(error).splitlines()[0]
+    benchmark = cfg.ENGINE_NAME in ("linear_eval", "knn", "extract_features")
+    for key in ("MODEL.TRUNK.OUT_FEATURES", "BENCHMARK.FEATURES")[: 2 if benchmark else 1]:
+        problem = each_one_of(valid)(_get(cfg, key), catalog)
+        if problem:
+            return f"{key} {problem}"
+    return None
+
+
+def _float16_needs_cuda(cfg: CfgNode, catalog: Catalog) -> Problem:
+    amp, device = cfg.MODEL.AMP_PARAMS, cfg.MACHINE.DEVICE
+    on_cuda = device == "cuda" or (device == "auto" and catalog.cuda_available)
+    if amp.USE_AMP and amp.AMP_DTYPE == "float16" and not on_cuda:
+        return "MODEL.AMP_PARAMS.AMP_DTYPE=float16 needs CUDA; use bfloat16 on CPU"
+    return None
+
+
+def _warmup_within_training(cfg: CfgNode, _: Catalog) -> Problem:
+    warmup, epochs = cfg.OPTIMIZER.param_schedulers.lr.warmup_epochs, cfg.OPTIMIZER.num_epochs
+    if warmup >= epochs and cfg.ENGINE_NAME in ("train", "linear_eval"):
+        return f"OPTIMIZER.param_schedulers.lr.warmup_epochs ({warmup}) must be below num_epochs ({epochs})"
+    return None
+
+
+def _feature_banks_complete(cfg: CfgNode, _: Catalog) -> Problem:
+    """kNN and feature extraction need every image: a dropped last batch would lose some."""
+    if cfg.ENGINE_NAME not in ("knn", "extract_features"):
+        return None
+    for split in _splits_read(cfg):
+        if cfg.DATA[split].DROP_LAST:
+            return f"DATA.{split}.DROP_LAST must be False to use every image of the split"
+    return None
+
+
+def _one_view_for_linear_eval(cfg: CfgNode, _: Catalog) -> Problem:
+    """Linear evaluation trains on one view per image; extra crops would only cost time."""
+    transforms = cfg.DATA.TRAIN.TRANSFORMS
+    if cfg.ENGINE_NAME != "linear_eval" or transforms.NAME != "multicrop" or sum(transforms.NUM_CROPS) == 1:
+        return None
+    return (
+        f"linear evaluation uses one view per image, but DATA.TRAIN.TRANSFORMS.NUM_CROPS is "
+        f"{list(transforms.NUM_CROPS)}; set NUM_CROPS=[1] (and one SIZE_CROPS / CROP_SCALES entry) "
+        "or TRANSFORMS.NAME=eval"
+    )
+
+
+CROSS_RULES = (
+    _data_sources,
+    _trunk_features,
+    _float16_needs_cuda,
+    _warmup_within_training,
+    _feature_banks_complete,
+    _one_view_for_linear_eval,
+)
