@@ -5,6 +5,7 @@ the exit code of a real launcher process is checked; the spawned ranks import th
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from vistrain.config import ConfigError, load_config
+from vistrain.distributed.join import slurm_tasks_on_node
 from vistrain.distributed.launch import RankFailedError, first_slurm_host, launch, plan_launch
 
 HERE = Path(__file__).resolve()
@@ -86,25 +88,97 @@ def test_cuda_requested_without_gpu():
 
 def test_joins_torchrun_environment_without_spawning():
     env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
-    plan = _plan(environ=env)
-    assert not plan.spawn
+    plan = _plan(environ={**env, "LOCAL_WORLD_SIZE": "4", "GROUP_WORLD_SIZE": "2"})
+    assert not plan.spawn and plan.local_ranks == 1
+    # the process runs as rank first_rank + 0: its global rank, never global + local (issue 15)
     assert (plan.world_size, plan.first_rank, plan.local_rank, plan.init_method) == (8, 5, 1, "env://")
+    assert plan.ranks_per_node == 4 and plan.device_index == 0  # CPU: no device to pick
 
 
-def test_joins_slurm_tasks():
-    env = {
-        "SLURM_PROCID": "3",
-        "SLURM_NTASKS": "4",
-        "SLURM_LOCALID": "1",
+def test_torchrun_decides_the_layout_and_names_the_keys_it_overrides():
+    env = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    env.update(LOCAL_WORLD_SIZE="2", GROUP_WORLD_SIZE="2")
+    (note,) = _plan(
+        "config.DISTRIBUTED.NUM_PROC_PER_NODE=8", "config.DISTRIBUTED.RUN_ID=n0:1234", environ=env
+    ).notes
+    assert note == (
+        "torchrun decides the layout (2 node(s), 2 rank(s) on this node, world size 4, rendezvous env://); "
+        "ignoring DISTRIBUTED.NUM_NODES=1, NUM_PROC_PER_NODE=8, RUN_ID=n0:1234"
+    )
+    agreeing = _plan("config.DISTRIBUTED.NUM_NODES=2", "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", environ=env)
+    assert agreeing.notes == ()
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (
+            {"RANK": "1", "WORLD_SIZE": "2"},
+            "incomplete torchrun environment: MASTER_ADDR, MASTER_PORT not set",
+        ),
+        (
+            {"RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
+            "RANK='x' is not an integer",
+        ),
+        ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "reports rank 2 of 2"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "SLURM_JOB_NODELIST is not set"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "2x"}, "cannot read SLURM_TASKS"),
+    ],
+)
+def test_broken_job_environments_are_config_errors(env, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _plan(environ=env)
+
+
+def _slurm_env(procid, localid, ntasks=4, nodeid=0, tasks_per_node="2(x2)", nodes=2):
+    return {
+        "SLURM_PROCID": str(procid),
+        "SLURM_LOCALID": str(localid),
+        "SLURM_NTASKS": str(ntasks),
+        "SLURM_NNODES": str(nodes),
+        "SLURM_NODEID": str(nodeid),
+        "SLURM_TASKS_PER_NODE": tasks_per_node,
         "SLURM_JOB_NODELIST": "gpu[007-008]",
         "SLURM_JOB_ID": "12345",
     }
-    plan = _plan("config.DISTRIBUTED.NUM_NODES=2", "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", environ=env)
-    assert not plan.spawn
-    assert (plan.world_size, plan.first_rank, plan.local_rank) == (4, 3, 1)
+
+
+def test_joins_slurm_tasks():
+    plan = _plan(
+        "config.DISTRIBUTED.NUM_NODES=2",
+        "config.DISTRIBUTED.NUM_PROC_PER_NODE=2",
+        environ=_slurm_env(procid=3, localid=1, nodeid=1),
+    )
+    assert not plan.spawn and plan.notes == ()
+    assert (plan.world_size, plan.first_rank, plan.local_rank, plan.ranks_per_node) == (4, 3, 1, 2)
     assert plan.init_method == f"tcp://gpu007:{20000 + 12345 % 20000}"
-    with pytest.raises(ConfigError, match="SLURM started 4 tasks but DISTRIBUTED asks for 1 ranks"):
-        _plan(environ=env)
+    # a recipe written for one node: srun's layout wins, with a note
+    (note,) = _plan(environ=_slurm_env(procid=3, localid=1, nodeid=1)).notes
+    assert note.startswith("srun decides the layout (2 node(s), 2 rank(s) on this node, world size 4")
+    assert note.endswith("ignoring DISTRIBUTED.NUM_NODES=1, NUM_PROC_PER_NODE=1")
+
+
+def test_slurm_rendezvous_can_be_chosen_by_the_config():
+    env = _slurm_env(procid=0, localid=0)
+    assert _plan("config.DISTRIBUTED.RUN_ID=n9:777", environ=env).init_method == "tcp://n9:777"
+    file_plan = _plan(
+        "config.DISTRIBUTED.INIT_METHOD=file", "config.DISTRIBUTED.RUN_ID=/shared/x", environ=env
+    )
+    assert file_plan.init_method == "file:///shared/x"
+    exported = {**env, "MASTER_ADDR": "n3", "MASTER_PORT": "5"}
+    assert _plan("config.DISTRIBUTED.INIT_METHOD=env", environ=exported).init_method == "env://"
+    with pytest.raises(ConfigError, match="INIT_METHOD=env under srun needs MASTER_ADDR"):
+        _plan("config.DISTRIBUTED.INIT_METHOD=env", environ=env)
+
+
+@pytest.mark.parametrize(
+    "tasks_per_node, counts",
+    [("8", [8]), ("2(x3),1", [2, 2, 2, 1]), ("4,3(x2)", [4, 3, 3])],
+)
+def test_slurm_tasks_on_node(tasks_per_node, counts):
+    assert [slurm_tasks_on_node(tasks_per_node, node) for node in range(len(counts))] == counts
+    with pytest.raises(ConfigError, match="lists no node"):
+        slurm_tasks_on_node(tasks_per_node, len(counts))
 
 
 def test_single_slurm_task_spawns_its_local_ranks():

@@ -29,7 +29,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from vistrain.data.demo_digits import ensure_demo_digits
+from vistrain.data.demo_digits import ensure_demo_digits_on_every_node
 from vistrain.data.sampler import mix_seed
 from vistrain.data.transforms import build_transform
 
@@ -171,7 +171,7 @@ def _synthetic(split_cfg, path: str, cache_dir: str) -> SyntheticSource:
 
 
 def _demo_digits(split_cfg, path: str, cache_dir: str) -> FileSource:
-    root = ensure_demo_digits(cache_dir)
+    root = ensure_demo_digits_on_every_node(cache_dir)
     if split_cfg.SPLIT not in ("train", "val"):
         raise ValueError(f"demo_digits: SPLIT must be 'train' or 'val', got {split_cfg.SPLIT!r}")
     paths, labels, _ = scan_image_folder(os.path.join(root, split_cfg.SPLIT))

@@ -13,6 +13,9 @@ Crash and concurrency safety:
   machine write it once and the others wait. Where the lock is unavailable (or ineffective,
   e.g. some network file systems) several writers may each build a temporary copy; the first
   rename wins and the rest discard theirs, which is harmless.
+* In a distributed job ``ensure_demo_digits_on_every_node`` lets only local rank 0 of each machine
+  write (a node-local cache gets one copy per node, a shared one a single copy: the rename above
+  settles races between nodes) while the other ranks wait, then every rank reads the finished set.
 """
 
 import json
@@ -24,6 +27,8 @@ from contextlib import contextmanager
 
 import numpy as np
 from PIL import Image
+
+from vistrain.distributed import comm
 
 try:
     import fcntl
@@ -118,6 +123,23 @@ def _publish(tmp: str, root: str) -> None:
         if not _is_complete(root):
             raise
         shutil.rmtree(tmp, ignore_errors=True)  # another process published first
+
+
+def ensure_demo_digits_on_every_node(cache_dir: str = "") -> str:
+    """Collective ``ensure_demo_digits``: written by local rank 0 of every node, read by all ranks.
+
+    A failure on any node raises on every rank (nobody is left waiting at the barrier).
+    """
+    error = None
+    if comm.get_local_rank() == 0:
+        try:
+            ensure_demo_digits(cache_dir)
+        except Exception as exc:
+            error = f"rank {comm.get_rank()}: {type(exc).__name__}: {exc}"
+    errors = [e for e in comm.all_gather_object(error) if e]  # doubles as the barrier
+    if errors:
+        raise RuntimeError(f"preparing the demo data failed ({errors[0]})")
+    return ensure_demo_digits(cache_dir)  # complete on this node by now: only checks META.json
 
 
 def ensure_demo_digits(cache_dir: str = "") -> str:

@@ -7,6 +7,7 @@ from vistrain.distributed.comm import (  # noqa: F401
     all_reduce_max,
     all_reduce_sum,
     barrier,
+    get_local_rank,
     get_rank,
     get_world_size,
     is_dist,

@@ -4,6 +4,7 @@ Everything here works without ``torch.distributed`` initialised, so the same cod
 notebook, in a single-process test and in a multi-node job.
 """
 
+import os
 from typing import List, Optional
 
 import torch
@@ -24,6 +25,11 @@ def get_rank(group=None) -> int:
 
 def is_main_process() -> bool:
     return get_rank() == 0
+
+
+def get_local_rank() -> int:
+    """Rank among the processes on this machine: ``LOCAL_RANK``, set by torchrun and by our launcher."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def barrier() -> None:

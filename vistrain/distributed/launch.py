@@ -1,4 +1,4 @@
-"""Start the ranks of a run: join torchrun / SLURM, or spawn local processes and watch them.
+"""Start the ranks of a run: join torchrun / SLURM (see ``join.py``), or spawn local processes and watch them.
 
 ``launch(main_fn, cfg)`` always ends with ``main_fn(cfg)`` running on every rank inside an
 initialised process group (also for a single process), so the engine never special-cases
@@ -16,10 +16,11 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
-from typing import Callable, Dict, List, Mapping
+from typing import Callable, Dict, List, Mapping, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,10 @@ from fvcore.common.config import CfgNode
 
 from vistrain.config.loader import ConfigError
 from vistrain.distributed import supervise
+from vistrain.distributed.join import (  # noqa: F401  first_slurm_host: public here too
+    first_slurm_host,
+    joined_job,
+)
 
 STOP_GRACE_SECONDS = 5.0  # after a failure, time the other ranks get to exit on their own, then SIGTERM
 
@@ -41,14 +46,17 @@ class LaunchPlan:
     """How this machine's ranks join the job. ``spawn`` False: this process is one rank already."""
 
     world_size: int
-    first_rank: int  # global rank of local rank 0 on this machine (NODE_ID * per-node ranks)
-    local_ranks: int  # processes started here (1 when joining)
-    local_rank: int  # this process' local rank when joining, else 0
+    first_rank: int  # global rank of the first process run here (spawn: NODE_ID * per-node ranks)
+    local_ranks: int  # processes this launcher runs (1 when joining)
+    local_rank: int  # node-local rank of that first process (joining: LOCAL_RANK / SLURM_LOCALID)
     init_method: str  # tcp://host:port | env:// | file://path
     backend: str  # nccl | gloo
     device: str  # cuda | cpu
     timeout_seconds: int
     spawn: bool
+    ranks_per_node: int = 1  # processes sharing this machine (they split its CPU threads)
+    device_index: int = 0  # CUDA device of that first process (0 when a task sees only its own GPU)
+    notes: Tuple[str, ...] = ()  # DISTRIBUTED keys a joined job overrides, said once by rank 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -63,9 +71,10 @@ def launch(main_fn: Callable[[CfgNode], object], cfg: CfgNode) -> None:
     another run holds ``CHECKPOINT.DIR``, and RankFailedError when a spawned rank fails.
     """
     plan = plan_launch(cfg.DISTRIBUTED, cfg.MACHINE, os.environ)
+    _print_notes(plan)
     with _run_folder_lock(cfg, plan):
         if not plan.spawn:
-            _start_rank(plan.local_rank, main_fn, cfg, plan)
+            _start_rank(0, main_fn, cfg, plan)
         elif plan.local_ranks == 1:
             _start_rank(0, main_fn, cfg, plan)  # in-process: faster start, debuggers work
         else:
@@ -91,31 +100,33 @@ def plan_launch(dist_cfg: CfgNode, machine_cfg: CfgNode, environ: Mapping[str, s
     if dist_cfg.TIMEOUT_SECONDS <= 0:
         raise ConfigError(f"DISTRIBUTED.TIMEOUT_SECONDS must be > 0, got {dist_cfg.TIMEOUT_SECONDS}")
     common = dict(backend=backend, device=device, timeout_seconds=dist_cfg.TIMEOUT_SECONDS)
-    joined = _joined_env(dist_cfg, environ)
-    if joined is not None:
-        world, rank, local_rank, init_method = joined
-        _check_local_devices(device, local_rank + 1)
-        return LaunchPlan(world, rank, 1, local_rank, init_method, spawn=False, **common)
+    job = joined_job(dist_cfg, environ)
+    if job is not None:
+        return LaunchPlan(
+            world_size=job.world_size,
+            first_rank=job.rank,
+            local_ranks=1,
+            local_rank=job.local_rank,
+            init_method=job.init_method,
+            spawn=False,
+            ranks_per_node=job.ranks_per_node,
+            device_index=_joined_device_index(device, job.local_rank),
+            notes=job.notes,
+            **common,
+        )
     per_node, nodes, node_id = _check_sizes(dist_cfg)
     _check_local_devices(device, per_node)
     init_method = _init_method(dist_cfg, environ, nodes)
-    return LaunchPlan(nodes * per_node, node_id * per_node, per_node, 0, init_method, spawn=True, **common)
-
-
-def first_slurm_host(nodelist: str) -> str:
-    """First host of a SLURM node list: "gpu[003-005,9],cpu1" -> "gpu003"."""
-    head = nodelist.strip()
-    depth = 0
-    for i, ch in enumerate(head):
-        depth += ch == "["
-        depth -= ch == "]"
-        if ch == "," and depth == 0:
-            head = head[:i]
-            break
-    if "[" not in head:
-        return head
-    prefix, ranges = head.split("[", 1)
-    return prefix + ranges.rstrip("]").split(",")[0].split("-")[0]
+    return LaunchPlan(
+        nodes * per_node,
+        node_id * per_node,
+        per_node,
+        0,
+        init_method,
+        spawn=True,
+        ranks_per_node=per_node,
+        **common,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -148,28 +159,21 @@ def _check_local_devices(device: str, needed: int) -> None:
         )
 
 
-def _joined_env(dist_cfg: CfgNode, environ: Mapping[str, str]):
-    """(world, rank, local_rank, init_method) when torchrun or SLURM already started this rank."""
-    if all(k in environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        local = int(environ.get("LOCAL_RANK", 0))
-        return int(environ["WORLD_SIZE"]), int(environ["RANK"]), local, "env://"
-    if "SLURM_PROCID" not in environ or int(environ.get("SLURM_NTASKS", 1)) <= 1:
-        return None  # not under srun, or one task that spawns its local ranks itself
-    ntasks = int(environ["SLURM_NTASKS"])
-    wanted = dist_cfg.NUM_NODES * dist_cfg.NUM_PROC_PER_NODE
-    if ntasks != wanted:
-        raise ConfigError(
-            f"SLURM started {ntasks} tasks but DISTRIBUTED asks for {wanted} ranks "
-            f"(NUM_NODES x NUM_PROC_PER_NODE); start one task per rank"
-        )
-    if dist_cfg.RUN_ID != "auto":
-        host, port = _host_port(dist_cfg.RUN_ID)
-    else:
-        # every task derives the same rendezvous from the job: first node, port from the job id
-        host = first_slurm_host(environ["SLURM_JOB_NODELIST"])
-        port = 20000 + int(environ.get("SLURM_JOB_ID", 0)) % 20000
-    local = int(environ.get("SLURM_LOCALID", 0))
-    return ntasks, int(environ["SLURM_PROCID"]), local, f"tcp://{host}:{port}"
+def _joined_device_index(device: str, local_rank: int) -> int:
+    """GPU of a joined rank: its local rank, or 0 where SLURM/the user binds one GPU per task."""
+    if device != "cuda":
+        return 0
+    visible = torch.cuda.device_count()
+    if visible == 1:
+        return 0
+    _check_local_devices(device, local_rank + 1)
+    return local_rank
+
+
+def _print_notes(plan: LaunchPlan) -> None:
+    if plan.first_rank == 0:  # once per job, before anything starts
+        for note in plan.notes:
+            print(f"vistrain: {note}", file=sys.stderr, flush=True)
 
 
 def _init_method(dist_cfg: CfgNode, environ: Mapping[str, str], nodes: int) -> str:
@@ -217,15 +221,17 @@ def _run_rank(local_rank: int, main_fn, cfg: CfgNode, plan: LaunchPlan, error_di
         raise
 
 
-def _start_rank(local_rank: int, main_fn, cfg: CfgNode, plan: LaunchPlan) -> None:
-    """Body of every rank: device, process group, ``main_fn(cfg)``."""
-    rank = plan.first_rank + local_rank
+def _start_rank(index: int, main_fn, cfg: CfgNode, plan: LaunchPlan) -> None:
+    """Body of every rank (``index``: which of this launcher's processes): device, process group, ``main_fn(cfg)``."""
+    rank = plan.first_rank + index
+    # the torchrun convention, also for spawned and srun ranks: per-node work (the demo data) keys on it
+    os.environ["LOCAL_RANK"] = str(plan.local_rank + index)
     if plan.device == "cuda":
-        torch.cuda.set_device(local_rank)  # one GPU per local rank
-    elif plan.local_ranks > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.cuda.set_device(plan.device_index + index)  # one GPU per local rank
+    elif plan.ranks_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
         # CPU ranks sharing a machine: split the cores (as torchrun does); oversubscribed OpenMP
         # threads spin against each other and can be 100x slower
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.local_ranks))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.ranks_per_node))
     dist.init_process_group(
         plan.backend,
         init_method=plan.init_method,
@@ -240,7 +246,7 @@ def _start_rank(local_rank: int, main_fn, cfg: CfgNode, plan: LaunchPlan) -> Non
 
 def _run_folder_lock(cfg: CfgNode, plan: LaunchPlan):
     """One run per CHECKPOINT.DIR: held by the process that is, or spawns, global rank 0."""
-    if plan.first_rank + plan.local_rank == 0:
+    if plan.first_rank == 0:
         return supervise.lock_run_folder(cfg.CHECKPOINT.DIR)
     return contextlib.nullcontext()
 

@@ -2,6 +2,7 @@
 
 import os
 import random
+import uuid
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ def start_run(cfg) -> torch.device:
     """
     run_dir = cfg.CHECKPOINT.DIR
     setup_logging(run_dir)
+    check_run_dir_is_shared(run_dir)
     random.seed(cfg.SEED_VALUE)
     np.random.seed(cfg.SEED_VALUE)
     torch.manual_seed(cfg.SEED_VALUE)
@@ -58,3 +60,28 @@ def _free_name(folder: str, stem: str) -> str:
         n += 1
         candidate = os.path.join(folder, f"{stem}.{n}.yaml")
     return candidate
+
+
+def check_run_dir_is_shared(run_dir: str) -> None:
+    """Collective: fail on every rank unless all ranks see the same ``run_dir``.
+
+    Every rank writes its checkpoint shard there and rank 0 publishes the folder, so a
+    node-local ``CHECKPOINT.DIR`` would only fail at the first save (or resume from a partial
+    view). Rank 0 creates a probe file with a fresh name; every rank must find it.
+    """
+    if comm.get_world_size() == 1:
+        return
+    name = comm.all_gather_object(f".shared-check-{uuid.uuid4().hex}")[0]  # rank 0's fresh name
+    probe = os.path.join(run_dir, name)  # the same path on every node when the folder is shared
+    if comm.is_main_process():
+        os.makedirs(run_dir, exist_ok=True)
+        open(probe, "w").close()
+    comm.barrier()
+    blind = [rank for rank, seen in enumerate(comm.all_gather_object(os.path.exists(probe))) if not seen]
+    if comm.is_main_process():
+        os.remove(probe)
+    if blind:
+        raise RuntimeError(
+            f"CHECKPOINT.DIR {run_dir} is not shared: ranks {blind} do not see what rank 0 writes there; "
+            f"use a folder on a file system every node mounts at the same path"
+        )

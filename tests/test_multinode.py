@@ -1,0 +1,296 @@
+"""Jobs started by torchrun, srun and the launcher's own multi-node mode, end to end on this machine.
+
+Every test starts the real thing (``python -m torch.distributed.run``, processes with the
+environment srun gives, two launcher "nodes" on 127.0.0.1), trains the tiny SimCLR recipe for a few
+iterations and compares its losses (``metrics.jsonl``) with the same world size started by the
+spawn launcher (one reference run per world size, shared by the module). Same world size, same
+seeds, one thread per rank: the losses must agree to float rounding.
+
+The elastic test starts this file under torchrun (``python tests/test_multinode.py KILL_AT MARKER
+ARGS...``): rank 1 SIGKILLs itself once before the optimizer step of iteration KILL_AT.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+RUN = str(REPO / "tools" / "run_distributed.py")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+# 32 images, 2 epochs; a checkpoint every 2 iterations so that the elastic restart resumes mid-epoch
+TINY = [
+    "config=test/simclr_tiny",
+    "config.LOG_FREQUENCY=1",
+    "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=2",
+    "config.CHECKPOINT.KEEP_LAST=10",
+]
+TIMEOUT = 240  # per job; a hung rendezvous fails the test instead of the suite
+_JOB_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def _env(**extra) -> dict:
+    """This checkout first on the path, one thread per rank, no job variables inherited from outside."""
+    env = {k: v for k, v in os.environ.items() if k not in _JOB_VARIABLES and not k.startswith("SLURM_")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def _args(run_dir, *overrides):
+    return [*TINY, f"config.CHECKPOINT.DIR={run_dir}", *overrides]
+
+
+def _run_together(commands, run_dir: Path, envs=None):
+    """Start every command at once (the "nodes" of one job), wait for all; fail with their output."""
+    envs = envs or [_env()] * len(commands)
+    logs = [run_dir.parent / f"{run_dir.name}.out{i}" for i in range(len(commands))]
+    procs = []
+    for command, env, log in zip(commands, envs, logs):
+        with open(log, "w") as out:
+            procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO))
+    try:
+        for proc in procs:
+            proc.wait(timeout=TIMEOUT)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    outputs = [log.read_text() for log in logs]
+    for proc, output in zip(procs, outputs):
+        assert proc.returncode == 0, output[-4000:]
+    return outputs
+
+
+def _losses(run_dir) -> dict:
+    """iteration -> loss; after a restart the re-done iterations' latest record counts."""
+    records = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+    return {r["iteration"]: r["loss"] for r in records}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _free_port_between(low: int, high: int) -> int:
+    for port in range(low, high):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            if sock.connect_ex(("127.0.0.1", port)) != 0:  # nobody listens there
+                return port
+    raise RuntimeError(f"no free port in [{low}, {high})")
+
+
+@pytest.fixture(scope="module")
+def spawn_reference(tmp_path_factory):
+    """world size -> losses of the spawn launcher's run (computed once per module and world size)."""
+    cache = {}
+
+    def losses(world: int) -> dict:
+        if world not in cache:
+            run_dir = tmp_path_factory.mktemp("reference") / f"world{world}"
+            command = [sys.executable, RUN, *_args(run_dir, f"config.DISTRIBUTED.NUM_PROC_PER_NODE={world}")]
+            _run_together([command], run_dir)
+            cache[world] = _losses(run_dir)
+        return cache[world]
+
+    return losses
+
+
+def _assert_same_losses(run_dir, reference: dict, iterations: int):
+    got = _losses(run_dir)
+    assert sorted(got) == sorted(reference) == list(range(1, iterations + 1))
+    torch.testing.assert_close(
+        torch.tensor([got[i] for i in sorted(got)], dtype=torch.float64),
+        torch.tensor([reference[i] for i in sorted(reference)], dtype=torch.float64),
+        rtol=1e-6,
+        atol=1e-7,
+    )
+
+
+def _assert_rank0_side_effects(run_dir: Path, iterations: int):
+    """config.yaml, TensorBoard and one metrics line per iteration: written by global rank 0 alone."""
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "log.txt").is_file()
+    assert len(list((run_dir / "tb").glob("events.out.tfevents.*"))) == 1
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == iterations
+
+
+# --------------------------------------------------------------------------------------------
+# torchrun
+
+
+def test_torchrun_standalone_two_processes(tmp_path, spawn_reference):
+    run_dir = tmp_path / "run"
+    command = [*TORCHRUN, "--standalone", "--nproc_per_node", "2", RUN, *_args(run_dir)]
+    (output,) = _run_together([command], run_dir)
+    _assert_same_losses(run_dir, spawn_reference(2), iterations=8)
+    _assert_rank0_side_effects(run_dir, iterations=8)
+    assert "training 2 epochs x 4 iterations on 2 ranks" in output
+
+
+def test_two_torchrun_nodes_with_c10d_rendezvous(tmp_path, spawn_reference):
+    """Two agents (nodes) of 2 workers each meet in a c10d rendezvous on 127.0.0.1: world size 4."""
+    run_dir, port = tmp_path / "run", _free_port()
+    commands = [
+        [
+            *TORCHRUN,
+            "--nnodes=2",
+            "--nproc_per_node=2",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{port}",
+            "--rdzv_id=vistrain_test",
+            f"--rdzv_conf=is_host={int(node == 0)}",  # who serves the store: no race between the two
+            "--local_addr=127.0.0.1",
+            RUN,
+            *_args(run_dir),
+        ]
+        for node in range(2)
+    ]
+    outputs = _run_together(commands, run_dir)
+    _assert_same_losses(run_dir, spawn_reference(4), iterations=4)
+    _assert_rank0_side_effects(run_dir, iterations=4)
+    # the recipe's NUM_PROC_PER_NODE: 2 is right per node, NUM_NODES: 1 is not: one note, once
+    notes = [line for out in outputs for line in out.splitlines() if "ignoring DISTRIBUTED." in line]
+    assert len(notes) == 1 and "torchrun decides the layout (2 node(s), 2 rank(s)" in notes[0]
+
+
+def _die_once_before_step(kill_at: int, marker: Path):
+    """Patch the trainer: rank 1 SIGKILLs itself before the step of iteration ``kill_at``, once per marker."""
+    from vistrain.distributed import comm
+    from vistrain.training import trainer
+
+    step = trainer._optimizer_step
+
+    def step_or_die(model, criterion, optimizer, settings, iteration):
+        if iteration == kill_at and comm.get_rank() == 1 and not marker.exists():
+            marker.write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        step(model, criterion, optimizer, settings, iteration)
+
+    trainer._optimizer_step = step_or_die
+
+
+def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(tmp_path, spawn_reference):
+    """Rank 1 dies mid-epoch 0 (after checkpoint_2); torchrun restarts both, they resume from iteration 2."""
+    run_dir, marker = tmp_path / "run", tmp_path / "killed"
+    script = [str(Path(__file__).resolve()), "3", str(marker)]
+    command = [*TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", *script, *_args(run_dir)]
+    (output,) = _run_together([command], run_dir)
+    assert marker.exists(), "the worker was never killed"
+    assert "resumed from" in output and "checkpoint_2" in output
+    records = [json.loads(line)["iteration"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records == [1, 2, 3, 3, 4, 5, 6, 7, 8]  # iteration 3 logged, killed before step 4, re-done
+    _assert_same_losses(run_dir, spawn_reference(2), iterations=8)
+
+
+# --------------------------------------------------------------------------------------------
+# srun and the launcher's own multi-node mode
+
+
+def test_two_srun_tasks_on_one_node(tmp_path, spawn_reference):
+    """The variables srun sets for `srun -N1 -n2`; the rendezvous port comes from the job id."""
+    run_dir = tmp_path / "run"
+    job_id = _free_port_between(21000, 40000) - 20000  # rendezvous port = 20000 + job id % 20000
+    slurm = dict(
+        SLURM_NTASKS="2",
+        SLURM_NNODES="1",
+        SLURM_NODEID="0",
+        SLURM_TASKS_PER_NODE="2",
+        SLURM_JOB_NODELIST="127.0.0.1",
+        SLURM_JOB_ID=str(job_id),
+    )
+    envs = [_env(**slurm, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)) for r in range(2)]
+    outputs = _run_together([[sys.executable, RUN, *_args(run_dir)]] * 2, run_dir, envs)
+    _assert_same_losses(run_dir, spawn_reference(2), iterations=8)
+    _assert_rank0_side_effects(run_dir, iterations=8)
+    assert not any("ignoring" in out for out in outputs)  # the recipe's 1 node x 2 matches the job
+
+
+def test_launcher_two_nodes_of_two_ranks(tmp_path, spawn_reference):
+    run_dir, port = tmp_path / "run", _free_port()
+    commands = [
+        [
+            sys.executable,
+            RUN,
+            *_args(run_dir),
+            "config.DISTRIBUTED.NUM_NODES=2",
+            f"config.DISTRIBUTED.NODE_ID={node}",
+            f"config.DISTRIBUTED.RUN_ID=127.0.0.1:{port}",
+        ]
+        for node in range(2)
+    ]
+    _run_together(commands, run_dir)
+    _assert_same_losses(run_dir, spawn_reference(4), iterations=4)
+    _assert_rank0_side_effects(run_dir, iterations=4)
+
+
+# --------------------------------------------------------------------------------------------
+# per-node and rank-0-only side effects (gloo processes, no training)
+
+
+def _prepare_demo_as_two_nodes(rank, world_size, tmp):
+    """Ranks 0,1 are node 0 and ranks 2,3 node 1; record which ranks write the demo set."""
+    import vistrain.data.demo_digits as demo
+
+    os.environ["LOCAL_RANK"] = str(rank % 2)
+    write = demo.write_demo_digits
+    phase = ["node-local"]
+
+    def recording_write(folder):
+        Path(tmp, f"{phase[0]}-written-by-{rank}").touch()
+        return write(folder)
+
+    demo.write_demo_digits = recording_write
+    roots = [demo.ensure_demo_digits_on_every_node(str(Path(tmp, f"node{rank // 2}")))]
+    phase[0] = "shared"
+    roots.append(demo.ensure_demo_digits_on_every_node(str(Path(tmp, "shared"))))
+    return [os.path.isfile(os.path.join(root, "META.json")) for root in roots]
+
+
+def test_demo_data_is_written_by_local_rank_0_of_each_node(tmp_path):
+    from vistrain.distributed.testing import run_on_ranks
+
+    assert run_on_ranks(_prepare_demo_as_two_nodes, 4, str(tmp_path)) == [[True, True]] * 4
+    writers = lambda phase: sorted(p.name.rsplit("-", 1)[1] for p in tmp_path.glob(f"{phase}-written-by-*"))
+    assert writers("node-local") == ["0", "2"]  # one copy per node-local cache, never by local rank 1
+    assert writers("shared") in (["0"], ["2"])  # a shared cache is written once
+
+
+def _start_run_in(rank, world_size, run_dirs):
+    from vistrain.config import load_config
+    from vistrain.runtime.run_setup import start_run
+
+    try:
+        start_run(load_config(["config=test/simclr_tiny", f"config.CHECKPOINT.DIR={run_dirs[rank]}"]))
+    except RuntimeError as exc:
+        return str(exc)
+    return "started"
+
+
+def test_run_dir_must_be_shared_by_all_ranks(tmp_path):
+    from vistrain.distributed.testing import run_on_ranks
+
+    shared = str(tmp_path / "shared")
+    assert run_on_ranks(_start_run_in, 2, [shared, shared]) == ["started"] * 2
+    assert os.listdir(shared) == ["log.txt"]  # rank 0's log; the probe is gone
+    local = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    errors = run_on_ranks(_start_run_in, 2, local)
+    assert errors[0] == errors[1] and errors[0].startswith(
+        f"CHECKPOINT.DIR {local[0]} is not shared: ranks [1]"
+    )
+
+
+if __name__ == "__main__":
+    # torchrun worker for the elastic test: python tests/test_multinode.py KILL_AT MARKER ARGS...
+    sys.path.insert(0, str(REPO / "tools"))
+    import run_distributed
+
+    _die_once_before_step(int(sys.argv[1]), Path(sys.argv[2]))
+    sys.exit(run_distributed.main(sys.argv[3:]))
