@@ -19,9 +19,11 @@ without a node list) is a ConfigError before anything starts.
 """
 
 import dataclasses
+import datetime
 import re
 from typing import Mapping, Optional, Tuple
 
+import torch.distributed as dist
 from fvcore.common.config import CfgNode
 
 from vistrain.config.loader import ConfigError
@@ -43,6 +45,7 @@ class JoinedJob:
     num_nodes: int
     init_method: str  # env:// | tcp://host:port | file://path
     notes: Tuple[str, ...] = ()  # DISTRIBUTED keys ignored because the job decides
+    elastic_attempt: Optional[int] = None  # torchrun: how many times the worker group was restarted
 
 
 def joined_job(dist_cfg: CfgNode, environ: Mapping[str, str]) -> Optional[JoinedJob]:
@@ -115,7 +118,27 @@ def _torchrun_job(environ: Mapping[str, str]) -> JoinedJob:
     world, local = _int(environ, "WORLD_SIZE"), _int(environ, "LOCAL_RANK", "0")
     per_node = _int(environ, "LOCAL_WORLD_SIZE", str(world))
     nodes = _int(environ, "GROUP_WORLD_SIZE", str(max(1, world // per_node)))
-    return JoinedJob("torchrun", world, _int(environ, "RANK"), local, per_node, nodes, "env://")
+    attempt = _int(environ, "TORCHELASTIC_RESTART_COUNT") if "TORCHELASTIC_RESTART_COUNT" in environ else None
+    return JoinedJob("torchrun", world, _int(environ, "RANK"), local, per_node, nodes, "env://", (), attempt)
+
+
+def attempt_store(environ: Mapping[str, str], rank: int, attempt: int, timeout: datetime.timedelta):
+    """The torchrun rendezvous store, seen through a prefix unique to this restart ``attempt``.
+
+    torchrun's agent keeps one TCPStore across restarts of the worker group and hands every
+    attempt the same MASTER_ADDR:MASTER_PORT; ``env://`` would then read the previous attempt's
+    keys (the dead group's gloo/NCCL addresses) and fail to connect (pytorch/pytorch#135712).
+    All agents restart their workers together, so TORCHELASTIC_RESTART_COUNT agrees across ranks.
+    """
+    agent_serves = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        environ["MASTER_ADDR"],
+        int(environ["MASTER_PORT"]),
+        is_master=rank == 0 and not agent_serves,  # without the agent's store, rank 0 hosts it
+        timeout=timeout,
+        multi_tenant=True,
+    )
+    return dist.PrefixStore(f"vistrain/attempt_{attempt}/", store)
 
 
 def _slurm_job(dist_cfg: CfgNode, environ: Mapping[str, str]) -> JoinedJob:

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Callable, Dict, List, Mapping, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from fvcore.common.config import CfgNode
 from vistrain.config.loader import ConfigError
 from vistrain.distributed import supervise
 from vistrain.distributed.join import (  # noqa: F401  first_slurm_host: public here too
+    attempt_store,
     first_slurm_host,
     joined_job,
 )
@@ -57,6 +58,7 @@ class LaunchPlan:
     ranks_per_node: int = 1  # processes sharing this machine (they split its CPU threads)
     device_index: int = 0  # CUDA device of that first process (0 when a task sees only its own GPU)
     notes: Tuple[str, ...] = ()  # DISTRIBUTED keys a joined job overrides, said once by rank 0
+    elastic_attempt: Optional[int] = None  # torchrun: TORCHELASTIC_RESTART_COUNT of this worker group
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,6 +114,7 @@ def plan_launch(dist_cfg: CfgNode, machine_cfg: CfgNode, environ: Mapping[str, s
             ranks_per_node=job.ranks_per_node,
             device_index=_joined_device_index(device, job.local_rank),
             notes=job.notes,
+            elastic_attempt=job.elastic_attempt,
             **common,
         )
     per_node, nodes, node_id = _check_sizes(dist_cfg)
@@ -232,12 +235,13 @@ def _start_rank(index: int, main_fn, cfg: CfgNode, plan: LaunchPlan) -> None:
         # CPU ranks sharing a machine: split the cores (as torchrun does); oversubscribed OpenMP
         # threads spin against each other and can be 100x slower
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.ranks_per_node))
+    timeout = datetime.timedelta(seconds=plan.timeout_seconds)
+    if plan.elastic_attempt is None:
+        rendezvous = {"init_method": plan.init_method}
+    else:  # a torchrun worker: keys of this restart attempt only (see join.attempt_store)
+        rendezvous = {"store": attempt_store(os.environ, rank, plan.elastic_attempt, timeout)}
     dist.init_process_group(
-        plan.backend,
-        init_method=plan.init_method,
-        rank=rank,
-        world_size=plan.world_size,
-        timeout=datetime.timedelta(seconds=plan.timeout_seconds),
+        plan.backend, rank=rank, world_size=plan.world_size, timeout=timeout, **rendezvous
     )
     main_fn(cfg)
     # Only on success: tearing down after a failure can block on peers; process exit frees it.
