@@ -93,6 +93,8 @@ def test_joins_torchrun_environment_without_spawning():
     # the process runs as rank first_rank + 0: its global rank, never global + local (issue 15)
     assert (plan.world_size, plan.first_rank, plan.local_rank, plan.init_method) == (8, 5, 1, "env://")
     assert plan.ranks_per_node == 4 and plan.device_index == 0  # CPU: no device to pick
+    assert plan.elastic_attempt is None  # not started by an elastic agent: plain env://
+    assert _plan(environ={**env, "TORCHELASTIC_RESTART_COUNT": "1"}).elastic_attempt == 1
 
 
 def test_torchrun_decides_the_layout_and_names_the_keys_it_overrides():

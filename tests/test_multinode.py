@@ -1,7 +1,7 @@
 """Jobs started by torchrun, srun and the launcher's own multi-node mode, end to end on this machine.
 
-Every test starts the real thing (``python -m torch.distributed.run``, processes with the
-environment srun gives, two launcher "nodes" on 127.0.0.1), trains the tiny SimCLR recipe for a few
+Every test starts the real thing (``python -m torch.distributed.run``; ``tools/slurm/train.sbatch``
+whose srun, played by a script, starts tasks with srun's variables; two launcher "nodes" on 127.0.0.1), trains the tiny SimCLR recipe for a few
 iterations and compares its losses (``metrics.jsonl``) with the same world size started by the
 spawn launcher (one reference run per world size, shared by the module). Same world size, same
 seeds, one thread per rank: the losses must agree to float rounding.
@@ -194,11 +194,35 @@ def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(tmp_path, spawn_r
 # srun and the launcher's own multi-node mode
 
 
-def test_two_srun_tasks_on_one_node(tmp_path, spawn_reference):
-    """The variables srun sets for `srun -N1 -n2`; the rendezvous port comes from the job id."""
-    run_dir = tmp_path / "run"
-    job_id = _free_port_between(21000, 40000) - 20000  # rendezvous port = 20000 + job id % 20000
-    slurm = dict(
+FAKE_SRUN = """#!/bin/bash
+# stand-in for srun on one node: start SLURM_NTASKS copies of the command with srun's task variables
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for ((i = 0; i < SLURM_NTASKS; i++)); do
+    SLURM_PROCID=$i SLURM_LOCALID=$i "$@" &
+    pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+exit $status
+"""
+
+
+def test_sbatch_script_with_two_srun_tasks_on_one_node(tmp_path, spawn_reference):
+    """tools/slurm/train.sbatch as SLURM runs it for `--nodes 1 --ntasks-per-node 2`, srun played by a script.
+
+    The tasks see the variables srun sets; they meet at the job's first node on port 20000 + job id.
+    """
+    run_dir, bin_dir = tmp_path / "run", tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    (bin_dir / "python").symlink_to(sys.executable)
+    job_id = _free_port_between(21000, 40000) - 20000
+    env = _env(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        SLURM_SUBMIT_DIR=str(REPO),
+        SLURM_CPUS_PER_TASK="1",
         SLURM_NTASKS="2",
         SLURM_NNODES="1",
         SLURM_NODEID="0",
@@ -206,11 +230,11 @@ def test_two_srun_tasks_on_one_node(tmp_path, spawn_reference):
         SLURM_JOB_NODELIST="127.0.0.1",
         SLURM_JOB_ID=str(job_id),
     )
-    envs = [_env(**slurm, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)) for r in range(2)]
-    outputs = _run_together([[sys.executable, RUN, *_args(run_dir)]] * 2, run_dir, envs)
+    sbatch = ["bash", str(REPO / "tools" / "slurm" / "train.sbatch"), *_args(run_dir)]
+    (output,) = _run_together([sbatch], run_dir, [env])
     _assert_same_losses(run_dir, spawn_reference(2), iterations=8)
     _assert_rank0_side_effects(run_dir, iterations=8)
-    assert not any("ignoring" in out for out in outputs)  # the recipe's 1 node x 2 matches the job
+    assert "ignoring" not in output  # the recipe's 1 node x 2 ranks is the job's layout
 
 
 def test_launcher_two_nodes_of_two_ranks(tmp_path, spawn_reference):

@@ -190,7 +190,7 @@ def _ignored_keys(dist_cfg: CfgNode, job: JoinedJob) -> Tuple[str, ...]:
     if dist_cfg.NODE_ID != 0:
         ignored.append(f"NODE_ID={dist_cfg.NODE_ID}")
     if job.scheduler == "torchrun":  # torchrun's rendezvous is the only one its workers can use
-        if dist_cfg.INIT_METHOD != "tcp":
+        if dist_cfg.INIT_METHOD == "file":  # tcp (the default) and env both mean "torchrun's" here
             ignored.append(f"INIT_METHOD={dist_cfg.INIT_METHOD}")
         if dist_cfg.RUN_ID != "auto":
             ignored.append(f"RUN_ID={dist_cfg.RUN_ID}")
