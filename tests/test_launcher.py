@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from vistrain.config import ConfigError, load_config
-from vistrain.distributed.join import slurm_tasks_on_node
+from vistrain.distributed.join import attempt_store, slurm_tasks_on_node
 from vistrain.distributed.launch import RankFailedError, first_slurm_host, launch, plan_launch
 
 HERE = Path(__file__).resolve()
@@ -109,6 +109,30 @@ def test_torchrun_decides_the_layout_and_names_the_keys_it_overrides():
     )
     agreeing = _plan("config.DISTRIBUTED.NUM_NODES=2", "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", environ=env)
     assert agreeing.notes == ()
+
+
+def test_each_torchrun_restart_attempt_sees_only_its_own_rendezvous_keys():
+    """torchrun's agent keeps one store across restarts; a new attempt must not read the dead group's keys."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from vistrain.distributed.testing import find_free_port
+
+    timeout = datetime.timedelta(seconds=30)
+    agent = dist.TCPStore("127.0.0.1", find_free_port(), is_master=True, wait_for_workers=False)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(agent.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    dead = attempt_store(env, rank=0, attempt=0, timeout=timeout)  # rank 0 is a client of the agent
+    dead.set("rank0/address", "old")
+    new = attempt_store(env, rank=0, attempt=1, timeout=timeout)
+    assert not new.check(["rank0/address"])
+    new.set("rank0/address", "new")
+    assert dead.get("rank0/address") == b"old" and new.get("rank0/address") == b"new"
+    # without the agent's store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) rank 0 hosts it, as env:// does
+    own = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port())}
+    host = attempt_store(own, rank=0, attempt=2, timeout=timeout)
+    host.set("k", "v")
+    assert attempt_store(own, rank=1, attempt=2, timeout=timeout).get("k") == b"v"
 
 
 @pytest.mark.parametrize(
