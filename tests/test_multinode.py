@@ -312,8 +312,7 @@ def test_run_dir_must_be_shared_by_all_ranks(tmp_path):
 
 if __name__ == "__main__":
     # torchrun worker for the elastic test: python tests/test_multinode.py KILL_AT MARKER ARGS...
-    sys.path.insert(0, str(REPO / "tools"))
-    import run_distributed
+    from vistrain.cli import main  # what tools/run_distributed.py runs
 
     _die_once_before_step(int(sys.argv[1]), Path(sys.argv[2]))
-    sys.exit(run_distributed.main(sys.argv[3:]))
+    sys.exit(main(sys.argv[3:]))
