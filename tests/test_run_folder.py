@@ -2,8 +2,8 @@
 in one line, checkpoints ranked by training progress (unreadable ones set aside, never
 overwritten), config.yaml recorded only by runs that train.
 
-The process tests start this file as a script (``python tests/test_run_folder.py RUN_DIR``): a real
-launcher (``vistrain.cli.run``) with 2 spawned CPU ranks that loop on collectives.
+The process tests start ``tests/run_folder_job.py``: a real launcher (``vistrain.cli.run``) with 2
+spawned CPU ranks that loop on collectives.
 """
 
 import os
@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from torch import nn
 
 from vistrain import cli
@@ -27,6 +26,7 @@ from vistrain.distributed.testing import run_on_ranks
 from vistrain.training.trainer import _pick_checkpoint, train
 
 HERE = Path(__file__).resolve()
+JOB = HERE.parent / "run_folder_job.py"  # a real launcher with 2 ranks looping on collectives
 
 
 def _tiny(run_dir, *overrides):
@@ -52,20 +52,10 @@ def test_a_second_run_into_a_locked_folder_exits_2_naming_the_holder(tmp_path, c
         pass
 
 
-def _collectives_forever(cfg):
-    """Write this rank's pid, then all-reduce in a loop (a healthy job would run for 5 minutes)."""
-    import torch.distributed as dist
-
-    Path(cfg.CHECKPOINT.DIR, f"pid{dist.get_rank()}").write_text(str(os.getpid()))
-    for _ in range(3000):
-        dist.all_reduce(torch.ones(1))
-        time.sleep(0.1)
-
-
 def _start_job(run_dir: Path):
     """The launcher as its own process group (like a shell job); returns it once both ranks run."""
     proc = subprocess.Popen(
-        [sys.executable, str(HERE), str(run_dir)],
+        [sys.executable, str(JOB), str(run_dir)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -238,16 +228,3 @@ def test_world_size_changes_resume_from_the_most_advanced_and_record_each_config
     assert "already holds 3 epochs of the 3 asked for" in (tmp_path / "log.txt").read_text()
     assert (tmp_path / "config.yaml").read_text() == second_config
     assert sorted(p.name for p in tmp_path.glob("config*.yaml")) == ["config.16.yaml", "config.yaml"]
-
-
-if __name__ == "__main__":
-    # python tests/test_run_folder.py RUN_DIR: 2 CPU ranks looping on collectives, through the CLI's
-    # launcher (exit codes and messages as tools/run_distributed.py)
-    job = load_config(
-        [
-            "config.MACHINE.DEVICE=cpu",
-            "config.DISTRIBUTED.NUM_PROC_PER_NODE=2",
-            f"config.CHECKPOINT.DIR={sys.argv[1]}",
-        ]
-    )
-    sys.exit(cli.run(_collectives_forever, job))

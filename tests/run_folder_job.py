@@ -1,0 +1,39 @@
+"""A real launcher for the process tests of test_run_folder.py, kept light to start (no trainer,
+no torchvision: the launcher and both spawned ranks import this module).
+
+    python tests/run_folder_job.py RUN_DIR
+
+runs 2 CPU ranks that write their pids to RUN_DIR and loop on all-reduces, through the command
+line's launcher (``vistrain.cli.run``: exit codes and messages as tools/run_distributed.py).
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from vistrain import cli
+from vistrain.config import load_config
+
+
+def collectives_forever(cfg):
+    """Write this rank's pid, then all-reduce in a loop (a healthy job would run for 5 minutes)."""
+    import torch.distributed as dist
+
+    Path(cfg.CHECKPOINT.DIR, f"pid{dist.get_rank()}").write_text(str(os.getpid()))
+    for _ in range(3000):
+        dist.all_reduce(torch.ones(1))
+        time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    job = load_config(
+        [
+            "config.MACHINE.DEVICE=cpu",
+            "config.DISTRIBUTED.NUM_PROC_PER_NODE=2",
+            f"config.CHECKPOINT.DIR={sys.argv[1]}",
+        ]
+    )
+    sys.exit(cli.run(collectives_forever, job))
