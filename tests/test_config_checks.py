@@ -12,8 +12,8 @@ import torch
 
 from vistrain import cli
 from vistrain.config import ConfigError, available_configs, load_config
-from vistrain.config.checks import RULES
-from vistrain.jobs import check_values
+from vistrain.config.checks import RULES, check_config
+from vistrain.jobs import catalog, check_values
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -143,13 +143,26 @@ def test_registries_are_the_source_of_names():
         del OPTIMIZERS["novel"]
 
 
-def test_loading_a_config_does_not_import_torch():
+def test_typos_and_bad_plain_values_are_answered_without_importing_torch():
+    """Keys, types and values that need no registry are checked before the registries load."""
     code = (
-        "import sys; from vistrain.config import load_config; import vistrain.cli; "
-        "load_config(['config=regnet_fsdp']); print('torch' in sys.modules)"
+        "import sys; from vistrain import cli; "
+        "code = cli.main(['config=regnet_fsdp', 'config.OPTIMIZER.num_epochs=0']); "
+        "print(code, 'torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "2 False"
+    assert out.stderr.strip() == "config error: OPTIMIZER.num_epochs must be >= 1; got 0"
+
+
+def test_the_catalog_is_built_only_when_a_rule_needs_it():
+    def no_catalog():
+        raise AssertionError("catalog built for a value that needs no registry")
+
+    with pytest.raises(ConfigError, match="BATCHSIZE_PER_REPLICA must be >= 1"):
+        check_config(load_config(["config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=0"]), no_catalog)
+    with pytest.raises(ConfigError, match="OPTIMIZER.name must be one of adamw, lars, sgd"):
+        check_config(load_config(["config.OPTIMIZER.name=adam"]), catalog)
 
 
 def test_help_and_no_arguments_print_the_usage(capsys):

@@ -16,6 +16,7 @@ import sys
 from typing import List, Sequence
 
 from vistrain.config import ConfigError, available_configs, load_config
+from vistrain.config.checks import check_config
 
 COMMAND = "python tools/run_distributed.py"
 EXIT_REFUSED, EXIT_INTERRUPTED = 2, 130
@@ -52,14 +53,19 @@ def _main(argv: Sequence[str]) -> int:
         return 0 if argv else EXIT_REFUSED
     try:
         cfg = load_config(argv)
-        from vistrain.jobs import check_values  # the registries (and torch): after the typo check
-
-        check_values(cfg)
+        check_config(cfg, _catalog)
     except ConfigError as e:
         return _refuse(f"config error: {e}")
     from vistrain.jobs import get_job
 
     return run(get_job(cfg.ENGINE_NAME), cfg)
+
+
+def _catalog():
+    """The registries config values are checked against; imported only when a check needs them."""
+    from vistrain.jobs import catalog
+
+    return catalog()
 
 
 def run(job, cfg) -> int:

@@ -15,6 +15,7 @@ run folder or starts a rank.
 """
 
 import dataclasses
+import functools
 import os
 from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
@@ -160,19 +161,51 @@ SPLITS_READ = {"train": ("TRAIN",), "linear_eval": ("TRAIN", "TEST"), "knn": ("T
 # public API
 
 
-def check_config(cfg: CfgNode, catalog: Catalog) -> None:
-    """Raise ConfigError (one line: key, problem, allowed values) for the first bad value."""
+def check_config(cfg: CfgNode, catalog: Union[Catalog, Callable[[], Catalog]]) -> None:
+    """Raise ConfigError (one line: key, problem, allowed values) for the first bad value.
+
+    ``catalog`` may be a function building it: rules that need no registry run first, so most bad
+    values are answered before the registries (and torch) are imported.
+    """
+    deferred = []
+    for check in _checks(cfg):
+        try:
+            _raise_problem(check(_NoCatalog()))
+        except _NeedsCatalog:
+            deferred.append(check)
+    if deferred:
+        catalog = catalog() if callable(catalog) else catalog
+        for check in deferred:
+            _raise_problem(check(catalog))
+
+
+class _NeedsCatalog(Exception):
+    """A rule asked the first pass' placeholder catalog for something: run it in the second."""
+
+
+class _NoCatalog:
+    def __getattr__(self, name):
+        raise _NeedsCatalog(name)
+
+
+def _checks(cfg: CfgNode) -> Iterable[Callable[[Catalog], Problem]]:
+    """Every rule applied to ``cfg``, in table order: functions of the catalog."""
     for pattern, rules in RULES.items():
         for key in _expand(pattern):
-            value = _get(cfg, key)
             for rule in rules:
-                problem = rule(value, catalog)
-                if problem:
-                    raise ConfigError(f"{key} {problem}")
+                yield functools.partial(_keyed, rule, key, _get(cfg, key))
     for cross_rule in CROSS_RULES:
-        problem = cross_rule(cfg, catalog)
-        if problem:
-            raise ConfigError(problem)
+        yield functools.partial(cross_rule, cfg)
+
+
+def _keyed(rule: Callable, key: str, value, catalog: Catalog) -> Problem:
+    problem = rule(value, catalog)
+    return f"{key} {problem}" if problem else None
+
+
+def _raise_problem(problem: Problem) -> None:
+    if problem:
+        raise ConfigError(problem)
 
 
 def _expand(pattern: str) -> Iterable[str]:
@@ -250,8 +283,10 @@ def _trunk_features(cfg: CfgNode, catalog: Catalog) -> Problem:
 
 def _float16_needs_cuda(cfg: CfgNode, catalog: Catalog) -> Problem:
     amp, device = cfg.MODEL.AMP_PARAMS, cfg.MACHINE.DEVICE
+    if not (amp.USE_AMP and amp.AMP_DTYPE == "float16"):
+        return None
     on_cuda = device == "cuda" or (device == "auto" and catalog.cuda_available)
-    if amp.USE_AMP and amp.AMP_DTYPE == "float16" and not on_cuda:
+    if not on_cuda:
         return "MODEL.AMP_PARAMS.AMP_DTYPE=float16 needs CUDA; use bfloat16 on CPU"
     return None
 
