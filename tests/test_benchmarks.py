@@ -7,6 +7,7 @@ configs/test/benchmark_tiny.yaml (a 2-stage RegNet on 16px synthetic images).
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +24,10 @@ from vistrain.benchmarks import (
     knn_class_scores,
     knn_topk_hits,
     linear_eval,
+    lr_grid,
 )
 from vistrain.benchmarks.knn import build_bank, knn_counts
+from vistrain.benchmarks.linear_eval import FrozenFeatures, train_heads
 from vistrain.checkpoint import CheckpointError
 from vistrain.config import ConfigError, load_config
 from vistrain.data import build_loader, rank_indices
@@ -329,3 +332,85 @@ def test_mismatched_checkpoint_is_refused(tmp_path):
         _frozen(partial)
     trunk, _ = _frozen(tmp_path / "deeper.pt", "config.MODEL.TRUNK.REGNET.DEPTH=3")  # the right config loads
     assert not any(p.requires_grad for p in trunk.parameters())
+
+
+# --------------------------------------------------------------------------------------------
+# linear evaluation: learning-rate grid chosen on held-out training images
+
+
+def test_holdout_split_is_stratified_disjoint_and_seeded():
+    labels = [0] * 50 + [1] * 30 + [2] * 7 + [3] * 1
+    fit, holdout = lr_grid.holdout_split(labels, 0.2, seed=3)
+    assert sorted(fit + holdout) == list(range(len(labels))) and not set(fit) & set(holdout)
+    per_class = [sum(labels[i] == c for i in holdout) for c in range(4)]
+    assert per_class == [10, 6, 1, 0]  # round(0.2 * n); a class of one keeps its image for fitting
+    assert lr_grid.holdout_split(labels, 0.2, seed=3) == (fit, holdout)
+    assert lr_grid.holdout_split(labels, 0.2, seed=4)[1] != holdout
+    with pytest.raises(ValueError, match="LINEAR_HOLDOUT_FRACTION"):
+        lr_grid.holdout_split(labels, 1.0, seed=0)
+
+
+def test_choose_learning_rates_takes_the_best_holdout_score_ties_to_the_smaller_lr():
+    grid = [0.01, 0.1, 1.0]
+    scores = {"s2_lr0": 90.0, "s2_lr1": 95.0, "s2_lr2": 93.0, "s3_lr0": 80.0, "s3_lr1": 70.0, "s3_lr2": 80.0}
+    assert lr_grid.choose_learning_rates(scores, ["s2", "s3"], grid) == {"s2": 0.1, "s3": 0.01}
+
+
+def test_grid_heads_train_exactly_like_separate_runs_at_their_lr():
+    """A head of the grid at lr b ends where a lone head trained with base lr b ends."""
+    cfg = load_config(_tiny("unused", "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False"))
+    trunk, dims = common.build_frozen_trunk(cfg, CPU)
+    source = FrozenFeatures(trunk, ["s2"], cfg.BENCHMARK.POOL_SIZE, None, CPU)
+    loader = build_loader(cfg.DATA, "TRAIN", seed=0, device=CPU, rank=0, world_size=1)
+    meter = _SilentMeter()
+    torch.manual_seed(0)
+    grid = LinearHeads(dims, 10, {"s2_lr0": "s2", "s2_lr1": "s2"}, {"s2_lr0": 0.02, "s2_lr1": 0.3})
+    lone = LinearHeads({"s2": dims["s2"]}, 10)
+    lone.heads["s2"].load_state_dict(grid.heads["s2_lr1"].state_dict())
+    train_heads(source, grid, loader, cfg.OPTIMIZER, meter)
+    opt_cfg = cfg.OPTIMIZER.clone()
+    opt_cfg.defrost()
+    opt_cfg.param_schedulers.lr.base_value = 0.3
+    train_heads(source, lone, loader, opt_cfg, meter)
+    for key, value in lone.heads["s2"].state_dict().items():
+        torch.testing.assert_close(grid.heads["s2_lr1"].state_dict()[key], value, rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(grid.heads["s2_lr0"][1].weight, grid.heads["s2_lr1"][1].weight)
+
+
+class _SilentMeter:
+    """Stands in for the logging meter in one-process head training."""
+
+    def update(self, loss, num_images, num_skipped=0):
+        pass
+
+    def should_log(self, iteration):
+        return False
+
+
+def test_linear_eval_with_lr_grid_reports_the_lr_chosen_on_held_out_training_images(tmp_path):
+    run_dir = tmp_path / "run"
+    argv = _tiny(
+        run_dir,
+        "config.BENCHMARK.LINEAR_LRS=[0.001,0.5]",
+        "config.BENCHMARK.LINEAR_HOLDOUT_FRACTION=0.25",
+        "config.DATA.TRAIN.SYNTHETIC_SIZE=48",
+    )
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "run_distributed.py"), *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert list(metrics["results"]) == ["s1", "s2", "avgpool"]
+    for result in metrics["results"].values():
+        assert result["lr"] in (0.001, 0.5) and 0 <= result["holdout_top1"] <= 100
+        assert result["num_images"] == 21
+    held_out, fit = re.search(
+        r"lr grid on (\d+) held-out training images \((\d+) fit\)", proc.stdout
+    ).groups()
+    assert 0 < int(held_out) < int(fit) and int(held_out) + int(fit) == 48
+    heads = torch.load(run_dir / "linear_heads.pt", weights_only=True)
+    assert sorted({k.split(".")[1] for k in heads}) == ["avgpool", "s1", "s2"]  # the final heads only

@@ -17,13 +17,13 @@ either replicated or sharded by our engine (``AUTO_SETUP_FSDP``). Test counts ar
 import dataclasses
 import os
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vistrain.benchmarks import common
+from vistrain.benchmarks import common, lr_grid
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed import comm
 from vistrain.fsdp import unwrap
@@ -34,24 +34,35 @@ from vistrain.runtime.run_setup import record_config, start_run
 
 
 class LinearHeads(nn.Module):
-    """One ``BatchNorm1d(D, affine=False) -> Linear(D, num_classes)`` per feature.
+    """One ``BatchNorm1d(D, affine=False) -> Linear(D, num_classes)`` per head.
 
-    ``forward({name: (N, D_name) float32})`` -> ``{name: logits (N, num_classes)}``. The parameter-free
-    BatchNorm standardises features whose scales differ wildly between stages, so one learning
-    rate suits every head (VISSL's "eval_mlp").
+    ``forward({feature: (N, D_feature) float32})`` -> ``{head key: logits (N, num_classes)}``. By
+    default there is one head per feature, keyed by the feature's name; ``inputs`` ({head key:
+    feature}) allows several heads per feature (a learning-rate grid) and ``lrs`` ({head key:
+    peak lr}) gives heads their own learning rate (absent: ``OPTIMIZER``'s schedule). The
+    parameter-free BatchNorm standardises features whose scales differ wildly between stages, so
+    one learning rate suits every head (VISSL's "eval_mlp").
     """
 
-    def __init__(self, dims: Dict[str, int], num_classes: int):
+    def __init__(
+        self,
+        dims: Dict[str, int],
+        num_classes: int,
+        inputs: Optional[Dict[str, str]] = None,
+        lrs: Optional[Dict[str, float]] = None,
+    ):
         super().__init__()
+        self.inputs = dict(inputs) if inputs is not None else {name: name for name in dims}
+        self.lrs = dict(lrs or {})
         self.heads = nn.ModuleDict()
-        for name, dim in dims.items():
-            linear = nn.Linear(dim, num_classes)
+        for key, feature in self.inputs.items():
+            linear = nn.Linear(dims[feature], num_classes)
             nn.init.normal_(linear.weight, std=0.01)
             nn.init.zeros_(linear.bias)
-            self.heads[name] = nn.Sequential(nn.BatchNorm1d(dim, affine=False), linear)
+            self.heads[key] = nn.Sequential(nn.BatchNorm1d(dims[feature], affine=False), linear)
 
     def forward(self, features: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        return {name: head(features[name]) for name, head in self.heads.items()}
+        return {key: head(features[self.inputs[key]]) for key, head in self.heads.items()}
 
 
 @dataclasses.dataclass
@@ -84,24 +95,33 @@ def linear_eval(cfg) -> None:
     trunk, dims = common.build_frozen_trunk(cfg, device)
     record_config(cfg)  # built and loaded: the job really starts
     source = FrozenFeatures(trunk, list(dims), cfg.BENCHMARK.POOL_SIZE, common.amp_dtype(cfg), device)
-    heads = parallelize(LinearHeads(dims, num_classes), _heads_model_config(cfg), device)
+    grid = [float(lr) for lr in cfg.BENCHMARK.LINEAR_LRS]
+    epochs = cfg.OPTIMIZER.num_epochs
     logger.info(
         f"linear evaluation of {source.names} (dims {list(dims.values())}, {num_classes} classes): "
-        f"{cfg.OPTIMIZER.num_epochs} epochs x {len(train_loader)} iterations on {comm.get_world_size()} ranks"
+        f"{epochs} epochs x {len(train_loader)} iterations on {comm.get_world_size()} ranks"
+        + (f", after choosing the lr among {grid} on a held-out part of DATA.TRAIN" if grid else "")
     )
 
-    # ---- train, evaluate, report
-    meter = TrainingMeter(run_dir, cfg.LOG_FREQUENCY, cfg.OPTIMIZER.num_epochs * len(train_loader), device)
-    iterations = train_heads(source, heads, train_loader, cfg.OPTIMIZER, meter)
+    # ---- [choose each feature's lr on held-out training images], train, evaluate, report
+    total = epochs * len(train_loader) * (2 if grid else 1)  # the grid pass is shorter: an upper bound
+    meter = TrainingMeter(run_dir, cfg.LOG_FREQUENCY, total, device)
+    lrs, selection, iterations = {}, None, 0
+    if grid:
+        lrs, selection, iterations = select_learning_rates(cfg, source, dims, num_classes, grid, meter)
+    heads = parallelize(LinearHeads(dims, num_classes, lrs=lrs), _heads_model_config(cfg), device)
+    iterations = train_heads(source, heads, train_loader, cfg.OPTIMIZER, meter, iterations)
     train_seconds = time.perf_counter() - start
     results = evaluate(source, heads, test_loader)
     for name in source.names:
         results[name]["dim"] = dims[name]
+        if grid:
+            results[name].update(lr=lrs[name], holdout_top1=selection[name])
     record = {
         "engine": "linear_eval",
         "weights": cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE,
         "num_classes": num_classes,
-        "epochs": cfg.OPTIMIZER.num_epochs,
+        "epochs": epochs,
         "iterations": iterations,
         "world_size": comm.get_world_size(),
         "results": results,
@@ -114,49 +134,99 @@ def linear_eval(cfg) -> None:
     meter.summary()
 
 
-def train_heads(source: FrozenFeatures, heads: nn.Module, loader, opt_cfg, meter: TrainingMeter) -> int:
+def select_learning_rates(cfg, source, dims, num_classes: int, grid: List[float], meter: TrainingMeter):
+    """Train one head per (feature, lr in ``grid``) on the fit part of DATA.TRAIN, score them on the
+    held-out part (read with DATA.TEST's transform), keep each feature's best lr.
+
+    Returns ({feature: lr}, {feature: holdout top-1 % at that lr}, iterations done).
+    """
+    labels = build_loader(cfg.DATA, "TRAIN", seed=cfg.SEED_VALUE, device=source.device).dataset.targets
+    fit, holdout = lr_grid.holdout_split(labels, cfg.BENCHMARK.LINEAR_HOLDOUT_FRACTION, cfg.SEED_VALUE)
+    fit_loader = build_loader(cfg.DATA, "TRAIN", seed=cfg.SEED_VALUE, device=source.device, indices=fit)
+    holdout_loader = build_loader(
+        _holdout_data_config(cfg.DATA), "TRAIN", seed=cfg.SEED_VALUE, device=source.device, indices=holdout
+    )
+    if len(fit_loader) == 0:
+        raise ValueError("the fit part of DATA.TRAIN yields no full batch: lower LINEAR_HOLDOUT_FRACTION")
+    inputs = {lr_grid.grid_key(f, i): f for f in source.names for i in range(len(grid))}
+    lrs = {lr_grid.grid_key(f, i): lr for f in source.names for i, lr in enumerate(grid)}
+    heads = parallelize(LinearHeads(dims, num_classes, inputs, lrs), _heads_model_config(cfg), source.device)
+    iterations = train_heads(source, heads, fit_loader, cfg.OPTIMIZER, meter)
+    scores = {key: res["top1"] for key, res in evaluate(source, heads, holdout_loader).items()}
+    chosen = lr_grid.choose_learning_rates(scores, source.names, grid)
+    best = {f: scores[lr_grid.grid_key(f, grid.index(lr))] for f, lr in chosen.items()}
+    logger.info(
+        f"lr grid on {len(holdout)} held-out training images ({len(fit)} fit): "
+        + ", ".join(f"{f} lr {chosen[f]:g} ({best[f]:.2f}%)" for f in source.names)
+    )
+    return chosen, best, iterations
+
+
+def train_heads(
+    source: FrozenFeatures, heads: nn.Module, loader, opt_cfg, meter: TrainingMeter, first_iteration: int = 0
+) -> int:
     """``opt_cfg.num_epochs`` epochs of SGD on the heads (cross-entropy summed over heads).
 
-    Returns the number of iterations. The trunk only ever runs under ``no_grad`` in eval mode.
+    A head with its own lr follows the schedule scaled by lr / ``base_value``. Returns the
+    iteration count (``first_iteration`` plus this pass's). The trunk only ever runs under
+    ``no_grad`` in eval mode.
     """
-    optimizer = build_optimizer(opt_cfg, heads)
+    optimizers = _head_optimizers(opt_cfg, unwrap(heads))
     lr_schedule = build_lr_schedule(opt_cfg, len(loader))
-    iteration = 0
+    iteration = first_iteration
     for epoch in range(opt_cfg.num_epochs):
         set_epoch(loader, epoch)
         heads.train()
-        for batch in loader:
-            lr = lr_schedule(iteration)
-            set_lr(optimizer, lr)
+        for step, batch in enumerate(loader):
+            lr = lr_schedule(epoch * len(loader) + step)
+            for optimizer, scale in optimizers:
+                set_lr(optimizer, lr * scale)
             features, labels = source(batch)
             logits = heads(features)
             # the heads are independent, so the sum's gradient is every head's own gradient
-            loss = sum(F.cross_entropy(logits[name], labels) for name in source.names)
-            optimizer.zero_grad(set_to_none=True)
+            loss = sum(F.cross_entropy(head_logits, labels) for head_logits in logits.values())
+            for optimizer, _ in optimizers:
+                optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            optimizer.step()
-            meter.update(loss.detach() / len(source.names), num_images=labels.shape[0])
+            for optimizer, _ in optimizers:
+                optimizer.step()
+            meter.update(loss.detach() / len(logits), num_images=labels.shape[0])
             iteration += 1
             if meter.should_log(iteration):
                 meter.log(iteration, epoch, opt_cfg.num_epochs, lr)
     return iteration
 
 
+def _head_optimizers(opt_cfg, heads: LinearHeads) -> List[Tuple[torch.optim.Optimizer, float]]:
+    """One (optimizer, lr scale) per distinct head lr; heads without one follow the schedule (scale 1)."""
+    base = float(opt_cfg.param_schedulers.lr.base_value)
+    by_scale: Dict[float, List[str]] = {}
+    for key in heads.heads:
+        lr = heads.lrs.get(key)
+        if lr is not None and base <= 0:
+            raise ValueError("per-head learning rates scale the schedule: lr.base_value must be > 0")
+        by_scale.setdefault(1.0 if lr is None else lr / base, []).append(key)
+    return [
+        (build_optimizer(opt_cfg, nn.ModuleDict({k: heads.heads[k] for k in keys})), scale)
+        for scale, keys in by_scale.items()
+    ]
+
+
 @torch.no_grad()
 def evaluate(source: FrozenFeatures, heads: nn.Module, loader) -> Dict[str, dict]:
     """Collective: top-1/top-5 of every head over ``loader``'s data set, each image counted once.
 
-    Returns ``{name: {"top1": %, "top5": %, "num_images": int}}``, equal on all ranks.
+    Returns ``{head key: {"top1": %, "top5": %, "num_images": int}}``, equal on all ranks.
     """
     heads.eval()
     set_epoch(loader, 0)
-    names = source.names
+    names = list(unwrap(heads).heads)
     hits = [torch.zeros(0, len(names), 2, dtype=torch.bool, device=source.device)]
     indices = [torch.zeros(0, dtype=torch.long, device=source.device)]
     for batch in loader:
         features, labels = source(batch)
         logits = heads(features)
-        hits.append(torch.stack([common.topk_correct(logits[n], labels) for n in names], dim=1))  # (B, F, 2)
+        hits.append(torch.stack([common.topk_correct(logits[n], labels) for n in names], dim=1))  # (B, H, 2)
         indices.append(batch["index"].to(source.device))
     hits, indices = torch.cat(hits), torch.cat(indices)
     keep = common.unique_on_this_rank(indices)
@@ -180,6 +250,17 @@ def _report(run_dir: str, record: dict, writer) -> None:
 
 # --------------------------------------------------------------------------------------------
 # checks and config
+
+
+def _holdout_data_config(data_cfg):
+    """DATA with TRAIN read like TEST (its transform and batch size, in order, nothing dropped)."""
+    holdout = data_cfg.clone()
+    holdout.defrost()
+    holdout.TRAIN.TRANSFORMS = data_cfg.TEST.TRANSFORMS.clone()
+    holdout.TRAIN.BATCHSIZE_PER_REPLICA = data_cfg.TEST.BATCHSIZE_PER_REPLICA
+    holdout.TRAIN.SHUFFLE = holdout.TRAIN.DROP_LAST = False
+    holdout.freeze()
+    return holdout
 
 
 def _heads_model_config(cfg):

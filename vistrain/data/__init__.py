@@ -13,6 +13,7 @@ from vistrain.data.collate import collate_multicrop  # noqa: F401
 from vistrain.data.datasets import (  # noqa: F401
     SOURCES,
     CorruptImageError,
+    IndexSubset,
     SSLDataset,
     build_dataset,
     read_image,

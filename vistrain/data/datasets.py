@@ -266,6 +266,33 @@ class SSLDataset(Dataset):
         return {"crops": crops, "label": int(label), "index": used, "skipped": skipped}
 
 
+class IndexSubset(Dataset):
+    """The samples ``indices`` of an SSLDataset, in that order; keys ``i`` / ``(i, epoch)`` like SSLDataset's.
+
+    Samples keep the parent's ``"index"`` (and so its augmentation seeds), so counts that
+    de-duplicate by index stay exact. ``targets`` are the selected samples' labels.
+    """
+
+    def __init__(self, dataset: SSLDataset, indices: Sequence[int]):
+        self.dataset, self.indices = dataset, [int(i) for i in indices]
+        if not self.indices or not all(0 <= i < len(dataset) for i in self.indices):
+            raise ValueError(
+                f"IndexSubset needs indices in [0, {len(dataset)}), got {len(self.indices)} of them"
+            )
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    @property
+    def targets(self) -> List[int]:
+        labels = self.dataset.targets
+        return [labels[i] for i in self.indices]
+
+    def __getitem__(self, key: Union[int, Tuple[int, int]]) -> dict:
+        index, epoch = key if isinstance(key, tuple) else (key, 0)
+        return self.dataset[(self.indices[index], epoch)]
+
+
 def build_dataset(split_cfg, cache_dir: str = "", seed: int = 0) -> SSLDataset:
     """Dataset of one split from ``DATA.<split>`` (``cache_dir`` is ``DATA.CACHE_DIR``)."""
     names, paths = list(split_cfg.DATA_SOURCES), list(split_cfg.DATA_PATHS)

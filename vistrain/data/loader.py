@@ -1,17 +1,25 @@
 """``build_loader``: dataset + transforms + distributed sampler + collator -> DataLoader of one rank."""
 
+from typing import Optional, Sequence
+
 import torch
 from torch.utils.data import DataLoader
 
 from vistrain.data.collate import collate_multicrop
-from vistrain.data.datasets import build_dataset
+from vistrain.data.datasets import IndexSubset, build_dataset
 from vistrain.data.sampler import DistributedSampler
 
 SPLITS = ("TRAIN", "TEST")
 
 
 def build_loader(
-    data_cfg, split: str, seed: int, device: torch.device, rank=None, world_size=None
+    data_cfg,
+    split: str,
+    seed: int,
+    device: torch.device,
+    rank=None,
+    world_size=None,
+    indices: Optional[Sequence[int]] = None,
 ) -> DataLoader:
     """The DataLoader of ``data_cfg[split]`` for this rank.
 
@@ -22,6 +30,7 @@ def build_loader(
             the same value: ranks differ by their part of the order, not by their seed.
         device: where batches go; memory is pinned only for CUDA (and ``DATA.PIN_MEMORY``).
         rank, world_size: default to ``vistrain.distributed.comm``.
+        indices: use only these samples of the split (e.g. a held-out part), see ``IndexSubset``.
 
     Returns:
         A DataLoader yielding ``collate_multicrop`` dicts. ``len(loader)`` is the number of
@@ -34,6 +43,8 @@ def build_loader(
         raise ValueError(f"unknown split {split!r}; valid splits: {list(SPLITS)}")
     split_cfg = data_cfg[split]
     dataset = build_dataset(split_cfg, cache_dir=data_cfg.CACHE_DIR, seed=seed)
+    if indices is not None:
+        dataset = IndexSubset(dataset, indices)
     batch_size = split_cfg.BATCHSIZE_PER_REPLICA
     sampler = DistributedSampler(
         len(dataset),

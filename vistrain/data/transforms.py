@@ -3,14 +3,18 @@
 ``multicrop`` (SimCLR, Chen et al. 2020; SwAV multi-crop, Caron et al. 2020): for every resolution
 ``i``, ``NUM_CROPS[i]`` views of side ``SIZE_CROPS[i]``, each made independently by
 
-    RandomResizedCrop(SIZE_CROPS[i], scale=CROP_SCALES[i])
+    [RandomAffine(AFFINE_DEGREES, translate, scale, shear)]   (digits: small rotations/shifts, black fill)
+    -> [RandomApply([ElasticTransform(ELASTIC_ALPHA, ELASTIC_SIGMA)], p=ELASTIC_PROB)]
+    -> RandomResizedCrop(SIZE_CROPS[i], scale=CROP_SCALES[i])
     -> RandomHorizontalFlip(HORIZONTAL_FLIP)
     -> RandomApply([ColorJitter(0.8s, 0.8s, 0.8s, 0.2s)], p=0.8) -> RandomGrayscale(0.2)   (s = COLOR_DISTORTION)
     -> RandomApply([Gaussian blur, sigma ~ U(BLUR_RADIUS)], p=BLUR_PROB)   (PIL filter, as in SwAV/DINO)
     -> RandomSolarize(128, p=SOLARIZE_PROB)
     -> ToTensor -> Normalize(MEAN, STD)
 
-Steps whose probability or strength is 0 are left out. The output is a list of float32 tensors
+The affine step is left out when AFFINE_DEGREES, AFFINE_TRANSLATE and AFFINE_SHEAR are 0 and
+AFFINE_SCALE is [1, 1]; every other step whose probability or strength is 0 is left out too. The
+geometric steps come first so that they act on the whole image, before the crop picks a part. The output is a list of float32 tensors
 (3, SIZE_CROPS[i], SIZE_CROPS[i]) in config order, so views of one resolution are consecutive.
 
 ``eval``: Resize(RESIZE) -> CenterCrop(CENTER_CROP) -> ToTensor -> Normalize: a one-element list.
@@ -68,14 +72,56 @@ def _check_multicrop(cfg) -> None:
         raise ValueError(f"TRANSFORMS.COLOR_DISTORTION must be >= 0, got {cfg.COLOR_DISTORTION}")
     if len(cfg.BLUR_RADIUS) != 2 or not 0 < cfg.BLUR_RADIUS[0] <= cfg.BLUR_RADIUS[1]:
         raise ValueError(f"TRANSFORMS.BLUR_RADIUS must be [lo, hi] with 0 < lo <= hi, got {cfg.BLUR_RADIUS}")
-    for key in ("HORIZONTAL_FLIP", "BLUR_PROB", "SOLARIZE_PROB"):
+    _check_geometric(cfg)
+    for key in ("HORIZONTAL_FLIP", "BLUR_PROB", "SOLARIZE_PROB", "ELASTIC_PROB"):
         if not 0 <= cfg[key] <= 1:
             raise ValueError(f"TRANSFORMS.{key} is a probability, got {cfg[key]}")
 
 
+def _check_geometric(cfg) -> None:
+    if cfg.AFFINE_DEGREES < 0 or cfg.AFFINE_SHEAR < 0 or not 0 <= cfg.AFFINE_TRANSLATE <= 1:
+        raise ValueError(
+            "TRANSFORMS.AFFINE_DEGREES and AFFINE_SHEAR must be >= 0 and AFFINE_TRANSLATE in [0, 1], got "
+            f"{cfg.AFFINE_DEGREES}, {cfg.AFFINE_SHEAR}, {cfg.AFFINE_TRANSLATE}"
+        )
+    if len(cfg.AFFINE_SCALE) != 2 or not 0 < cfg.AFFINE_SCALE[0] <= cfg.AFFINE_SCALE[1]:
+        raise ValueError(
+            f"TRANSFORMS.AFFINE_SCALE must be [lo, hi] with 0 < lo <= hi, got {cfg.AFFINE_SCALE}"
+        )
+    if cfg.ELASTIC_ALPHA < 0 or cfg.ELASTIC_SIGMA <= 0:
+        raise ValueError(
+            f"TRANSFORMS.ELASTIC_ALPHA must be >= 0 and ELASTIC_SIGMA > 0, got {cfg.ELASTIC_ALPHA}, {cfg.ELASTIC_SIGMA}"
+        )
+
+
+def geometric_ops(cfg) -> List[Callable]:
+    """Shape-changing augmentations for glyph-like images (digits, characters), applied to the whole
+    image: RandomAffine (rotation +-AFFINE_DEGREES, shift up to AFFINE_TRANSLATE of the side, zoom
+    in AFFINE_SCALE, shear +-AFFINE_SHEAR degrees, uncovered pixels black) and, with probability
+    ELASTIC_PROB, an elastic distortion (displacement fields of strength ELASTIC_ALPHA pixels,
+    smoothness ELASTIC_SIGMA, Simard et al. 2003). Empty when all are off."""
+    ops: List[Callable] = []
+    lo, hi = (float(v) for v in cfg.AFFINE_SCALE)
+    if cfg.AFFINE_DEGREES > 0 or cfg.AFFINE_TRANSLATE > 0 or cfg.AFFINE_SHEAR > 0 or (lo, hi) != (1.0, 1.0):
+        translate = (cfg.AFFINE_TRANSLATE, cfg.AFFINE_TRANSLATE) if cfg.AFFINE_TRANSLATE > 0 else None
+        ops.append(
+            T.RandomAffine(
+                degrees=cfg.AFFINE_DEGREES,
+                translate=translate,
+                scale=(lo, hi),
+                shear=cfg.AFFINE_SHEAR or None,
+                interpolation=T.InterpolationMode.BILINEAR,
+            )
+        )
+    if cfg.ELASTIC_PROB > 0 and cfg.ELASTIC_ALPHA > 0:
+        elastic = T.ElasticTransform(alpha=float(cfg.ELASTIC_ALPHA), sigma=float(cfg.ELASTIC_SIGMA))
+        ops.append(T.RandomApply([elastic], p=cfg.ELASTIC_PROB))
+    return ops
+
+
 def ssl_view_transform(cfg, size: int, scale: Sequence[float]) -> Callable[[Image.Image], torch.Tensor]:
     """One augmented view: PIL RGB image -> float32 tensor (3, size, size)."""
-    ops: List[Callable] = [T.RandomResizedCrop(size, scale=tuple(scale))]
+    ops: List[Callable] = geometric_ops(cfg) + [T.RandomResizedCrop(size, scale=tuple(scale))]
     if cfg.HORIZONTAL_FLIP > 0:
         ops.append(T.RandomHorizontalFlip(p=cfg.HORIZONTAL_FLIP))
     strength = cfg.COLOR_DISTORTION
