@@ -76,7 +76,9 @@ def _digit_to_image(pixels: np.ndarray) -> Image.Image:
     return image.convert("RGB")
 
 
-def _split_ids(labels: np.ndarray):
+def split_ids(labels: np.ndarray):
+    """{"train": ids, "val": ids} of ``load_digits()`` samples: the demo's stratified 80/20 split
+    (also used by dev/demo_pretrain_then_eval.py for its raw-pixel baselines)."""
     from sklearn.model_selection import train_test_split
 
     ids = np.arange(len(labels))
@@ -90,7 +92,7 @@ def write_demo_digits(folder: str) -> dict:
 
     digits = load_digits()  # ships with scikit-learn: no download
     images, labels = digits.images, digits.target
-    splits = _split_ids(labels)
+    splits = split_ids(labels)
     for split, ids in splits.items():
         for digit in range(10):
             os.makedirs(os.path.join(folder, split, str(digit)))
