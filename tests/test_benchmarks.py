@@ -27,7 +27,7 @@ from vistrain.benchmarks import (
     lr_grid,
 )
 from vistrain.benchmarks.knn import build_bank, knn_counts
-from vistrain.benchmarks.linear_eval import FrozenFeatures, train_heads
+from vistrain.benchmarks.linear_eval import FrozenFeatures, cache_features, train_heads
 from vistrain.checkpoint import CheckpointError
 from vistrain.config import ConfigError, load_config
 from vistrain.data import build_loader, rank_indices
@@ -414,3 +414,22 @@ def test_linear_eval_with_lr_grid_reports_the_lr_chosen_on_held_out_training_ima
     assert 0 < int(held_out) < int(fit) and int(held_out) + int(fit) == 48
     heads = torch.load(run_dir / "linear_heads.pt", weights_only=True)
     assert sorted({k.split(".")[1] for k in heads}) == ["avgpool", "s1", "s2"]  # the final heads only
+
+
+def test_cached_train_features_train_the_same_heads_as_the_trunk_every_epoch():
+    """With an un-augmented TRAIN transform the bank computed once stands in for the trunk exactly."""
+    cfg = load_config(
+        _tiny("unused", "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False", "config.OPTIMIZER.num_epochs=2")
+    )
+    trunk, dims = common.build_frozen_trunk(cfg, CPU)
+    source = FrozenFeatures(trunk, list(dims), cfg.BENCHMARK.POOL_SIZE, None, CPU)
+    cached = cache_features(source, cfg.DATA, seed=0)
+    assert cached.bank["s2"].shape == (32, dims["s2"])
+    loader = build_loader(cfg.DATA, "TRAIN", seed=0, device=CPU, rank=0, world_size=1)
+    heads = []
+    for features in (source, cached):
+        torch.manual_seed(0)
+        heads.append(LinearHeads(dims, 10))
+        train_heads(features, heads[-1], loader, cfg.OPTIMIZER, _SilentMeter())
+    for key, value in heads[0].state_dict().items():
+        torch.testing.assert_close(heads[1].state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=key)

@@ -80,6 +80,42 @@ class FrozenFeatures:
         return common.trunk_features(self.trunk, images, self.names, self.pool_size, self.dtype), labels
 
 
+@dataclasses.dataclass
+class CachedFeatures:
+    """Batch -> (features looked up by sample index in a bank, labels (B,)) on ``device``.
+
+    For a deterministic TRAIN transform (``NAME: eval``) the frozen trunk gives every image the same
+    features in every epoch, so they are computed once (:func:`cache_features`) instead of once per
+    epoch and per learning-rate pass. ``bank[name]`` is (N, D) float32; ``rows[i]`` is the bank row
+    of data set index i.
+    """
+
+    names: List[str]
+    bank: Dict[str, torch.Tensor]
+    rows: torch.Tensor
+    device: torch.device
+
+    def __call__(self, batch: dict):
+        rows = self.rows[batch["index"].to(self.device)]
+        return {name: self.bank[name][rows] for name in self.names}, batch["label"].to(self.device)
+
+
+def cache_features(source: FrozenFeatures, data_cfg, seed: int) -> CachedFeatures:
+    """Collective: one pass of the trunk over all of DATA.TRAIN (in order, nothing dropped), every
+    rank's features gathered so that each rank holds the whole bank."""
+    ordered = data_cfg.clone()
+    ordered.defrost()
+    ordered.TRAIN.SHUFFLE = ordered.TRAIN.DROP_LAST = False
+    loader = build_loader(ordered, "TRAIN", seed=seed, device=source.device)
+    feats, _, indices = common.extract(
+        source.trunk, loader, source.names, source.pool_size, source.dtype, source.device
+    )
+    indices, banks = common.gather_unique(indices, *[feats[name] for name in source.names])
+    rows = torch.full((int(indices.max()) + 1,), -1, dtype=torch.long, device=source.device)
+    rows[indices] = torch.arange(indices.shape[0], device=source.device)
+    return CachedFeatures(source.names, dict(zip(source.names, banks)), rows, source.device)
+
+
 def linear_eval(cfg) -> None:
     """Train linear heads on the frozen trunk's features of DATA.TRAIN, evaluate on DATA.TEST."""
     start = time.perf_counter()
@@ -96,6 +132,9 @@ def linear_eval(cfg) -> None:
     record_config(cfg)  # built and loaded: the job really starts
     source = FrozenFeatures(trunk, list(dims), cfg.BENCHMARK.POOL_SIZE, common.amp_dtype(cfg), device)
     grid = [float(lr) for lr in cfg.BENCHMARK.LINEAR_LRS]
+    train_source = source
+    if cfg.DATA.TRAIN.TRANSFORMS.NAME == "eval":  # same features every epoch: compute them once
+        train_source = cache_features(source, cfg.DATA, cfg.SEED_VALUE)
     epochs = cfg.OPTIMIZER.num_epochs
     logger.info(
         f"linear evaluation of {source.names} (dims {list(dims.values())}, {num_classes} classes): "
@@ -108,9 +147,11 @@ def linear_eval(cfg) -> None:
     meter = TrainingMeter(run_dir, cfg.LOG_FREQUENCY, total, device)
     lrs, selection, iterations = {}, None, 0
     if grid:
-        lrs, selection, iterations = select_learning_rates(cfg, source, dims, num_classes, grid, meter)
+        lrs, selection, iterations = select_learning_rates(
+            cfg, (train_source, source), dims, num_classes, grid, meter
+        )
     heads = parallelize(LinearHeads(dims, num_classes, lrs=lrs), _heads_model_config(cfg), device)
-    iterations = train_heads(source, heads, train_loader, cfg.OPTIMIZER, meter, iterations)
+    iterations = train_heads(train_source, heads, train_loader, cfg.OPTIMIZER, meter, iterations)
     train_seconds = time.perf_counter() - start
     results = evaluate(source, heads, test_loader)
     for name in source.names:
@@ -134,12 +175,14 @@ def linear_eval(cfg) -> None:
     meter.summary()
 
 
-def select_learning_rates(cfg, source, dims, num_classes: int, grid: List[float], meter: TrainingMeter):
+def select_learning_rates(cfg, sources, dims, num_classes: int, grid: List[float], meter: TrainingMeter):
     """Train one head per (feature, lr in ``grid``) on the fit part of DATA.TRAIN, score them on the
-    held-out part (read with DATA.TEST's transform), keep each feature's best lr.
+    held-out part (read with DATA.TEST's transform), keep each feature's best lr. ``sources``:
+    (features of TRAIN batches, possibly cached; the trunk itself, for the held-out images).
 
     Returns ({feature: lr}, {feature: holdout top-1 % at that lr}, iterations done).
     """
+    train_source, source = sources
     labels = build_loader(cfg.DATA, "TRAIN", seed=cfg.SEED_VALUE, device=source.device).dataset.targets
     fit, holdout = lr_grid.holdout_split(labels, cfg.BENCHMARK.LINEAR_HOLDOUT_FRACTION, cfg.SEED_VALUE)
     fit_loader = build_loader(cfg.DATA, "TRAIN", seed=cfg.SEED_VALUE, device=source.device, indices=fit)
@@ -151,7 +194,7 @@ def select_learning_rates(cfg, source, dims, num_classes: int, grid: List[float]
     inputs = {lr_grid.grid_key(f, i): f for f in source.names for i in range(len(grid))}
     lrs = {lr_grid.grid_key(f, i): lr for f in source.names for i, lr in enumerate(grid)}
     heads = parallelize(LinearHeads(dims, num_classes, inputs, lrs), _heads_model_config(cfg), source.device)
-    iterations = train_heads(source, heads, fit_loader, cfg.OPTIMIZER, meter)
+    iterations = train_heads(train_source, heads, fit_loader, cfg.OPTIMIZER, meter)
     scores = {key: res["top1"] for key, res in evaluate(source, heads, holdout_loader).items()}
     chosen = lr_grid.choose_learning_rates(scores, source.names, grid)
     best = {f: scores[lr_grid.grid_key(f, grid.index(lr))] for f, lr in chosen.items()}
