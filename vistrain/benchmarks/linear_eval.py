@@ -99,6 +99,20 @@ class CachedFeatures:
         rows = self.rows[batch["index"].to(self.device)]
         return {name: self.bank[name][rows] for name in self.names}, batch["label"].to(self.device)
 
+    @staticmethod
+    def batches(loader):
+        """The batches ``loader`` would yield, as {"index", "label"} only: the same samples in the
+        same order (its sampler's), without reading or transforming a single image."""
+        dataset = loader.dataset
+        parent = torch.as_tensor(dataset.indices) if hasattr(dataset, "indices") else None  # IndexSubset
+        labels = torch.as_tensor(dataset.targets)
+        keys = torch.tensor([index for index, _ in loader.sampler], dtype=torch.long)
+        for start in range(0, len(keys), loader.batch_size):
+            chunk = keys[start : start + loader.batch_size]
+            if loader.drop_last and len(chunk) < loader.batch_size:
+                return
+            yield {"index": chunk if parent is None else parent[chunk], "label": labels[chunk]}
+
 
 def cache_features(source: FrozenFeatures, data_cfg, seed: int) -> CachedFeatures:
     """Collective: one pass of the trunk over all of DATA.TRAIN (in order, nothing dropped), every
@@ -133,7 +147,8 @@ def linear_eval(cfg) -> None:
     source = FrozenFeatures(trunk, list(dims), cfg.BENCHMARK.POOL_SIZE, common.amp_dtype(cfg), device)
     grid = [float(lr) for lr in cfg.BENCHMARK.LINEAR_LRS]
     train_source = source
-    if cfg.DATA.TRAIN.TRANSFORMS.NAME == "eval":  # same features every epoch: compute them once
+    if cfg.DATA.TRAIN.TRANSFORMS.NAME == "eval" and not cfg.DATA.TRAIN.SKIP_CORRUPT:
+        # the same features every epoch: compute them once (a skipped image would have no row)
         train_source = cache_features(source, cfg.DATA, cfg.SEED_VALUE)
     epochs = cfg.OPTIMIZER.num_epochs
     logger.info(
@@ -220,7 +235,8 @@ def train_heads(
     for epoch in range(opt_cfg.num_epochs):
         set_epoch(loader, epoch)
         heads.train()
-        for step, batch in enumerate(loader):
+        batches = source.batches(loader) if isinstance(source, CachedFeatures) else loader
+        for step, batch in enumerate(batches):
             lr = lr_schedule(epoch * len(loader) + step)
             for optimizer, scale in optimizers:
                 set_lr(optimizer, lr * scale)
