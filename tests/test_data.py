@@ -3,6 +3,7 @@
 import logging
 import os
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -19,6 +20,7 @@ from vistrain.data import (
     rank_indices,
     set_epoch,
 )
+from vistrain.data.transforms import MultiCropTransform, geometric_ops
 from vistrain.distributed.testing import run_on_ranks
 
 CPU = torch.device("cpu")
@@ -400,3 +402,55 @@ def test_loader_on_gloo_ranks_matches_single_process():
         assert torch.equal(result["crops"], torch.cat([b["crops"][0] for b in batches]))
     indices = torch.cat([r["index"] for r in results]).tolist()
     assert set(indices) == set(range(17)) and len(indices) == 18  # one padded repeat
+
+
+# ------------------------------------------------------------------ geometric (digit) augmentations
+def _square_image(side=32, lo=12, hi=20):
+    pixels = np.zeros((side, side, 3), dtype=np.uint8)
+    pixels[lo:hi, lo:hi] = 255
+    return Image.fromarray(pixels)
+
+
+def _whole_image_views(**geometric):
+    cfg = get_defaults().DATA.TRAIN.TRANSFORMS
+    cfg.update(NUM_CROPS=[1], SIZE_CROPS=[32], CROP_SCALES=[[1.0, 1.0]], HORIZONTAL_FLIP=0.0)
+    cfg.update(COLOR_DISTORTION=0.0, BLUR_PROB=0.0, MEAN=[0.0] * 3, STD=[1.0] * 3, **geometric)
+    return MultiCropTransform(cfg)
+
+
+def _centroid(view):
+    grey = view[0]
+    ys, xs = torch.meshgrid(torch.arange(32.0), torch.arange(32.0), indexing="ij")
+    return torch.stack([(grey * ys).sum(), (grey * xs).sum()]) / grey.sum()
+
+
+def test_geometric_augmentations_move_the_glyph_within_their_bounds():
+    image = _square_image()
+    plain = _whole_image_views()
+    assert geometric_ops(get_defaults().DATA.TRAIN.TRANSFORMS) == []  # off by default
+    torch.manual_seed(0)
+    reference = plain(image)[0]
+    assert torch.equal(reference, plain(image)[0])  # no geometric step: the whole image, unchanged
+    shifted = _whole_image_views(AFFINE_TRANSLATE=0.25)
+    shifts = torch.stack([_centroid(shifted(image)[0]) - _centroid(reference) for _ in range(20)])
+    assert shifts.abs().max() <= 0.25 * 32 + 0.5 and shifts.abs().max() > 2  # moved, up to 8 px
+    rotated = _whole_image_views(AFFINE_DEGREES=45.0)(image)[0]
+    assert rotated.min() == 0 and not torch.equal(rotated, reference)  # black fill, new pose
+    elastic = _whole_image_views(ELASTIC_PROB=1.0, ELASTIC_ALPHA=30.0, ELASTIC_SIGMA=3.0)(image)[0]
+    assert not torch.equal(elastic, reference)
+    assert abs(elastic.sum() - reference.sum()) < 0.25 * reference.sum()  # distorted, not erased
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"AFFINE_DEGREES": -5.0}, "AFFINE_DEGREES"),
+        ({"AFFINE_TRANSLATE": 1.5}, "AFFINE_TRANSLATE"),
+        ({"AFFINE_SCALE": [1.2, 1.1]}, "AFFINE_SCALE"),
+        ({"ELASTIC_SIGMA": 0.0}, "ELASTIC_SIGMA"),
+        ({"ELASTIC_PROB": 2.0}, "ELASTIC_PROB"),
+    ],
+)
+def test_bad_geometric_settings_are_named(bad, message):
+    with pytest.raises(ValueError, match=message):
+        _whole_image_views(**bad)
