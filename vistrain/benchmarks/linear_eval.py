@@ -5,9 +5,11 @@ Representation Learning", 2019, as in VISSL): the pretrained trunk is frozen and
 feature in ``BENCHMARK.FEATURES``, a linear classifier ``Linear(BatchNorm1d(f, affine=False))``
 is trained on the pooled feature ``f`` with SGD (+ nesterov) and a step or cosine schedule. All
 heads train together from one pass of the trunk per batch, so evaluating several stages costs one
-trunk forward. Top-1/top-5 on ``DATA.TEST`` are written to the log, TensorBoard
-(``linear_eval/<feature>/top1``) and ``CHECKPOINT.DIR/metrics.json``; the trained heads to
-``CHECKPOINT.DIR/linear_heads.pt``.
+trunk forward. With ``BENCHMARK.LINEAR_LRS`` each feature's learning rate is chosen on held-out
+TRAIN images first (see :mod:`vistrain.benchmarks.lr_grid`); with the deterministic ``eval``
+TRAIN transform the frozen features are computed once (:class:`CachedFeatures`). Top-1/top-5 on
+``DATA.TEST`` are written to the log, TensorBoard (``linear_eval/<feature>/top1``) and
+``CHECKPOINT.DIR/metrics.json``; the trained heads to ``CHECKPOINT.DIR/linear_heads.pt``.
 
 Distributed: the heads are data parallel (DDP, sync BatchNorm when configured); the trunk is
 either replicated or sharded by our engine (``AUTO_SETUP_FSDP``). Test counts are de-duplicated
