@@ -115,8 +115,13 @@ def test_a_bad_value_is_refused_by_the_real_command_without_traceback(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+# recipes for the user's own data: their paths are placeholders, so tests/test_real_data_recipes.py
+# checks them with data written to disk
+NEEDS_USER_DATA = {"pretrain/simclr_regnet_y_400mf_imagenet", "pretrain/swav_regnet_y_256gf_seer"}
+
+
 def test_every_shipped_config_passes_the_checks():
-    for name in available_configs():
+    for name in sorted(set(available_configs()) - NEEDS_USER_DATA):
         check_values(load_config([f"config={name}"]))
 
 

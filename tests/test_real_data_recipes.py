@@ -17,6 +17,7 @@ from PIL import Image
 
 from vistrain.config import load_config
 from vistrain.distributed.testing import run_on_ranks
+from vistrain.jobs import check_values
 from vistrain.models.trunks.regnet import block_params_from_config
 from vistrain.training.trainer import train
 
@@ -121,3 +122,21 @@ def test_swav_seer_recipe_trains_sharded_on_a_file_list(tmp_path):
     assert any(p.name.startswith("checkpoint_") for p in run_dir.iterdir())
     metadata = json.loads(next(run_dir.glob("checkpoint_*/metadata.json")).read_text())
     assert metadata["world_size"] == 2
+
+
+def test_recipes_pass_the_config_checks_once_their_data_exists(tmp_path):
+    items = _write_images(tmp_path / "imagenet" / "train", 4)
+    _write_images(tmp_path / "imagenet" / "val", 2)
+    file_list = tmp_path / "train_images.txt"
+    file_list.write_text("".join(f"{path} -1\n" for path, _ in items))
+    folder = f"[{tmp_path / 'imagenet'}]"
+    check_values(
+        load_config(
+            [
+                f"config={RECIPES['simclr']}",
+                f"config.DATA.TRAIN.DATA_PATHS={folder}",
+                f"config.DATA.TEST.DATA_PATHS={folder}",
+            ]
+        )
+    )
+    check_values(load_config([f"config={RECIPES['swav']}", f"config.DATA.TRAIN.DATA_PATHS=[{file_list}]"]))
