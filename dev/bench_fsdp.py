@@ -5,8 +5,9 @@
 Each rank builds the models from the same seed and, step after step, runs one training step of
 each in turn on the same data, so machine noise hits all alike. Ours and fully_shard run with
 reshard_after_forward on (ZeRO-3, the default) and off ("keep": ZeRO-2, one gather per step).
-Prints the median step time of each as a ratio to DDP's, per-rank persistent bytes (parameters
-+ gradients + SGD momentum) next to DDP's / world size, and the peak bytes of gathered (full)
+Prints the median step time of each as a ratio to DDP's, per-rank persistent storage bytes
+(parameters + gradients + buffers + SGD momentum + the engine's own buffers, counted by
+``untyped_storage().nbytes()`` once per storage) next to DDP's / world size, and the peak bytes of gathered (full)
 parameters next to the two largest units. On CPU it uses gloo; with CUDA, NCCL.
 """
 
@@ -24,6 +25,7 @@ from torchvision.models.regnet import ResBottleneckBlock, SimpleStemIN
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import auto_wrap, by_class
 from vistrain.fsdp.flat_param import GatheredBytes
+from vistrain.fsdp.memory import held_tensors, peak_rss_mib, storage_bytes
 
 UNIT_CLASSES = (ResBottleneckBlock, SimpleStemIN, nn.Linear)  # blocks, stem, classifier
 
@@ -75,15 +77,9 @@ def step(model, optimizer, x, y, device):
 
 
 def persistent_bytes(model, optimizer):
-    total = 0
-    for p in model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        total += 2 * local.numel() * local.element_size()  # parameter + gradient
-        buf = optimizer.state.get(p, {}).get("momentum_buffer")
-        if buf is not None:
-            buf = buf.to_local() if hasattr(buf, "to_local") else buf
-            total += buf.numel() * buf.element_size()
-    return total
+    """Storage bytes (whole storages, each once) of parameters, gradients, buffers, optimizer
+    state and, for ours, the engine's own buffers: a view into a larger buffer counts it all."""
+    return storage_bytes(held_tensors(model, optimizer))
 
 
 def worker(rank, world, args):
@@ -112,6 +108,7 @@ def worker(rank, world, args):
         "bytes": {name: persistent_bytes(*engines[name]) for name in engines},
         "peak_gathered": peak,
         "two_largest_units": sum(units[:2]),
+        "peak_rss_mib": peak_rss_mib(),
     }
 
 
@@ -142,6 +139,8 @@ def main():
         f"vistrain peak gathered parameters: {r0['peak_gathered'] / 2**20:.2f} MB; two largest units: "
         f"{r0['two_largest_units'] / 2**20:.2f} MB"
     )
+    rss = max(r["peak_rss_mib"] for r in results)
+    print(f"peak RSS per rank (all engines share each process): {rss:.0f} MiB")
 
 
 if __name__ == "__main__":

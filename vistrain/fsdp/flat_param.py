@@ -120,7 +120,8 @@ def reduce_scatter_into(full: torch.Tensor, lo: int, hi: int, group):
 
     The slice is valid once ``work`` is waited on. gloo has no native reduce-scatter (torch
     emulates it, ~2x slower than its all-reduce here), so on gloo the full vector is all-reduced
-    in place, a buffer this rank holds anyway, and the slice is a view of it.
+    in place and the slice is a view of it: ``own_shard_grad`` copies it out when the reduction
+    is finished, so the full buffer dies with the reduction (one unit's backward later).
     """
     if _is_gloo(group):
         return dist.all_reduce(full, group=group, async_op=True), full[lo:hi]
@@ -135,6 +136,18 @@ class InFlightGather:
 
     work: dist.Work
     source: torch.Tensor  # the shard in compute dtype/device; must live until the wait
+
+
+def own_shard_grad(reduced: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``reduced`` as a tensor with its own shard-sized storage on ``device`` in ``dtype``.
+
+    A view into a larger buffer (gloo's all-reduced full gradient) would keep that whole buffer
+    alive as long as the gradient lives: storage bytes, not element counts, are what a rank holds.
+    """
+    out = reduced.to(device, dtype)
+    if out.untyped_storage().nbytes() != out.numel() * out.element_size():
+        out = out.clone()
+    return out
 
 
 class FlatParamHandle:
@@ -188,7 +201,6 @@ class FlatParamHandle:
         self.timeout = DEFAULT_COLLECTIVE_TIMEOUT  # set by the owning unit
         self.is_unsharded = False
         self.unsharded_grad_acc: Optional[torch.Tensor] = None  # summed full grads under no_sync
-        self.segment_ids = self._segment_ids()
 
     # -- construction ---------------------------------------------------------------------
     def _flatten(self, params, device) -> torch.Tensor:
@@ -198,13 +210,6 @@ class FlatParamHandle:
             for p, o in zip(params, self.origins):
                 flat[o.flat_offset : o.flat_offset + o.numel].copy_(p.detach().reshape(-1))
         return flat
-
-    def _segment_ids(self) -> torch.Tensor:
-        """(shard_numel,) int64: index of the origin each shard element belongs to; padding -> len(origins)."""
-        ids = torch.full((self.shard_numel,), len(self.origins), dtype=torch.long)
-        for i, s_start, _, length in shard_slices(self.origins, self.world_size, self.rank):
-            ids[s_start : s_start + length] = i
-        return ids.to(self.shard.device)
 
     # -- gather / free ------------------------------------------------------------------------
     def _free_full(self) -> None:
@@ -317,11 +322,11 @@ class FlatParamHandle:
         return work, out, grad
 
     def accumulate_shard_grad(self, reduced: torch.Tensor) -> None:
-        reduced = reduced.to(self.shard.device, self.shard.dtype)
+        """Add a finished reduction to ``shard.grad`` (created as its own shard-sized tensor)."""
         if self.shard.grad is None:
-            self.shard.grad = reduced
+            self.shard.grad = own_shard_grad(reduced, self.shard.device, self.shard.dtype)
         else:
-            self.shard.grad.add_(reduced)
+            self.shard.grad.add_(reduced.to(self.shard.device, self.shard.dtype))
 
     def accumulate_unsharded(self, grad: torch.Tensor) -> None:
         """no_sync: keep the full gradient locally (fp32), reduce it with the next synced backward."""

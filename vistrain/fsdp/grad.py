@@ -6,6 +6,8 @@ from typing import List
 import torch
 import torch.distributed as dist
 
+from vistrain.fsdp.flat_param import shard_slices
+
 
 def clip_grad_norm_(
     params: List[torch.Tensor], max_norm: float, norm_type: float, group, device: torch.device
@@ -45,7 +47,8 @@ def origin_sq_norms(params: List[torch.Tensor], tensors: List[torch.Tensor]) -> 
     (``p.detach()`` or ``p.grad``), returns a tensor shaped like ``p`` whose element i holds
     ||W_j||^2 for the original parameter W_j that element i belongs to, summed over every rank's
     slice of W_j (padding elements get 0). For a plain parameter it returns the scalar (t*t).sum().
-    All shards share one all-reduce per process group.
+    The slices come from rank arithmetic (``shard_slices``), so nothing per element is kept
+    between steps; all shards share one all-reduce per process group.
     """
     out: List[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
     by_group = {}
@@ -54,18 +57,28 @@ def origin_sq_norms(params: List[torch.Tensor], tensors: List[torch.Tensor]) -> 
         if handle is None:
             out[i] = t.detach().float().pow(2).sum()
             continue
-        sums = torch.zeros(len(handle.origins) + 1, dtype=torch.float32, device=t.device)
-        sums.index_add_(0, handle.segment_ids, t.detach().float().pow(2))
-        by_group.setdefault(handle.group, []).append((i, handle, sums))
+        slices = shard_slices(handle.origins, handle.world_size, handle.rank)
+        sums = torch.zeros(len(handle.origins), dtype=torch.float32, device=t.device)
+        for idx, s_start, _, length in slices:
+            sums[idx] = t.detach()[s_start : s_start + length].float().pow(2).sum()
+        by_group.setdefault(handle.group, []).append((i, slices, sums))
     for group, entries in by_group.items():
         flat = torch.cat([sums for _, _, sums in entries])
         if dist.get_world_size(group) > 1:
             dist.all_reduce(flat, group=group)
         offset = 0
-        for i, handle, sums in entries:
-            n = sums.numel()
-            per_origin = flat[offset : offset + n].clone()
-            per_origin[-1] = 0.0  # padding
-            out[i] = per_origin[handle.segment_ids]
-            offset += n
+        for i, slices, sums in entries:
+            out[i] = _spread(flat[offset : offset + sums.numel()], slices, tensors[i].numel())
+            offset += sums.numel()
     return out
+
+
+def _spread(per_origin: torch.Tensor, slices, shard_numel: int) -> torch.Tensor:
+    """(shard_numel,) fp32: per_origin[j] on the elements of origin j's slice, 0 on padding."""
+    values = [per_origin[idx].reshape(1) for idx, *_ in slices]
+    lengths = [length for *_, length in slices]
+    padding = shard_numel - sum(lengths)
+    values.append(per_origin.new_zeros(1))
+    lengths.append(padding)
+    counts = torch.tensor(lengths, device=per_origin.device)
+    return torch.repeat_interleave(torch.cat(values), counts, output_size=shard_numel)

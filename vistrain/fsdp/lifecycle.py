@@ -45,7 +45,8 @@ class TrainingState(enum.Enum):
 @dataclass
 class PendingReduction:
     """A gradient reduction started in backward; its result is added to the shard's ``.grad``
-    once every rank has issued it (``work`` waited at the end of backward)."""
+    once every rank has issued it (``work`` waited when the next reduction starts, or at the end
+    of backward)."""
 
     handle: FlatParamHandle
     work: dist.Work
@@ -182,6 +183,10 @@ def _reduction_description(handle: FlatParamHandle) -> str:
 
 
 def start_reduction(state: RootState, handle: FlatParamHandle, grad: torch.Tensor) -> None:
+    # The previous reduction had this handle's whole backward to overlap with; finishing it now
+    # bounds the full-size gradient buffers alive at any time to this one's and one in flight
+    # (gloo reduces the full vector in place: its buffer lives until the reduction is finished).
+    finish_reductions(state)
     work, reduced, source = handle.start_reduce_scatter(grad)
     state.pending.append(PendingReduction(handle, work, reduced, source))
 

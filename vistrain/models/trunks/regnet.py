@@ -75,15 +75,18 @@ def block_params_from_config(regnet_cfg) -> BlockParams:
             f"W_A >= 0, W_M > 1 (got DEPTH={depth}, W_0={w_0}, W_A={w_a}, W_M={w_m}, "
             f"GROUP_WIDTH={group_width})"
         )
-    return BlockParams.from_init_params(
-        depth=depth,
-        w_0=w_0,
-        w_a=w_a,
-        w_m=w_m,
-        group_width=group_width,
-        bottleneck_multiplier=bottleneck,
-        se_ratio=se_ratio,
-    )
+    # torchvision computes the widths with tensors and reads them back with .tolist(): pin them
+    # to the CPU so that building the model on the meta device (per-unit init) works.
+    with torch.device("cpu"):
+        return BlockParams.from_init_params(
+            depth=depth,
+            w_0=w_0,
+            w_a=w_a,
+            w_m=w_m,
+            group_width=group_width,
+            bottleneck_multiplier=bottleneck,
+            se_ratio=se_ratio,
+        )
 
 
 class RegNetTrunk(nn.Module):

@@ -1,0 +1,78 @@
+"""What a rank really holds: storage bytes of the tensors a model and its optimizer keep alive.
+
+Counting ``numel`` hides views into larger buffers (a shard gradient that is a slice of a full
+gradient keeps the whole buffer alive) and per-element side tables. Here every tensor counts
+the bytes of its whole underlying storage, ``untyped_storage().nbytes()``, once per storage.
+"""
+
+import resource
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Sum of ``untyped_storage().nbytes()`` over the distinct storages of ``tensors``.
+
+    Meta tensors hold no memory; DTensors count their local shard.
+    """
+    seen = set()
+    total = 0
+    for t in tensors:
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        if t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        key = (t.device, storage.data_ptr(), storage.nbytes())
+        if storage.nbytes() == 0 or key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def held_tensors(model: nn.Module, optimizer=None) -> Iterator[torch.Tensor]:
+    """Every tensor ``model`` and ``optimizer`` keep between steps.
+
+    Parameters, their gradients, buffers, optimizer state and, for units of the sharded engine,
+    every tensor attribute of each flat-parameter handle (gathered weights, their gradient,
+    gradients kept for ``no_sync``, anything added later) and in-flight reductions.
+    """
+    for p in model.parameters():
+        yield p
+        if p.grad is not None:
+            yield p.grad
+    yield from model.buffers()
+    for module in model.modules():
+        for handle in getattr(module, "_handles", ()):
+            yield from _tensor_attributes(handle)
+        root_state = getattr(module, "_root_state", None)
+        for pending in getattr(root_state, "pending", ()):
+            yield from _tensor_attributes(pending)
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def _tensor_attributes(obj) -> Iterator[torch.Tensor]:
+    for value in vars(obj).values():
+        if isinstance(value, torch.Tensor):
+            yield value
+            if value.is_leaf and value.grad is not None:
+                yield value.grad
+        elif isinstance(value, (list, tuple)):
+            yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def current_rss_mib() -> float:
+    """Resident set size of this process now, from /proc/self/statm (pages)."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * resource.getpagesize() / 2**20
