@@ -12,6 +12,7 @@ prepend ``APPEND_PREFIX``; keys containing any ``SKIP_LAYERS`` substring (checke
 key) are not loaded. A shape mismatch is an error; missing and unexpected keys are reported.
 """
 
+import functools
 import logging
 import os
 from collections import OrderedDict
@@ -29,6 +30,7 @@ from vistrain.checkpoint.files import (
     safe_load,
 )
 from vistrain.checkpoint.load import SliceReader
+from vistrain.fsdp.deferred_init import defer_value
 
 logger = logging.getLogger("vistrain")
 
@@ -129,16 +131,37 @@ def map_key(key: str, remove_prefix: str, append_prefix: str) -> str:
     return append_prefix + key
 
 
+def _load_targets(model: nn.Module) -> dict:
+    """State-dict names -> the model's own parameter and buffer objects."""
+    names = set(model.state_dict())
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers())
+    return {name: t for name, t in named if name in names}
+
+
+def _assign(target: torch.Tensor, source: "WeightsSource", key: str) -> None:
+    """Copy checkpoint tensor ``key`` into ``target``; a meta target (per-unit initialisation)
+    instead records the read, done when the sharded engine creates the target's unit."""
+    if target.is_meta:
+        defer_value(target, functools.partial(_read_as, source, key, target.dtype))
+    else:
+        target.copy_(source.read(key))
+
+
+def _read_as(source: "WeightsSource", key: str, dtype: torch.dtype) -> torch.Tensor:
+    return source.read(key).to(dtype)
+
+
 @torch.no_grad()
 def load_pretrained(model: nn.Module, weights_cfg) -> LoadReport:
     """Copy the weights named by ``weights_cfg`` (``cfg.MODEL.WEIGHTS_INIT``) into ``model``.
 
     ``model`` is the plain (unwrapped) module; every rank calls this before wrapping. Reads one
-    tensor at a time. Raises CheckpointError (one line: file, key, both shapes) on a shape
+    tensor at a time. On a model built on the meta device (per-unit initialisation) each read
+    is deferred to the moment the sharded engine creates that tensor's unit. Raises CheckpointError (one line: file, key, both shapes) on a shape
     mismatch, FileNotFoundError for a missing path; logs and returns a :class:`LoadReport`.
     """
     source = WeightsSource(weights_cfg.PARAMS_FILE)
-    targets = model.state_dict()  # tensors sharing storage with the model
+    targets = _load_targets(model)
     report = LoadReport(source.path)
     for key, shape in source.shapes().items():
         name = map_key(key, weights_cfg.REMOVE_PREFIX, weights_cfg.APPEND_PREFIX)
@@ -152,7 +175,7 @@ def load_pretrained(model: nn.Module, weights_cfg) -> LoadReport:
                 f"has shape {tuple(targets[name].shape)}"
             )
         else:
-            targets[name].copy_(source.read(key))
+            _assign(targets[name], source, key)
             report.loaded.append(name)
     done = set(report.loaded)
     report.missing = [

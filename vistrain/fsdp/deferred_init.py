@@ -233,6 +233,12 @@ def build_on_meta(build_fn: Callable[..., nn.Module], *args: Any, **kwargs: Any)
     return model
 
 
+def defer_value(tensor: torch.Tensor, make: Callable[[], torch.Tensor]) -> None:
+    """Give meta ``tensor`` the value ``make()`` (a CPU tensor of its shape and dtype), computed
+    when the sharded engine creates its unit; replaces the recorded initialisation."""
+    setattr(tensor, RECIPE_ATTR, InitRecipe([_Step(make, (), {}, None)]))
+
+
 def materialize(tensor: torch.Tensor) -> torch.Tensor:
     """A real CPU tensor with the values the normal build gives ``tensor``; non-meta: itself."""
     if not tensor.is_meta:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vistrain.fsdp.deferred_init import materialize
 from vistrain.fsdp.timeouts import DEFAULT_COLLECTIVE_TIMEOUT, wait_within
 
 
@@ -208,7 +209,8 @@ class FlatParamHandle:
         flat = torch.zeros(padded, dtype=self.param_dtype, device=device)
         with torch.no_grad():
             for p, o in zip(params, self.origins):
-                flat[o.flat_offset : o.flat_offset + o.numel].copy_(p.detach().reshape(-1))
+                # a parameter built on the meta device is created (and initialised) only now
+                flat[o.flat_offset : o.flat_offset + o.numel].copy_(materialize(p).reshape(-1))
         return flat
 
     # -- gather / free ------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vistrain.fsdp import agreement, lifecycle
+from vistrain.fsdp.deferred_init import materialize
 from vistrain.fsdp.flat_param import FlatParamHandle, ParamOrigin
 from vistrain.fsdp.grad import clip_grad_norm_
 from vistrain.fsdp.lifecycle import RootState, TrainingState
@@ -169,7 +170,7 @@ class FullyShardedDataParallel(nn.Module):
             for name, buf in list(sub._buffers.items()):
                 if buf is None:
                     continue
-                buf = buf.to(self.compute_device)
+                buf = materialize(buf).to(self.compute_device)
                 if buffer_dtype is not None and buf.is_floating_point():
                     buf = buf.to(buffer_dtype)
                 if sync and self.world_size > 1:

@@ -78,7 +78,7 @@ def _owned_with_prefix(module, prefix):
 
 
 def compute_device(module: nn.Module, move_params_to_cpu: bool) -> torch.device:
-    if move_params_to_cpu:
+    if move_params_to_cpu or _on_meta(module):  # meta: built for per-unit initialisation
         return (
             torch.device("cuda", torch.cuda.current_device())
             if torch.cuda.is_available()
@@ -87,6 +87,10 @@ def compute_device(module: nn.Module, move_params_to_cpu: bool) -> torch.device:
     for tensor in list(module.parameters()) + list(module.buffers()):
         return tensor.device
     return torch.device("cpu")
+
+
+def _on_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
 
 
 def check_wrappable(module: nn.Module) -> None:

@@ -31,7 +31,8 @@ def parallelize(
         raise RuntimeError(
             "parallelize needs a process group; start the run with vistrain.distributed.launch"
         )
-    model = model.to(device)
+    if not any(p.is_meta for p in model.parameters()):  # meta: the sharded engine creates it per unit
+        model = model.to(device)
     if model_cfg.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN:
         model = _convert_sync_bn(model, model_cfg.SYNC_BN_CONFIG.GROUP_SIZE)
     checkpointing = model_cfg.ACTIVATION_CHECKPOINTING

@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from torchvision.models.regnet import AnyStage, ResBottleneckBlock, SimpleStemIN
 
 from vistrain.fsdp import TorchShardedModel, auto_wrap, by_class
+from vistrain.fsdp.deferred_init import build_on_meta
 from vistrain.models.heads.mlp import MLP
 from vistrain.models.heads.swav import SwAVPrototypes
 from vistrain.torch_compat import BatchNormBase
@@ -49,6 +50,21 @@ def apply_activation_checkpointing(model: nn.Module, granularity: str) -> nn.Mod
 
 def _checkpointed(forward: Callable, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def initialises_per_unit(model_cfg) -> bool:
+    """Whether the run builds the model on the meta device and lets the sharded engine create
+    and initialise it unit by unit (``vistrain.fsdp.build_on_meta``): the builtin backend of
+    AUTO_SETUP_FSDP. Same initial weights as a plain build with the same seed."""
+    fsdp_cfg = model_cfg.FSDP_CONFIG
+    return bool(fsdp_cfg.AUTO_SETUP_FSDP) and fsdp_cfg.BACKEND == "builtin"
+
+
+def build_for_run(build_fn: Callable[..., nn.Module], model_cfg) -> nn.Module:
+    """``build_fn(model_cfg)``: on the meta device when :func:`initialises_per_unit`, else plain."""
+    if initialises_per_unit(model_cfg):
+        return build_on_meta(build_fn, model_cfg)
+    return build_fn(model_cfg)
 
 
 def shard_model(model: nn.Module, model_cfg, param_group_fn: Optional[Callable] = None) -> nn.Module:

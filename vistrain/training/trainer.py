@@ -36,6 +36,7 @@ from vistrain.optim import build_lr_schedule, build_optimizer, param_group_key, 
 from vistrain.runtime.logger import NonFiniteLossError, TrainingMeter, logger
 from vistrain.runtime.parallel import parallelize
 from vistrain.runtime.run_setup import record_config, start_run
+from vistrain.runtime.sharding import build_for_run
 
 
 @dataclasses.dataclass
@@ -60,9 +61,9 @@ def train(cfg) -> None:
     if iters_per_epoch == 0:
         raise ValueError("DATA.TRAIN yields no full batch per rank: add data or lower BATCHSIZE_PER_REPLICA")
     group_key = functools.partial(param_group_key, opt_cfg=cfg.OPTIMIZER)
-    model = build_model(cfg.MODEL)
+    model = build_for_run(build_model, cfg.MODEL)  # on the meta device for the sharded engine
     if cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE:
-        load_pretrained(model, cfg.MODEL.WEIGHTS_INIT)  # on the plain model, before sharding
+        load_pretrained(model, cfg.MODEL.WEIGHTS_INIT)  # before sharding (deferred when on meta)
     model = parallelize(model, cfg.MODEL, device, group_key)
     criterion = build_loss(cfg.LOSS).to(device)
     optimizer = build_optimizer(cfg.OPTIMIZER, model)
