@@ -1,0 +1,129 @@
+"""The memory planner: its arithmetic, and its prediction against a real multi-rank run."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from vistrain.config import load_config
+from vistrain.runtime.memory_plan import (
+    MIB,
+    checkpointed_activations,
+    gathered_bytes,
+    measure_activations,
+    plan,
+    search,
+    sharded_state_bytes,
+    unit_sizes,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Unit(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.lin = nn.Linear(n, n)  # n * n + n elements
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = _Unit(2)  # 6
+        self.inner = nn.Sequential(_Unit(3), nn.Linear(1, 1))  # 12 in a unit, 2 left to the root
+        self.bias = nn.Parameter(torch.zeros(5))  # root
+
+
+def test_unit_sizes_follow_the_wrap_policy():
+    assert unit_sizes(_Model(), [_Unit]) == [6, 12, 7]
+    assert unit_sizes(_Model(), []) == [25]
+
+
+def test_sharded_state_bytes():
+    # ceil(10 / 3) + ceil(7 / 3) = 4 + 3 elements per rank
+    assert sharded_state_bytes([10, 7], 3, states=2) == {"params": 28, "grads": 28, "optimizer_state": 56}
+    # DDP: everything full, the gradient twice (.grad and its all-reduce bucket)
+    assert sharded_state_bytes([17], 3, states=1, sharded=False) == {
+        "params": 68,
+        "grads": 136,
+        "optimizer_state": 68,
+    }
+
+
+def test_gathered_bytes():
+    # ZeRO-3: root (2) + two largest others (9 + 5) in bf16, plus two fp32 full gradients of 9
+    assert gathered_bytes([5, 9, 3, 2], compute_bytes=2, reduce_bytes=4, reshard=True) == 16 * 2 + 72
+    # ZeRO-2: every unit stays gathered
+    assert gathered_bytes([5, 9, 3, 2], compute_bytes=4, reduce_bytes=4, reshard=False) == 19 * 4 + 72
+
+
+def test_checkpointed_activations():
+    assert checkpointed_activations(100, [30, 40], [5, 6]) == 100 - 70 + 11 + 40
+    assert checkpointed_activations(100, [], []) == 100
+
+
+def test_activations_measured_on_meta():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    crops = torch.empty(3, 4, device="meta")
+    total, _, _ = measure_activations(_CropsToTensor(model), [crops], None)
+    # the input (3 x 4) and the ReLU output (3 x 8, also the second Linear's input), fp32
+    assert total == 3 * 4 * 4 + 3 * 8 * 4
+
+
+class _CropsToTensor(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, crops):
+        return self.inner(crops[0])
+
+
+def test_search_picks_a_setting_that_fits_or_says_none_does():
+    cfg = load_config(["config=test/simclr_tiny", "config.DISTRIBUTED.NUM_PROC_PER_NODE=2"])
+    base = plan(cfg).peak / MIB
+    knobs, result = search(cfg, base * 1.5)
+    assert knobs is not None and result.peak <= base * 1.5 * MIB
+    assert knobs["reshard_after_forward"] is False and knobs["activation_checkpointing"] is False
+    knobs, smallest = search(cfg, 1.0)  # 1 MiB: the runtime alone is larger
+    assert knobs is None and smallest.peak > MIB
+
+
+def test_cli_prints_json_and_one_line_when_nothing_fits():
+    cmd = [sys.executable, str(ROOT / "tools" / "plan_memory.py"), "config=test/simclr_tiny"]
+    out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    assert out["peak_mib_per_rank"] > 0 and set(out["breakdown_mib"]) == {
+        "params",
+        "grads",
+        "optimizer_state",
+        "gathered_units",
+        "activations",
+        "runtime_overhead",
+    }
+    proc = subprocess.run(cmd + ["--budget-mib", "1"], capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stdout.startswith("nothing fits 1 MiB per rank")
+
+
+@pytest.mark.parametrize("sharded", [True])
+def test_planner_matches_a_two_rank_run_within_10_percent(sharded, tmp_path):
+    args = [
+        "config=test/simclr_tiny",
+        f"config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP={sharded}",
+        "config.DISTRIBUTED.NUM_PROC_PER_NODE=2",
+        "config.OPTIMIZER.num_epochs=1",
+        "config.LOG_FREQUENCY=1",
+        f"config.CHECKPOINT.DIR={tmp_path}",
+    ]
+    predicted = plan(load_config(args)).peak / MIB
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "run_distributed.py"), *args], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    measured = max(int(m) for m in re.findall(r"mem (\d+) MiB", proc.stdout + proc.stderr))
+    assert abs(predicted - measured) <= 0.1 * measured, (predicted, measured)

@@ -1,0 +1,54 @@
+#!/usr/bin/env python
+"""Predict the peak memory per rank of a training run, or find knobs that fit a budget.
+
+    python tools/plan_memory.py config=regnet_fsdp [config.X=Y ...] [--device cpu|cuda]
+    python tools/plan_memory.py config=... --budget-mib 4000 [--max-ranks 16]
+
+Takes the same arguments as tools/run_distributed.py. Prints JSON: ``peak_mib_per_rank`` (what
+the run logs as ``mem``: peak RSS on CPU, peak allocated memory on CUDA) and its breakdown; with
+``--budget-mib`` the fastest knob setting that fits and its ``config.X=Y`` overrides, or one
+line saying that nothing fits, with the smallest peak reached. See vistrain/runtime/memory_plan.py.
+"""
+
+import argparse
+import json
+import sys
+
+from vistrain.config import ConfigError, load_config
+
+
+def main(argv) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: MACHINE.DEVICE")
+    parser.add_argument("--budget-mib", type=float, default=None)
+    parser.add_argument("--max-ranks", type=int, default=None, help="search up to this many ranks")
+    args, config_args = parser.parse_known_args(argv)
+    try:
+        cfg = load_config(config_args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    from vistrain.runtime.memory_plan import overrides, plan, search
+
+    device = args.device or ("cpu" if cfg.MACHINE.DEVICE == "cpu" else "cuda")
+    if args.budget_mib is None:
+        print(json.dumps(plan(cfg, device).as_mib(), indent=2))
+        return 0
+    knobs, result = search(cfg, args.budget_mib, device, args.max_ranks)
+    if knobs is None:
+        print(
+            f"nothing fits {args.budget_mib:.0f} MiB per rank; the smallest reachable peak is "
+            f"{result.peak / 2**20:.0f} MiB"
+        )
+        return 1
+    print(
+        json.dumps(
+            {**result.as_mib(), "knobs": knobs, "overrides": overrides(knobs, cfg.DISTRIBUTED.NUM_NODES)},
+            indent=2,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

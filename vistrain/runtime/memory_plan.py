@@ -1,0 +1,275 @@
+"""Predict a run's peak memory per rank from its config, and search the knobs for a budget.
+
+What the run logs as ``mem`` (CPU: peak RSS of the process; CUDA: peak allocated memory) is
+modelled as the sum of, per rank (bytes; W ranks, a unit of n elements has shards of
+ceil(n / W) elements, p = fp32 master bytes 4, c = compute bytes: 2 under mixed precision):
+
+    params          sum_u ceil(n_u / W) * 4            (DDP: sum_u n_u * 4)
+    grads           the same                           (DDP: twice: .grad and its bucket)
+    optimizer       k * params, k = 1 (SGD/LARS momentum), 2 (AdamW), 0 (SGD without momentum)
+    gathered units  c * (root + two largest other units)   reshard_after_forward (ZeRO-3)
+                    c * (all units)                         otherwise (ZeRO-2)
+                    + 2 * largest unit * reduce bytes   (the gradient being reduced, one in flight)
+    activations     bytes autograd saves in one forward, measured on the meta device (scaled to
+                    2 bytes under mixed precision / AMP); with activation checkpointing the
+                    inputs of the checkpointed modules plus the largest one's own activations
+    runtime         CPU: RSS of a fresh Python process after importing the training stack (measured
+                    once per planner run) + ``CPU_ALLOWANCE_MIB`` for the process group, loader
+                    and allocator; CUDA: 0 (the CUDA context is not allocated memory)
+
+``move_params_to_cpu`` on CUDA moves params, grads and optimizer state out of GPU memory.
+The search in :func:`search` tries the knobs in order of expected speed (see ``speed_cost``).
+"""
+
+import copy
+import functools
+import itertools
+import math
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+from torchvision.models.regnet import AnyStage, ResBottleneckBlock
+
+from vistrain.models import build_model
+from vistrain.runtime.sharding import unit_classes
+
+MIB = 2**20
+# gloo threads and buffers, data loader, glibc arenas: the quick start's peak RSS (770 MiB, 2
+# ranks) minus the import baseline (676 MiB here) minus its model terms (about 20 MiB).
+CPU_ALLOWANCE_MIB = 75
+OPTIMIZER_STATES = {"sgd": 1, "lars": 1, "adamw": 2}
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per rank by component; ``peak`` is their sum."""
+
+    params: float
+    grads: float
+    optimizer_state: float
+    gathered_units: float
+    activations: float
+    runtime_overhead: float
+
+    @property
+    def peak(self) -> float:
+        return sum(asdict(self).values())
+
+    def as_mib(self) -> Dict[str, float]:
+        out = {"peak_mib_per_rank": round(self.peak / MIB, 1)}
+        out["breakdown_mib"] = {k: round(v / MIB, 1) for k, v in asdict(self).items()}
+        return out
+
+
+def unit_sizes(model: nn.Module, classes: Sequence[type]) -> List[int]:
+    """Elements of each sharded unit (outermost matching modules first found; root last).
+
+    Mirrors ``auto_wrap``: every module of ``classes`` is a unit holding its parameters not
+    inside a nested unit; the root holds the rest.
+    """
+    classes = tuple(classes)
+    sizes: List[int] = []
+
+    def owned(module: nn.Module, is_unit_root: bool) -> int:
+        total = sum(p.numel() for p in module.parameters(recurse=False))
+        for child in module.children():
+            if isinstance(child, classes):
+                sizes.append(owned(child, True))
+            else:
+                total += owned(child, False)
+        return total
+
+    sizes.append(owned(model, True))
+    return sizes
+
+
+def sharded_state_bytes(
+    sizes: Sequence[int], world: int, states: int, sharded: bool = True
+) -> Dict[str, int]:
+    """params / grads / optimizer state bytes per rank (fp32 masters) for units of ``sizes``."""
+    elements = sum(-(-n // world) for n in sizes) if sharded else sum(sizes)
+    grads = elements * 4 if sharded else 2 * elements * 4  # DDP: .grad plus its bucket copy
+    return {"params": elements * 4, "grads": grads, "optimizer_state": states * elements * 4}
+
+
+def gathered_bytes(sizes: Sequence[int], compute_bytes: int, reduce_bytes: int, reshard: bool) -> int:
+    """Full (gathered) weights and full gradients alive at the peak, per rank (see module doc)."""
+    root, others = sizes[-1], sorted(sizes[:-1], reverse=True)
+    weights = root + (sum(others[:2]) if reshard else sum(others))
+    largest = max(sizes)
+    return weights * compute_bytes + 2 * largest * reduce_bytes
+
+
+def checkpointed_activations(total: int, per_module: Sequence[int], inputs: Sequence[int]) -> int:
+    """Saved bytes when each module of ``per_module`` is recomputed in backward: everything
+    outside them, their inputs (kept by the checkpoint) and one module's own activations."""
+    if not per_module:
+        return total
+    return total - sum(per_module) + sum(inputs) + max(per_module)
+
+
+def measure_activations(model: nn.Module, crops: List[torch.Tensor], granularity: Optional[str]):
+    """(total saved bytes, [saved bytes per checkpoint module], [input bytes per module]) of one
+    forward on the meta device: autograd's saved tensors, each storage once, weights excluded."""
+    weights = {p.untyped_storage()._cdata for p in model.parameters()}
+    seen, counter = set(), [0]
+
+    def pack(t):
+        key = t.untyped_storage()._cdata
+        if key not in weights and key not in seen:
+            seen.add(key)
+            counter[0] += t.untyped_storage().nbytes()
+        return t
+
+    targets = {"block": ResBottleneckBlock, "stage": AnyStage}.get(granularity or "", ())
+    per_module, inputs = [], []
+
+    def pre(module, args):
+        module._plan_start = counter[0]
+        inputs.append(sum(a.untyped_storage().nbytes() for a in args if isinstance(a, torch.Tensor)))
+
+    def post(module, args, output):
+        per_module.append(counter[0] - module._plan_start)
+
+    handles = []
+    for m in model.modules():
+        if targets and isinstance(m, targets):
+            handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(crops)
+    for h in handles:
+        h.remove()
+    return counter[0], per_module, inputs
+
+
+def _meta_crops(data_cfg, batch: int) -> List[torch.Tensor]:
+    transforms = data_cfg.TRANSFORMS
+    return [
+        torch.empty(batch, 3, size, size, device="meta")
+        for count, size in zip(transforms.NUM_CROPS, transforms.SIZE_CROPS)
+        for _ in range(count)
+    ]
+
+
+def plan(cfg, device: str = "cpu", cache: Optional[dict] = None) -> MemoryPlan:
+    """Peak memory per rank of a training run of ``cfg`` on ``device`` ("cpu" or "cuda").
+
+    ``cache`` (a dict) shares the meta model and activation measurements between plans of
+    the same model (the knob search)."""
+    cache = {} if cache is None else cache
+    model_cfg, fsdp = cfg.MODEL, cfg.MODEL.FSDP_CONFIG
+    world = cfg.DISTRIBUTED.NUM_NODES * cfg.DISTRIBUTED.NUM_PROC_PER_NODE
+    sharded = bool(fsdp.AUTO_SETUP_FSDP)
+    low = bool(sharded and fsdp.mixed_precision or model_cfg.AMP_PARAMS.USE_AMP)
+    if "model" not in cache:
+        with torch.device("meta"):
+            cache["model"] = build_model(model_cfg)
+    model = cache["model"]
+    if sharded:
+        sizes = unit_sizes(model, unit_classes(fp32_batchnorm=low))
+    else:
+        sizes = [sum(p.numel() for p in model.parameters())]
+    momentum = cfg.OPTIMIZER.momentum > 0 or cfg.OPTIMIZER.name == "adamw"
+    states = OPTIMIZER_STATES.get(cfg.OPTIMIZER.name, 1) if momentum else 0
+    state = sharded_state_bytes(sizes, world, states, sharded)
+    if device == "cuda" and sharded and fsdp.move_params_to_cpu:
+        state = dict.fromkeys(state, 0)
+    compute = 2 if sharded and fsdp.mixed_precision else 4
+    reduce = 4 if not (sharded and fsdp.mixed_precision) or fsdp.fp32_reduce_scatter else 2
+    gathered = gathered_bytes(sizes, compute, reduce, fsdp.reshard_after_forward) if sharded else 0
+    checkpointing = model_cfg.ACTIVATION_CHECKPOINTING
+    granularity = checkpointing.GRANULARITY if checkpointing.USE_ACTIVATION_CHECKPOINTING else None
+    crops = _meta_crops(cfg.DATA.TRAIN, cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA)
+    key = ("activations", cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA, granularity)
+    if key not in cache:
+        cache[key] = measure_activations(model, crops, granularity)
+    total, per_module, inputs = cache[key]
+    activations = checkpointed_activations(total, per_module, inputs) * (0.5 if low else 1.0)
+    activations += sum(c.numel() * 4 for c in crops)  # the batch itself
+    runtime = (import_baseline_mib() + CPU_ALLOWANCE_MIB) * MIB if device == "cpu" else 0
+    return MemoryPlan(gathered_units=gathered, activations=activations, runtime_overhead=runtime, **state)
+
+
+@functools.lru_cache(maxsize=1)
+def import_baseline_mib() -> float:
+    """RSS of a fresh Python process that imported what a training rank imports (MiB)."""
+    code = (
+        "import torch, torchvision, vistrain.jobs\n"
+        "from vistrain.fsdp.memory import current_rss_mib\n"
+        "print(current_rss_mib())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def speed_cost(knobs: Dict[str, object], device: str) -> float:
+    """Relative time per image of a knob setting (lower is faster), from bench_fsdp and common
+    practice: ZeRO-3 gathers twice (1.23x ZeRO-2 here), checkpointing re-runs the forward
+    (1.33x), mixed precision halves GPU time (no gain on CPU), CPU offload costs 1.5x."""
+    cost = 1.23 if knobs["reshard_after_forward"] else 1.0
+    cost *= 1.33 if knobs["activation_checkpointing"] else 1.0
+    cost *= 0.6 if knobs["mixed_precision"] and device == "cuda" else 1.0
+    cost *= 1.5 if knobs.get("move_params_to_cpu") else 1.0
+    return cost / knobs["ranks"]
+
+
+def _with_knobs(cfg, knobs: Dict[str, object]):
+    out = copy.deepcopy(cfg)
+    out.defrost()
+    fsdp = out.MODEL.FSDP_CONFIG
+    fsdp.AUTO_SETUP_FSDP = True
+    fsdp.reshard_after_forward = knobs["reshard_after_forward"]
+    fsdp.mixed_precision = knobs["mixed_precision"]
+    fsdp.move_params_to_cpu = knobs.get("move_params_to_cpu", False)
+    out.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING = knobs["activation_checkpointing"]
+    out.DATA.TRAIN.BATCHSIZE_PER_REPLICA = knobs["batch_per_replica"]
+    out.DISTRIBUTED.NUM_PROC_PER_NODE = knobs["ranks"] // out.DISTRIBUTED.NUM_NODES
+    return out
+
+
+def search(cfg, budget_mib: float, device: str = "cpu", max_ranks: Optional[int] = None):
+    """The fastest knob setting whose plan fits ``budget_mib``: (knobs, plan), or (None, the
+    smallest plan reached). Fewer ranks and a larger batch per replica are tried first."""
+    world = cfg.DISTRIBUTED.NUM_NODES * cfg.DISTRIBUTED.NUM_PROC_PER_NODE
+    max_ranks = max_ranks or world
+    ranks = [world * 2**i for i in range(8) if world * 2**i <= max_ranks]
+    batch = cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA
+    batches = [b for b in (batch, batch // 2, batch // 4) if b >= 1]
+    offload = (False, True) if device == "cuda" else (False,)
+    best, smallest, cache = None, None, {}
+    for r, b in itertools.product(ranks, batches):
+        settings = []
+        for reshard, mixed, ckpt, cpu in itertools.product(
+            (False, True), (False, True), (False, True), offload
+        ):
+            settings.append(
+                dict(reshard_after_forward=reshard, mixed_precision=mixed, activation_checkpointing=ckpt,
+                     move_params_to_cpu=cpu, batch_per_replica=b, ranks=r)
+            )  # fmt: skip
+        for knobs in sorted(settings, key=lambda k: speed_cost(k, device)):
+            result = plan(_with_knobs(cfg, knobs), device, cache)
+            if smallest is None or result.peak < smallest[1].peak:
+                smallest = (knobs, result)
+            if result.peak <= budget_mib * MIB:
+                best = (knobs, result)
+                break
+        if best is not None:
+            return best
+    return None, smallest[1]
+
+
+def overrides(knobs: Dict[str, object], nodes: int = 1) -> List[str]:
+    """``config.X=Y`` arguments applying ``knobs``."""
+    return [
+        "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True",
+        f"config.MODEL.FSDP_CONFIG.reshard_after_forward={knobs['reshard_after_forward']}",
+        f"config.MODEL.FSDP_CONFIG.mixed_precision={knobs['mixed_precision']}",
+        f"config.MODEL.FSDP_CONFIG.move_params_to_cpu={knobs['move_params_to_cpu']}",
+        f"config.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING={knobs['activation_checkpointing']}",
+        f"config.DATA.TRAIN.BATCHSIZE_PER_REPLICA={knobs['batch_per_replica']}",
+        f"config.DISTRIBUTED.NUM_PROC_PER_NODE={math.ceil(knobs['ranks'] / nodes)}",
+    ]
