@@ -1,5 +1,6 @@
 """The memory planner: its arithmetic, and its prediction against a real multi-rank run."""
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -95,9 +96,17 @@ def test_search_picks_a_setting_that_fits_or_says_none_does():
     assert knobs is None and smallest.peak > MIB
 
 
-def test_cli_prints_json_and_one_line_when_nothing_fits():
-    cmd = [sys.executable, str(ROOT / "tools" / "plan_memory.py"), "config=test/simclr_tiny"]
-    out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+def _cli():
+    spec = importlib.util.spec_from_file_location("plan_memory", ROOT / "tools" / "plan_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def test_cli_prints_json_and_one_line_when_nothing_fits(capsys):
+    main = _cli()
+    assert main(["config=test/simclr_tiny"]) == 0
+    out = json.loads(capsys.readouterr().out)
     assert out["peak_mib_per_rank"] > 0 and set(out["breakdown_mib"]) == {
         "params",
         "grads",
@@ -106,8 +115,9 @@ def test_cli_prints_json_and_one_line_when_nothing_fits():
         "activations",
         "runtime_overhead",
     }
-    proc = subprocess.run(cmd + ["--budget-mib", "1"], capture_output=True, text=True)
-    assert proc.returncode == 1 and proc.stdout.startswith("nothing fits 1 MiB per rank")
+    assert main(["config=test/simclr_tiny", "--budget-mib", "1"]) == 1
+    assert capsys.readouterr().out.startswith("nothing fits 1 MiB per rank")
+    assert main(["config=test/simclr_tiny", "config.NO_SUCH_KEY=1"]) == 2
 
 
 @pytest.mark.parametrize("sharded", [True])
