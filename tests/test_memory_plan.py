@@ -41,8 +41,10 @@ class _Model(nn.Module):
 
 
 def test_unit_sizes_follow_the_wrap_policy():
-    assert unit_sizes(_Model(), [_Unit]) == [6, 12, 7]
-    assert unit_sizes(_Model(), []) == [25]
+    assert unit_sizes(_Model(), lambda m: isinstance(m, _Unit)) == [6, 12, 7]
+    assert unit_sizes(_Model(), lambda m: False) == [25]
+    # nested units come before the unit holding them
+    assert unit_sizes(_Model(), lambda m: isinstance(m, (_Unit, nn.Linear))) == [6, 12, 0, 2, 7]
 
 
 def test_sharded_state_bytes():
@@ -57,10 +59,12 @@ def test_sharded_state_bytes():
 
 
 def test_gathered_bytes():
-    # ZeRO-3: root (2) + two largest others (9 + 5) in bf16, plus two fp32 full gradients of 9
-    assert gathered_bytes([5, 9, 3, 2], compute_bytes=2, reduce_bytes=4, reshard=True) == 16 * 2 + 72
-    # ZeRO-2: every unit stays gathered
-    assert gathered_bytes([5, 9, 3, 2], compute_bytes=4, reduce_bytes=4, reshard=False) == 19 * 4 + 72
+    # units 5, 9, 3 then root 2. ZeRO-3, backward of the 9: root + 9 + prefetched 5 in bf16,
+    # fp32 gradients of the 9 and of the 3 (still reducing): 16 * 2 + 12 * 4 = 80; the 3: root
+    # + 3 + 9 -> 28, gradients 3 + root 2 -> 20: 48; the 5: (2 + 5) * 2 + (5 + 9) * 4 = 70.
+    assert gathered_bytes([5, 9, 3, 2], compute_bytes=2, reduce_bytes=4, reshard=True) == 80
+    # ZeRO-2: every unit stays gathered (19 * 4); worst gradients 5 + 9
+    assert gathered_bytes([5, 9, 3, 2], compute_bytes=4, reduce_bytes=4, reshard=False) == 19 * 4 + 14 * 4
 
 
 def test_checkpointed_activations():

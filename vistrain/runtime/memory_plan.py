@@ -7,9 +7,9 @@ ceil(n / W) elements, p = fp32 master bytes 4, c = compute bytes: 2 under mixed 
     params          sum_u ceil(n_u / W) * 4            (DDP: sum_u n_u * 4)
     grads           the same                           (DDP: twice: .grad and its bucket)
     optimizer       k * params, k = 1 (SGD/LARS momentum), 2 (AdamW), 0 (SGD without momentum)
-    gathered units  c * (root + two largest other units)   reshard_after_forward (ZeRO-3)
-                    c * (all units)                         otherwise (ZeRO-2)
-                    + 2 * largest unit * reduce bytes   (the gradient being reduced, one in flight)
+    gathered units  backward of unit k (execution order): c * (root + w_k + w_(k-1) prefetched)
+                    (ZeRO-2: c * all units) + reduce bytes * (g_k + g_(k+1) still being reduced),
+                    the worst k (see ``gathered_bytes``)
     activations     bytes autograd saves in one forward, measured on the meta device (scaled to
                     2 bytes under mixed precision / AMP); with activation checkpointing the
                     inputs of the checkpointed modules plus the largest one's own activations
@@ -28,14 +28,14 @@ import math
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 from torchvision.models.regnet import AnyStage, ResBottleneckBlock
 
 from vistrain.models import build_model
-from vistrain.runtime.sharding import unit_classes
+from vistrain.runtime.sharding import wrap_policy
 
 MIB = 2**20
 # gloo threads and buffers, data loader, glibc arenas: the quick start's peak RSS (770 MiB, 2
@@ -65,25 +65,25 @@ class MemoryPlan:
         return out
 
 
-def unit_sizes(model: nn.Module, classes: Sequence[type]) -> List[int]:
-    """Elements of each sharded unit (outermost matching modules first found; root last).
+def unit_sizes(model: nn.Module, is_unit: Callable[[nn.Module], bool]) -> List[int]:
+    """Elements of each sharded unit, in module (execution) order, nested units before the
+    unit holding them; the root last.
 
-    Mirrors ``auto_wrap``: every module of ``classes`` is a unit holding its parameters not
-    inside a nested unit; the root holds the rest.
+    Mirrors ``auto_wrap``: every module ``is_unit`` selects holds its parameters not inside a
+    nested unit; the root holds the rest.
     """
-    classes = tuple(classes)
     sizes: List[int] = []
 
-    def owned(module: nn.Module, is_unit_root: bool) -> int:
+    def owned(module: nn.Module) -> int:
         total = sum(p.numel() for p in module.parameters(recurse=False))
         for child in module.children():
-            if isinstance(child, classes):
-                sizes.append(owned(child, True))
+            if is_unit(child):
+                sizes.append(owned(child))
             else:
-                total += owned(child, False)
+                total += owned(child)
         return total
 
-    sizes.append(owned(model, True))
+    sizes.append(owned(model))
     return sizes
 
 
@@ -97,11 +97,21 @@ def sharded_state_bytes(
 
 
 def gathered_bytes(sizes: Sequence[int], compute_bytes: int, reduce_bytes: int, reshard: bool) -> int:
-    """Full (gathered) weights and full gradients alive at the peak, per rank (see module doc)."""
-    root, others = sizes[-1], sorted(sizes[:-1], reverse=True)
-    weights = root + (sum(others[:2]) if reshard else sum(others))
-    largest = max(sizes)
-    return weights * compute_bytes + 2 * largest * reduce_bytes
+    """Full weights and full gradients alive at the backward peak, per rank.
+
+    ``sizes``: units in execution order, root last. In the backward of unit k the root, unit k
+    and the prefetched unit k-1 are gathered (ZeRO-2: every unit), unit k's full gradient is
+    being produced and unit k+1's is still being reduced:
+    max_k [root + w_k + w_(k-1)] * compute_bytes + [g_k + g_(k+1)] * reduce_bytes.
+    """
+    root, units = sizes[-1], list(sizes[:-1]) or [0]
+    worst = 0
+    for k, size in enumerate(units):
+        before = units[k - 1] if k > 0 else 0
+        after = units[k + 1] if k + 1 < len(units) else root
+        weights = root + (size + before if reshard else sum(units))
+        worst = max(worst, weights * compute_bytes + (size + after) * reduce_bytes)
+    return worst
 
 
 def checkpointed_activations(total: int, per_module: Sequence[int], inputs: Sequence[int]) -> int:
@@ -170,7 +180,8 @@ def plan(cfg, device: str = "cpu", cache: Optional[dict] = None) -> MemoryPlan:
             cache["model"] = build_model(model_cfg)
     model = cache["model"]
     if sharded:
-        sizes = unit_sizes(model, unit_classes(fp32_batchnorm=low))
+        policy = wrap_policy(fp32_batchnorm=low)
+        sizes = unit_sizes(model, lambda m: policy(m) is not None)
     else:
         sizes = [sum(p.numel() for p in model.parameters())]
     momentum = cfg.OPTIMIZER.momentum > 0 or cfg.OPTIMIZER.name == "adamw"

@@ -33,6 +33,30 @@ def unit_classes(fp32_batchnorm: bool) -> dict:
     return classes
 
 
+# A convolution or linear layer with at least this many weights (64 MiB in fp32) is its own unit
+# inside its block: a unit's full weights and full gradient are alive together in backward, so
+# the largest unit sets the peak (RegNetY-128GF's last block holds 154M weights, 588 MiB).
+LARGE_LAYER_PARAMS = 2**24
+
+
+def wrap_policy(fp32_batchnorm: bool) -> Callable[[nn.Module], Optional[dict]]:
+    """The builtin backend's units: :func:`unit_classes` plus every large layer."""
+    by_type = by_class(unit_classes(fp32_batchnorm))
+
+    def policy(module: nn.Module) -> Optional[dict]:
+        overrides = by_type(module)
+        if overrides is None and is_large_layer(module):
+            return {}
+        return overrides
+
+    return policy
+
+
+def is_large_layer(module: nn.Module) -> bool:
+    layer = isinstance(module, (nn.Conv2d, nn.Linear))
+    return layer and sum(p.numel() for p in module.parameters()) >= LARGE_LAYER_PARAMS
+
+
 def apply_activation_checkpointing(model: nn.Module, granularity: str) -> nn.Module:
     """Recompute each RegNet block ("block") or stage ("stage") in backward instead of storing
     its activations. Patches ``forward`` in place, so parameter names do not change."""
@@ -82,7 +106,7 @@ def shard_model(model: nn.Module, model_cfg, param_group_fn: Optional[Callable] 
     mixed = fsdp_cfg.mixed_precision and COMPUTE_DTYPES[fsdp_cfg.compute_dtype] != torch.float32
     return auto_wrap(
         model,
-        by_class(classes),
+        wrap_policy(fp32_batchnorm=low_precision),
         reshard_after_forward=fsdp_cfg.reshard_after_forward,
         mixed_precision=mixed,
         fp32_reduce_scatter=fsdp_cfg.fp32_reduce_scatter,
