@@ -44,7 +44,7 @@ def test_unit_sizes_follow_the_wrap_policy():
     assert unit_sizes(_Model(), lambda m: isinstance(m, _Unit)) == [6, 12, 7]
     assert unit_sizes(_Model(), lambda m: False) == [25]
     # nested units come before the unit holding them
-    assert unit_sizes(_Model(), lambda m: isinstance(m, (_Unit, nn.Linear))) == [6, 12, 0, 2, 7]
+    assert unit_sizes(_Model(), lambda m: isinstance(m, (_Unit, nn.Linear))) == [6, 0, 12, 0, 2, 5]
 
 
 def test_sharded_state_bytes():
