@@ -241,7 +241,7 @@ def test_lars_on_flat_shard_uses_per_original_norms(monkeypatch):
     grads = [(torch.randn(6, generator=gen), torch.randn(4, generator=gen)) for _ in range(2)]
     flat = nn.Parameter(torch.cat([a, b, torch.zeros(2)]))
     separate = [nn.Parameter(a.clone()), nn.Parameter(b.clone())]
-    monkeypatch.setattr(lars_module, "origin_sq_norms", _segment_sq_norms({id(flat): [(0, 6), (6, 10)]}))
+    monkeypatch.setattr(lars_module, "origin_sq_sums", _segment_sq_norms({id(flat): [(0, 6), (6, 10)]}))
     opt_flat = LARS([flat], lr=0.1, weight_decay=1e-3, eta=0.01)
     opt_sep = LARS(separate, lr=0.1, weight_decay=1e-3, eta=0.01)
     for ga, gb in grads:
@@ -254,7 +254,7 @@ def test_lars_on_flat_shard_uses_per_original_norms(monkeypatch):
     # The trust ratio differs per original: one norm over the whole flat would give another result.
     whole = nn.Parameter(torch.cat([a, b]))
     opt_whole = LARS([whole], lr=0.1, weight_decay=1e-3, eta=0.01)
-    monkeypatch.setattr(lars_module, "origin_sq_norms", _plain_origin_sq_norms)
+    monkeypatch.setattr(lars_module, "origin_sq_sums", _plain_origin_sq_norms)
     for ga, gb in grads:
         whole.grad = torch.cat([ga, gb])
         opt_whole.step()

@@ -1,6 +1,7 @@
 """Gradient norms over sharded parameters: global clipping and per-original-parameter norms (LARS)."""
 
 import math
+from dataclasses import dataclass
 from typing import List
 
 import torch
@@ -40,17 +41,43 @@ def clip_grad_norm_(
     return total
 
 
-def origin_sq_norms(params: List[torch.Tensor], tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-    """Squared L2 norm of each *original* parameter, laid out like each (possibly sharded) param.
+@dataclass
+class SegmentValues:
+    """One value per original-parameter slice of a flat shard: ``values[k]`` applies to shard
+    elements ``[starts[k], starts[k] + lengths[k])``; padding elements have no value."""
+
+    values: torch.Tensor  # (len(starts),) fp32
+    starts: List[int]
+    lengths: List[int]
+    numel: int  # elements of the shard
+
+    def map(self, fn) -> "SegmentValues":
+        """``fn`` applied to the values (elementwise), same segments."""
+        return SegmentValues(fn(self.values), self.starts, self.lengths, self.numel)
+
+    def mul_into(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (shaped like the shard) with each segment scaled in place by its value."""
+        for k, (start, length) in enumerate(zip(self.starts, self.lengths)):
+            t[start : start + length].mul_(self.values[k].to(t.dtype))
+        return t
+
+    def spread(self) -> torch.Tensor:
+        """(numel,) fp32 with each segment's value on its elements and 0 on padding."""
+        values = torch.cat([self.values, self.values.new_zeros(1)])
+        counts = torch.tensor(self.lengths + [self.numel - sum(self.lengths)], device=values.device)
+        return torch.repeat_interleave(values, counts, output_size=self.numel)
+
+
+def origin_sq_sums(params: List[torch.Tensor], tensors: List[torch.Tensor]) -> list:
+    """Squared L2 norm of each *original* parameter, per slice of each (possibly sharded) param.
 
     For a shard ``p`` (it carries ``p._fsdp_handle``) and a tensor ``t`` shaped like it
-    (``p.detach()`` or ``p.grad``), returns a tensor shaped like ``p`` whose element i holds
-    ||W_j||^2 for the original parameter W_j that element i belongs to, summed over every rank's
-    slice of W_j (padding elements get 0). For a plain parameter it returns the scalar (t*t).sum().
-    The slices come from rank arithmetic (``shard_slices``), so nothing per element is kept
-    between steps; all shards share one all-reduce per process group.
+    (``p.detach()`` or ``p.grad``), returns :class:`SegmentValues` holding ||W_j||^2 (summed over
+    every rank's slice of W_j) for each original W_j with a slice in this shard. For a plain
+    parameter, the scalar (t*t).sum(). Slices come from rank arithmetic (``shard_slices``):
+    nothing per element is built; all shards share one all-reduce per process group.
     """
-    out: List[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
+    out: list = [None] * len(params)
     by_group = {}
     for i, (p, t) in enumerate(zip(params, tensors)):
         handle = getattr(p, "_fsdp_handle", None)
@@ -58,6 +85,7 @@ def origin_sq_norms(params: List[torch.Tensor], tensors: List[torch.Tensor]) -> 
             out[i] = t.detach().float().pow(2).sum()
             continue
         slices = shard_slices(handle.origins, handle.world_size, handle.rank)
+        # one entry per origin (not per local slice): every rank all-reduces the same layout
         sums = torch.zeros(len(handle.origins), dtype=torch.float32, device=t.device)
         for idx, s_start, _, length in slices:
             sums[idx] = t.detach()[s_start : s_start + length].float().pow(2).sum()
@@ -68,17 +96,15 @@ def origin_sq_norms(params: List[torch.Tensor], tensors: List[torch.Tensor]) -> 
             dist.all_reduce(flat, group=group)
         offset = 0
         for i, slices, sums in entries:
-            out[i] = _spread(flat[offset : offset + sums.numel()], slices, tensors[i].numel())
+            values = flat[offset : offset + sums.numel()][[idx for idx, *_ in slices]]
+            starts, lengths = [s for _, s, _, _ in slices], [n for *_, n in slices]
+            out[i] = SegmentValues(values, starts, lengths, tensors[i].numel())
             offset += sums.numel()
     return out
 
 
-def _spread(per_origin: torch.Tensor, slices, shard_numel: int) -> torch.Tensor:
-    """(shard_numel,) fp32: per_origin[j] on the elements of origin j's slice, 0 on padding."""
-    values = [per_origin[idx].reshape(1) for idx, *_ in slices]
-    lengths = [length for *_, length in slices]
-    padding = shard_numel - sum(lengths)
-    values.append(per_origin.new_zeros(1))
-    lengths.append(padding)
-    counts = torch.tensor(lengths, device=per_origin.device)
-    return torch.repeat_interleave(torch.cat(values), counts, output_size=shard_numel)
+def origin_sq_norms(params: List[torch.Tensor], tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """:func:`origin_sq_sums` laid out like each param: a shard gets a tensor shaped like it whose
+    element i holds ||W_j||^2 of the original W_j element i belongs to (padding: 0); a plain
+    parameter the scalar. Builds one shard-sized tensor per param: LARS uses the sums directly."""
+    return [s.spread() if isinstance(s, SegmentValues) else s for s in origin_sq_sums(params, tensors)]

@@ -4,8 +4,9 @@
 ``eta * ||w_l|| / (||grad L(w_l)|| + beta * ||w_l||)`` with beta the weight decay. Here "layer" is
 one ORIGINAL parameter. Under the sharded engine a flat shard holds slices of several original
 parameters and every original parameter is split across ranks, so the norms come from
-``vistrain.fsdp.grad.origin_sq_norms``: per element, the squared norm of the original parameter
-that element belongs to, summed over shards and ranks. Sharded LARS therefore equals DDP LARS.
+``vistrain.fsdp.grad.origin_sq_sums``: per slice of an original parameter inside a shard, the
+squared norm of that original parameter summed over shards and ranks; the trust ratio scales
+the update slice by slice (nothing per element). Sharded LARS therefore equals DDP LARS.
 """
 
 from typing import Callable, Optional
@@ -13,7 +14,13 @@ from typing import Callable, Optional
 import torch
 from torch.optim import Optimizer
 
-from vistrain.fsdp import origin_sq_norms
+from vistrain.fsdp import origin_sq_sums
+
+
+def _trust(w_norm: torch.Tensor, g_norm: torch.Tensor, eta: float, decay: float) -> torch.Tensor:
+    """eta * ||w|| / (||g|| + decay * ||w||), 1 where either norm is 0 (elementwise)."""
+    ratio = eta * w_norm / (g_norm + decay * w_norm)
+    return torch.where((w_norm > 0) & (g_norm > 0), ratio, torch.ones_like(ratio))
 
 
 class LARS(Optimizer):
@@ -91,19 +98,26 @@ class LARS(Optimizer):
             return {}
         # One call (one all-reduce when sharded) for the weight and gradient norms together.
         tensors = [p.detach() for p in params] + [p.grad for p in params]
-        sq = origin_sq_norms(params + params, tensors)
+        sq = origin_sq_sums(params + params, tensors)
         out = {}
         for i, p in enumerate(params):
-            w_norm, g_norm = sq[i].sqrt(), sq[len(params) + i].sqrt()
-            ratio = etas[i] * w_norm / (g_norm + decays[i] * w_norm)
-            out[p] = torch.where((w_norm > 0) & (g_norm > 0), ratio, torch.ones_like(ratio))
+            w_sq, g_sq = sq[i], sq[len(params) + i]
+            if hasattr(w_sq, "map"):  # per original-parameter slice of a flat shard
+                out[p] = w_sq.map(
+                    lambda w, g=g_sq.values, i=i: _trust(w.sqrt(), g.sqrt(), etas[i], decays[i])
+                )
+            else:
+                out[p] = _trust(w_sq.sqrt(), g_sq.sqrt(), etas[i], decays[i])
         return out
 
     def _update(self, p: torch.Tensor, group: dict, trust) -> None:
         d_p = p.grad
         if group["weight_decay"] != 0:
             d_p = d_p.add(p, alpha=group["weight_decay"])
-        d_p = d_p * trust
+        if hasattr(trust, "mul_into"):  # per-slice trust of a flat shard, scaled slice by slice
+            d_p = trust.mul_into(d_p.clone() if d_p is p.grad else d_p)
+        else:
+            d_p = d_p * trust
         momentum = group["momentum"]
         if momentum != 0:
             state = self.state[p]

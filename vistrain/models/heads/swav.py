@@ -24,7 +24,8 @@ class SwAVPrototypes(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        # autocast knows no meta device (shape-only runs: the memory planner); cpu is equivalent
+        with torch.autocast(device_type="cpu" if x.is_meta else x.device.type, enabled=False):
             return F.linear(x.to(dtype), self.weight.to(dtype))
 
     @torch.no_grad()
