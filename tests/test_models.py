@@ -16,7 +16,6 @@ from vistrain.models.trunks.regnet import (
     RegNetTrunk,
     block_params_from_config,
     describe,
-    stage_settings,
     to_torchvision_state_dict,
 )
 
@@ -290,18 +289,6 @@ def test_bad_crop_inputs():
         model([])
     with pytest.raises(ValueError, match=r"\(N, 3, H, W\)"):
         model(torch.randn(3, 32, 32))
-
-
-def test_torchvision_private_stage_expansion_still_matches():
-    """``stage_settings`` is our one use of torchvision's private ``_get_expanded_params``: if
-    torchvision renames it or changes what it yields, this fails here, not deep in a build."""
-    params = block_params_from_config(published_cfg("regnet_y_400mf").TRUNK.REGNET)
-    assert hasattr(params, "_get_expanded_params"), "torchvision dropped BlockParams._get_expanded_params"
-    expected = list(
-        zip(params.widths, params.strides, params.depths, params.group_widths, params.bottleneck_multipliers)
-    )
-    assert stage_settings(params) == expected
-    assert [s[0] for s in expected] == [48, 104, 208, 440] and [s[2] for s in expected] == [1, 3, 6, 6]
 
 
 def test_block_params_computed_under_a_meta_default_device():

@@ -68,3 +68,24 @@ def test_saved_tensors_hooks_are_visible_and_can_be_disabled():
         assert current_saved_tensors_hooks() == (pack, unpack)
     with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"):
         assert not saved_tensors_hooks_enabled()
+
+
+def test_storage_id_identifies_storages_on_meta_and_the_dispatch_mode_sees_aten_calls():
+    import torch
+
+    from vistrain.torch_compat import TorchDispatchMode, storage_id, tree_flatten, tree_map
+
+    a, b = torch.empty(4, device="meta"), torch.empty(4, device="meta")
+    assert storage_id(a) == storage_id(a.detach()) == storage_id(a[1:]) != storage_id(b)
+    seen = []
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        torch.empty(3, device="meta").uniform_()
+    assert torch.ops.aten.uniform_.default in seen
+    assert tree_map(lambda x: x * 2, ([1], {"k": 2})) == ([2], {"k": 4})
+    assert tree_flatten(([1], {"k": 2}))[0] == [1, 2]

@@ -24,6 +24,8 @@ from typing import Callable, List, NamedTuple, Optional, Tuple
 import torch
 from torch.autograd import Variable
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
+from torch.utils._pytree import tree_flatten, tree_map  # noqa: F401  (re-exported)
 from torchvision.models.regnet import BlockParams
 
 BatchNormBase = _BatchNorm
@@ -63,3 +65,14 @@ def current_saved_tensors_hooks() -> Optional[Tuple[Callable, Callable]]:
 def saved_tensors_hooks_enabled() -> bool:
     """False inside ``torch.autograd.graph.disable_saved_tensors_hooks`` (pushing hooks raises)."""
     return torch._C._autograd._saved_tensors_hooks_is_enabled()
+
+
+# -- recording a model's initialisation on the meta device (vistrain.fsdp.deferred_init) ------
+# ``TorchDispatchMode`` sees every ATen call with its arguments (public in spirit, private by
+# module name); pytree maps nested arguments; a storage's ``_cdata`` identifies it also on the
+# meta device, where ``data_ptr()`` is 0 for every tensor.
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """Identity of ``t``'s storage (shared by its views), valid on every device including meta."""
+    return t.untyped_storage()._cdata

@@ -22,8 +22,8 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+
+from vistrain.torch_compat import TorchDispatchMode, storage_id, tree_flatten, tree_map
 
 RECIPE_ATTR = "_vistrain_init_recipe"
 
@@ -108,7 +108,7 @@ def _on_cpu(kwargs: dict) -> dict:
 
 
 def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+    return storage_id(t)
 
 
 def _covers_storage(t: torch.Tensor) -> bool:

@@ -36,6 +36,7 @@ from torchvision.models.regnet import AnyStage, ResBottleneckBlock
 
 from vistrain.models import build_model
 from vistrain.runtime.sharding import wrap_policy
+from vistrain.torch_compat import storage_id
 
 MIB = 2**20
 # gloo threads and buffers, data loader, glibc arenas: the quick start's peak RSS (770 MiB, 2
@@ -125,11 +126,11 @@ def checkpointed_activations(total: int, per_module: Sequence[int], inputs: Sequ
 def measure_activations(model: nn.Module, crops: List[torch.Tensor], granularity: Optional[str]):
     """(total saved bytes, [saved bytes per checkpoint module], [input bytes per module]) of one
     forward on the meta device: autograd's saved tensors, each storage once, weights excluded."""
-    weights = {p.untyped_storage()._cdata for p in model.parameters()}
+    weights = {storage_id(p) for p in model.parameters()}
     seen, counter = set(), [0]
 
     def pack(t):
-        key = t.untyped_storage()._cdata
+        key = storage_id(t)
         if key not in weights and key not in seen:
             seen.add(key)
             counter[0] += t.untyped_storage().nbytes()
