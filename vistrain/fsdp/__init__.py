@@ -5,6 +5,7 @@ model = auto_wrap(model, by_class({Block: {}}), mixed_precision=True)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)   # holds only this rank's shards
 """
 
+from vistrain.fsdp.deferred_init import build_on_meta, materialize  # noqa: F401
 from vistrain.fsdp.fully_sharded import FullyShardedDataParallel  # noqa: F401
 from vistrain.fsdp.grad import origin_sq_norms, origin_sq_sums  # noqa: F401
 from vistrain.fsdp.mixed_precision import ShardedGradScaler  # noqa: F401
