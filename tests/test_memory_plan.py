@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from vistrain.config import load_config
+from vistrain.runtime import memory_plan
 from vistrain.runtime.memory_plan import (
     MIB,
     checkpointed_activations,
@@ -90,7 +91,13 @@ class _CropsToTensor(nn.Module):
         return self.inner(crops[0])
 
 
-def test_search_picks_a_setting_that_fits_or_says_none_does():
+@pytest.fixture
+def fixed_baseline(monkeypatch):
+    """The search and the CLI, not the import baseline (a subprocess), are under test here."""
+    monkeypatch.setattr(memory_plan, "import_baseline_mib", lambda: 700.0)
+
+
+def test_search_picks_a_setting_that_fits_or_says_none_does(fixed_baseline):
     cfg = load_config(["config=test/simclr_tiny", "config.DISTRIBUTED.NUM_PROC_PER_NODE=2"])
     base = plan(cfg).peak / MIB
     knobs, result = search(cfg, base * 1.5)
@@ -107,7 +114,7 @@ def _cli():
     return module.main
 
 
-def test_cli_prints_json_and_one_line_when_nothing_fits(capsys):
+def test_cli_prints_json_and_one_line_when_nothing_fits(capsys, fixed_baseline):
     main = _cli()
     assert main(["config=test/simclr_tiny"]) == 0
     out = json.loads(capsys.readouterr().out)
