@@ -61,11 +61,11 @@ def test_sharded_state_bytes():
 
 def test_gathered_bytes():
     # units 5, 9, 3 then root 2. ZeRO-3, backward of the 9: root + 9 + prefetched 5 in bf16,
-    # fp32 gradients of the 9 and of the 3 (still reducing): 16 * 2 + 12 * 4 = 80; the 3: root
-    # + 3 + 9 -> 28, gradients 3 + root 2 -> 20: 48; the 5: (2 + 5) * 2 + (5 + 9) * 4 = 70.
-    assert gathered_bytes([5, 9, 3, 2], compute_bytes=2, reduce_bytes=4, reshard=True) == 80
-    # ZeRO-2: every unit stays gathered (19 * 4); worst gradients 5 + 9
-    assert gathered_bytes([5, 9, 3, 2], compute_bytes=4, reduce_bytes=4, reshard=False) == 19 * 4 + 14 * 4
+    # fp32 gradients: the 9 twice (per parameter and concatenated) and the 3 still reducing:
+    # 16 * 2 + 21 * 4 = 116; the 3: (2 + 3 + 9) * 2 + (6 + 2) * 4 = 60; the 5: 14 + 19 * 4 = 90.
+    assert gathered_bytes([5, 9, 3, 2], compute_bytes=2, reduce_bytes=4, reshard=True) == 116
+    # ZeRO-2: every unit stays gathered (19 * 4); worst gradients 2 * 9 + 3 = 21 (2 * 5 + 9 = 19)
+    assert gathered_bytes([5, 9, 3, 2], compute_bytes=4, reduce_bytes=4, reshard=False) == 19 * 4 + 21 * 4
 
 
 def test_checkpointed_activations():

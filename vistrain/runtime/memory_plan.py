@@ -8,8 +8,8 @@ ceil(n / W) elements, p = fp32 master bytes 4, c = compute bytes: 2 under mixed 
     grads           the same                           (DDP: twice: .grad and its bucket)
     optimizer       k * params, k = 1 (SGD/LARS momentum), 2 (AdamW), 0 (SGD without momentum)
     gathered units  backward of unit k (execution order): c * (root + w_k + w_(k-1) prefetched)
-                    (ZeRO-2: c * all units) + reduce bytes * (g_k + g_(k+1) still being reduced),
-                    the worst k (see ``gathered_bytes``)
+                    (ZeRO-2: c * all units) + reduce bytes * (2 g_k: per-parameter gradients and
+                    their concatenation, + g_(k+1) still being reduced), the worst k
     activations     bytes autograd saves in one forward, measured on the meta device (scaled to
                     2 bytes under mixed precision / AMP); with activation checkpointing the
                     inputs of the checkpointed modules plus the largest one's own activations
@@ -102,8 +102,9 @@ def gathered_bytes(sizes: Sequence[int], compute_bytes: int, reduce_bytes: int, 
 
     ``sizes``: units in execution order, root last. In the backward of unit k the root, unit k
     and the prefetched unit k-1 are gathered (ZeRO-2: every unit), unit k's full gradient is
-    being produced and unit k+1's is still being reduced:
-    max_k [root + w_k + w_(k-1)] * compute_bytes + [g_k + g_(k+1)] * reduce_bytes.
+    being produced (twice at its end: autograd's split backward concatenates the per-parameter
+    gradients into the flat one) and unit k+1's is still being reduced:
+    max_k [root + w_k + w_(k-1)] * compute_bytes + [2 g_k + g_(k+1)] * reduce_bytes.
     """
     root, units = sizes[-1], list(sizes[:-1]) or [0]
     worst = 0
@@ -111,7 +112,7 @@ def gathered_bytes(sizes: Sequence[int], compute_bytes: int, reduce_bytes: int, 
         before = units[k - 1] if k > 0 else 0
         after = units[k + 1] if k + 1 < len(units) else root
         weights = root + (size + before if reshard else sum(units))
-        worst = max(worst, weights * compute_bytes + (size + after) * reduce_bytes)
+        worst = max(worst, weights * compute_bytes + (2 * size + after) * reduce_bytes)
     return worst
 
 
