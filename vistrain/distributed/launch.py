@@ -297,9 +297,9 @@ def _wait_for_failure(processes) -> List[int]:
         multiprocessing.connection.wait(running, timeout=5.0)
 
 
-def _stop(processes, grace: float = STOP_GRACE_SECONDS) -> None:
+def _stop(processes, grace: float = STOP_GRACE_SECONDS, escalation=(None, "terminate", "kill")) -> None:
     """Let the other ranks exit on their own for ``grace`` s, then SIGTERM, then SIGKILL."""
-    for escalate in (None, "terminate", "kill"):
+    for escalate in escalation:
         for p in processes:
             if escalate and p.is_alive():
                 getattr(p, escalate)()
@@ -312,15 +312,7 @@ def _stop(processes, grace: float = STOP_GRACE_SECONDS) -> None:
 
 def _terminate(processes, grace: float = STOP_GRACE_SECONDS) -> None:
     """SIGTERM every rank, SIGKILL those still alive after ``grace`` s; return once all are gone."""
-    for escalate in ("terminate", "kill"):
-        for p in processes:
-            if p.is_alive():
-                getattr(p, escalate)()
-        deadline = time.monotonic() + grace
-        for p in processes:
-            p.join(max(0.0, deadline - time.monotonic()))
-        if not any(p.is_alive() for p in processes):
-            return
+    _stop(processes, grace, escalation=("terminate", "kill"))
 
 
 def _traceback_path(error_dir: str, local_rank: int) -> str:
