@@ -88,25 +88,17 @@ def worker(rank, world):
         "fsdp": run("fsdp", rank, world),
         "fsdp_no_reshard": run("fsdp", rank, world, reshard_after_forward=False),
         "fsdp_offload": run("fsdp", rank, world, move_params_to_cpu=True),
-        "fsdp_bf16": run(
-            "fsdp",
-            rank,
-            world,
-            mixed_precision=True,
-            compute_dtype=torch.bfloat16,
-            fp32_reduce_scatter=True,
-            amp=torch.bfloat16,
-        ),
-        "fsdp_fp16": run(
-            "fsdp",
-            rank,
-            world,
-            mixed_precision=True,
-            compute_dtype=torch.float16,
-            fp32_reduce_scatter=True,
-            amp=torch.float16,
-        ),
     }
+    for name, dtype in (("fsdp_bf16", torch.bfloat16), ("fsdp_fp16", torch.float16)):
+        runs[name] = run(
+            "fsdp",
+            rank,
+            world,
+            mixed_precision=True,
+            compute_dtype=dtype,
+            fp32_reduce_scatter=True,
+            amp=dtype,
+        )
     ref = runs["ddp"]
     summary = {}
     for name, r in runs.items():
