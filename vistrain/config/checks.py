@@ -23,6 +23,11 @@ from fvcore.common.config import CfgNode
 
 from vistrain.config.loader import ConfigError
 
+# Names the launcher also checks when it is called directly from Python (not through the CLI).
+DEVICES = ("auto", "cpu", "cuda")
+DIST_BACKENDS = ("auto", "nccl", "gloo")
+INIT_METHODS = ("tcp", "env", "file")
+
 Problem = Optional[str]  # a rule's answer: None when the value is fine, else what is wrong with it
 
 
@@ -110,12 +115,12 @@ RUN_FOLDER_KEY = "CHECKPOINT.DIR"
 RULES = {
     "ENGINE_NAME": [one_of("engines")],
     "LOG_FREQUENCY": [at_least(1)],
-    "MACHINE.DEVICE": [one_of(("auto", "cpu", "cuda"))],
-    "DISTRIBUTED.BACKEND": [one_of(("auto", "nccl", "gloo"))],
+    "MACHINE.DEVICE": [one_of(DEVICES)],
+    "DISTRIBUTED.BACKEND": [one_of(DIST_BACKENDS)],
     "DISTRIBUTED.NUM_NODES": [at_least(1)],
     "DISTRIBUTED.NUM_PROC_PER_NODE": [at_least(1)],
     "DISTRIBUTED.NODE_ID": [at_least(0)],
-    "DISTRIBUTED.INIT_METHOD": [one_of(("tcp", "env", "file"))],
+    "DISTRIBUTED.INIT_METHOD": [one_of(INIT_METHODS)],
     "DISTRIBUTED.TIMEOUT_SECONDS": [at_least(1)],
     "DATA.NUM_DATALOADER_WORKERS": [at_least(0)],
     "DATA.*.BATCHSIZE_PER_REPLICA": [at_least(1)],

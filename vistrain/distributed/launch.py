@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from fvcore.common.config import CfgNode
 
+from vistrain.config.checks import DEVICES, DIST_BACKENDS, INIT_METHODS
 from vistrain.config.loader import ConfigError
 from vistrain.distributed import supervise
 from vistrain.distributed.join import (  # noqa: F401  first_slurm_host: public here too
@@ -86,7 +87,7 @@ def launch(main_fn: Callable[[CfgNode], object], cfg: CfgNode) -> None:
 def resolve_device(machine_cfg: CfgNode) -> str:
     """MACHINE.DEVICE -> "cuda" | "cpu" ("auto": cuda when available)."""
     choice = machine_cfg.DEVICE
-    if choice not in ("auto", "cpu", "cuda"):
+    if choice not in DEVICES:
         raise ConfigError(f"MACHINE.DEVICE must be auto, cpu or cuda, got {choice!r}")
     if choice == "cuda" and not torch.cuda.is_available():
         raise ConfigError("MACHINE.DEVICE=cuda but no CUDA device is available")
@@ -139,7 +140,7 @@ def plan_launch(dist_cfg: CfgNode, machine_cfg: CfgNode, environ: Mapping[str, s
 def _backend(choice: str, device: str) -> str:
     if choice == "auto":
         return "nccl" if device == "cuda" else "gloo"
-    if choice not in ("nccl", "gloo"):
+    if choice not in DIST_BACKENDS:
         raise ConfigError(f"DISTRIBUTED.BACKEND must be auto, nccl or gloo, got {choice!r}")
     if choice == "nccl" and device != "cuda":
         raise ConfigError("DISTRIBUTED.BACKEND=nccl needs CUDA; use gloo (or auto) on CPU")
@@ -181,7 +182,7 @@ def _print_notes(plan: LaunchPlan) -> None:
 
 def _init_method(dist_cfg: CfgNode, environ: Mapping[str, str], nodes: int) -> str:
     method, run_id = dist_cfg.INIT_METHOD, dist_cfg.RUN_ID
-    if method not in ("tcp", "env", "file"):
+    if method not in INIT_METHODS:
         raise ConfigError(f"DISTRIBUTED.INIT_METHOD must be tcp, env or file, got {method!r}")
     if run_id == "auto" and nodes > 1 and not (method == "env" and "MASTER_ADDR" in environ):
         raise ConfigError(
