@@ -17,7 +17,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-HEAD_INPUT = {"regnet_y_128gf": 7392, "regnet_y_256gf": 10444, "regnet_y_400mf": 440}
+HEAD_INPUT = {
+    "regnet_y_128gf": 7392,
+    "regnet_y_256gf": 10444,
+    "regnet_y_32gf": 3712,
+    "regnet_y_16gf": 3024,
+    "regnet_y_400mf": 440,
+}
 MEM = re.compile(r"mem (\d+) MiB")
 
 
@@ -37,6 +43,7 @@ def run(backend: str, args, run_dir: Path) -> int:
         "config.OPTIMIZER.num_epochs=1",
         "config.LOG_FREQUENCY=1",
         f"config.CHECKPOINT.DIR={run_dir}",
+        f"config.MACHINE.CPU_MMAP_THRESHOLD_MIB={args.cpu_mmap_threshold_mib}",
     ]
     print(" ".join(cmd[1:]), flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -53,6 +60,12 @@ def main():
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--images", type=int, default=16)
     parser.add_argument("--backends", nargs="+", default=["builtin", "torch"])
+    parser.add_argument(
+        "--cpu-mmap-threshold-mib",
+        type=float,
+        default=0.0,
+        help="MACHINE.CPU_MMAP_THRESHOLD_MIB of both runs",
+    )
     args = parser.parse_args()
     peaks = {}
     for backend in args.backends:

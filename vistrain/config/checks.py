@@ -116,6 +116,7 @@ RULES = {
     "ENGINE_NAME": [one_of("engines")],
     "LOG_FREQUENCY": [at_least(1)],
     "MACHINE.DEVICE": [one_of(DEVICES)],
+    "MACHINE.CPU_MMAP_THRESHOLD_MIB": [at_least(0)],
     "DISTRIBUTED.BACKEND": [one_of(DIST_BACKENDS)],
     "DISTRIBUTED.NUM_NODES": [at_least(1)],
     "DISTRIBUTED.NUM_PROC_PER_NODE": [at_least(1)],

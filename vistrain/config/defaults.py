@@ -16,6 +16,10 @@ _C.LOG_FREQUENCY = 10  # rank-0 log line every this many iterations
 
 _C.MACHINE = CN()
 _C.MACHINE.DEVICE = "auto"  # auto (cuda when available) | cpu | cuda
+# CPU ranks: glibc maps every allocation of at least this many MiB on its own and gives it back
+# when freed (0: glibc's default, whose heaps keep freed blocks of up to 32 MiB). Lower peak RSS
+# for sharded runs of big models, slower steps (vistrain/runtime/host_memory.py has the numbers).
+_C.MACHINE.CPU_MMAP_THRESHOLD_MIB = 0.0
 
 # ---------------------------------------------------------------------------------------------
 _C.DISTRIBUTED = CN()

@@ -11,6 +11,7 @@ from vistrain.checkpoint.files import fsync_dir
 from vistrain.config import save_config
 from vistrain.distributed import comm
 from vistrain.distributed.launch import resolve_device
+from vistrain.runtime.host_memory import set_mmap_threshold
 from vistrain.runtime.logger import setup_logging
 
 
@@ -23,11 +24,14 @@ def start_run(cfg) -> torch.device:
     """
     run_dir = cfg.CHECKPOINT.DIR
     setup_logging(run_dir)
+    device = resolve_device(cfg.MACHINE)
+    if device == "cpu":
+        set_mmap_threshold(cfg.MACHINE.CPU_MMAP_THRESHOLD_MIB)
     check_run_dir_is_shared(run_dir)
     random.seed(cfg.SEED_VALUE)
     np.random.seed(cfg.SEED_VALUE)
     torch.manual_seed(cfg.SEED_VALUE)
-    if resolve_device(cfg.MACHINE) == "cuda":
+    if device == "cuda":
         return torch.device("cuda", torch.cuda.current_device())  # set per local rank by launch
     return torch.device("cpu")
 
