@@ -29,7 +29,7 @@ from typing import Callable, Dict, Tuple
 import torch
 
 from vistrain.checkpoint.files import TMP_SUFFIX, CheckpointError, fsync_dir, load_structure, safe_load
-from vistrain.torch_compat import storage_file_offset, tree_map
+from vistrain.torch_compat import storage_file_offset, tree_flatten, tree_map
 
 logger = logging.getLogger("vistrain")
 
@@ -102,21 +102,17 @@ class TensorFile:
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """Writable bytes of the contiguous tensor ``t`` (any dtype, also bfloat16)."""
-    flat = t.detach().reshape(-1)
+    if not t.is_contiguous():
+        raise ValueError("reading or writing the bytes of a tensor needs a contiguous one")
+    flat = t.detach().view(-1)
     if flat.numel() == 0:
         return memoryview(bytearray())
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
 def _has_offsets(obj) -> bool:
-    found = []
-    tree_map(
-        lambda v: found.append(storage_file_offset(v.untyped_storage()))
-        if isinstance(v, torch.Tensor)
-        else v,
-        obj,
-    )
-    return all(offset is not None for offset in found)
+    tensors = [v for v in tree_flatten(obj)[0] if isinstance(v, torch.Tensor)]
+    return all(storage_file_offset(t.untyped_storage()) is not None for t in tensors)
 
 
 def _native_zip(path: str) -> bool:
