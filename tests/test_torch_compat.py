@@ -89,3 +89,19 @@ def test_storage_id_identifies_storages_on_meta_and_the_dispatch_mode_sees_aten_
     assert torch.ops.aten.uniform_.default in seen
     assert tree_map(lambda x: x * 2, ([1], {"k": 2})) == ([2], {"k": 4})
     assert tree_flatten(([1], {"k": 2}))[0] == [1, 2]
+
+
+def test_meta_load_records_where_each_storage_starts_in_the_file(tmp_path):
+    import torch
+
+    from vistrain.torch_compat import storage_file_offset
+
+    saved = {"a": torch.randn(5, 3), "b": torch.arange(4, dtype=torch.int16)}
+    torch.save(saved, tmp_path / "x.pt")
+    data = (tmp_path / "x.pt").read_bytes()
+    for key, meta in torch.load(tmp_path / "x.pt", map_location="meta", weights_only=True).items():
+        assert meta.is_meta and meta.shape == saved[key].shape and meta.dtype == saved[key].dtype
+        offset = storage_file_offset(meta.untyped_storage())
+        nbytes = saved[key].numel() * saved[key].element_size()
+        assert data[offset : offset + nbytes] == saved[key].numpy().tobytes(), key
+    assert storage_file_offset(torch.zeros(2).untyped_storage()) is None

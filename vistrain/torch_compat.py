@@ -76,3 +76,14 @@ def saved_tensors_hooks_enabled() -> bool:
 def storage_id(t: torch.Tensor) -> int:
     """Identity of ``t``'s storage (shared by its views), valid on every device including meta."""
     return t.untyped_storage()._cdata
+
+
+# -- reading one tensor of a torch.save file (vistrain.checkpoint.tensor_file) -----------------
+# ``torch.load(f, map_location="meta")`` records on each storage where its bytes start inside the
+# zip (``_checkpoint_offset``, set for torch's own lazy loading); legacy files have none.
+
+
+def storage_file_offset(storage: torch.UntypedStorage) -> Optional[int]:
+    """Byte offset in the file of the data of ``storage``, a storage ``torch.load(f,
+    map_location="meta")`` gave (zip format); None when torch recorded none."""
+    return getattr(storage, "_checkpoint_offset", None)

@@ -33,10 +33,16 @@ world sizes): "latest" and pruning follow it (files.py). One whose metadata.json
 cannot be read is skipped; a resuming run renames it ``checkpoint_<it>.corrupt``. Reading never executes code
 (``torch.load(weights_only=True)``); a bad file is a one-line :class:`CheckpointError`.
 
-Resume on any world size M (saved by N ranks): each rank reads only the rank files overlapping
-its shards (memory-mapped) and rebuilds its shards and optimizer state exactly; the position in
+Resume on any world size M (saved by N ranks): each rank reads only the bytes of the slices
+overlapping its shards and rebuilds its shards and optimizer state exactly; the position in
 the epoch is mapped through the samples seen (progress.py). Per-rank state (RNG, SwAV queue) is
 restored only when the world size is unchanged.
+
+Nothing reads or writes a whole model at once (tensor_file.py): a rank file or ``.pt`` is opened
+as its structure (meta tensors, with each storage's place in the file) and each tensor, or slice
+of one, is read by itself into its destination; ``WEIGHTS_INIT`` on a meta model reads a unit's
+tensors when the sharded engine creates that unit; the conversions write their one output file
+tensor by tensor.
 """
 
 from vistrain.checkpoint.convert import consolidate, consolidated_state_dict, describe, to_torchvision

@@ -1,21 +1,24 @@
 """Offline conversions of a sharded checkpoint (``tools/convert_checkpoint.py``).
 
 * :func:`consolidate`: one plain state-dict file (``model.load_state_dict(torch.load(f))``).
-  Parameters are assembled one at a time from the memory-mapped rank files, so the process
-  holds one copy of the model (the output) plus whatever pages the OS keeps cached, never the
-  rank files' contents on top.
 * :func:`to_torchvision`: the trunk as a ``torchvision.models.RegNet`` state dict (no ``fc``).
 * :func:`describe`: what a checkpoint holds, as text.
+
+The output is streamed (``tensor_file.save_streamed``): each tensor is assembled from the slices
+in the rank files, written at its place in the output file and dropped before the next one, so
+the tool holds one tensor at a time, never the whole model (the written bytes sit in the OS page
+cache, which the OS can drop). :func:`consolidated_state_dict` is the in-memory form (tests, small
+models).
 """
 
 import math
 from collections import Counter, OrderedDict
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
-from vistrain.checkpoint.files import save_atomic
 from vistrain.checkpoint.pretrained import WeightsSource
+from vistrain.checkpoint.tensor_file import save_streamed
 from vistrain.models.trunks.regnet import to_torchvision_state_dict
 
 
@@ -27,23 +30,28 @@ def consolidated_state_dict(path: str, prefix: str = "") -> "OrderedDict[str, to
 
 
 def consolidate(path: str, out: str) -> int:
-    """Write the plain state dict of ``path`` to ``out`` (atomically). Returns the tensor count."""
-    state = consolidated_state_dict(path)
-    save_atomic(state, out)
-    return len(state)
+    """Write the plain state dict of ``path`` to ``out`` (atomically, one tensor in memory at a
+    time). Returns the tensor count."""
+    source = WeightsSource(path)
+    specs = source.specs()
+    save_streamed(out, specs, source.read)
+    return len(specs)
 
 
-def to_torchvision(path: str, out: str) -> Dict[str, torch.Tensor]:
-    """Write the trunk of ``path`` as a torchvision RegNet state dict; returns it.
+def to_torchvision(path: str, out: str) -> "OrderedDict[str, Tuple[Tuple[int, ...], torch.dtype]]":
+    """Write the trunk of ``path`` as a torchvision RegNet state dict (atomically, one tensor in
+    memory at a time); returns its keys -> (shape, dtype).
 
     Load with ``tv = torchvision.models.regnet_y_...()`` (or ``RegNet(block_params, stem_width=...)``
     for a custom size), ``tv.fc = nn.Identity()``, ``tv.load_state_dict(sd, strict=True)``; then
     ``tv(x)`` equals our trunk's ``"avgpool"`` feature.
     """
-
-    state = to_torchvision_state_dict(consolidated_state_dict(path, "trunk."), prefix="trunk.")
-    save_atomic(state, out)
-    return state
+    source = WeightsSource(path)
+    ours = source.specs()
+    names = to_torchvision_state_dict(OrderedDict((k, k) for k in ours), prefix="trunk.")
+    specs = OrderedDict((name, ours[key]) for name, key in names.items())
+    save_streamed(out, specs, lambda name: source.read(names[name]))
+    return specs
 
 
 def describe(path: str) -> str:

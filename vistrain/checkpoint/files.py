@@ -36,13 +36,27 @@ def safe_load(path: str, mmap: bool = True):
     Raises CheckpointError (one line, naming ``path``) for a missing, truncated, corrupt or
     code-carrying file. Files saved in torch's legacy (non-zip) format are read without mmap.
     """
+    try:
+        return _load(path, map_location="cpu", mmap=mmap)
+    except CheckpointError as error:
+        if mmap and "mmap can only be used" in str(error):
+            return _load(path, map_location="cpu", mmap=False)
+        raise
+
+
+def load_structure(path: str):
+    """What ``path`` holds, every tensor a meta tensor of its shape and dtype: no tensor data is
+    read (torch notes where each storage's bytes start, see ``tensor_file.TensorFile``).
+    CheckpointError as :func:`safe_load`."""
+    return _load(path, map_location="meta")
+
+
+def _load(path: str, **kwargs):
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: file not found (incomplete checkpoint?)")
     try:
-        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+        return torch.load(path, weights_only=True, **kwargs)
     except Exception as error:  # zip, pickle, EOF, weights_only refusals: all mean "bad file"
-        if mmap and "mmap can only be used" in str(error):
-            return safe_load(path, mmap=False)
         raise CheckpointError(
             f"{path}: corrupt, truncated or unsafe checkpoint file "
             f"({type(error).__name__}: {_first_line(error)})"
@@ -91,14 +105,6 @@ def write_json(obj, path: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(path))
-
-
-def save_atomic(obj, path: str) -> None:
-    """``torch.save`` to a temporary name, fsync, rename (single files: conversions)."""
-    tmp = path + TMP_SUFFIX
-    save_file(obj, tmp)
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def fsync_dir(path: str) -> None:

@@ -2,8 +2,9 @@
 
 For every range ``[start, start + length)`` of an original parameter that this rank holds (its
 shard's segments under the sharded engine, the whole parameter under DDP), the metadata says
-which rank files of the saving job overlap it; those files are opened memory-mapped
-(``torch.load(mmap=True, weights_only=True)``) and only the overlapping elements are copied.
+which rank files of the saving job overlap it; only the bytes of the overlapping elements are
+read from them, straight into this rank's tensor (``tensor_file.TensorFile``: no file is mapped
+or loaded whole, so nothing but the destination grows while a rank loads).
 Optimizer state is rebuilt the same way, per state key, then handed to
 ``optimizer.load_state_dict`` in exactly the structure the optimizer itself produces, so
 momentum, Adam moments and step counts continue as if nothing happened.
@@ -15,8 +16,9 @@ from typing import Dict, Optional
 import torch
 
 from vistrain.checkpoint import torch_backend
-from vistrain.checkpoint.files import CheckpointError, rank_file, read_metadata, safe_load
+from vistrain.checkpoint.files import CheckpointError, rank_file, read_metadata
 from vistrain.checkpoint.layout import LocalParam, ModelLayout, check_matches, flat_view, model_layout
+from vistrain.checkpoint.tensor_file import TensorFile
 from vistrain.distributed import comm
 
 logger = logging.getLogger("vistrain")
@@ -28,13 +30,21 @@ class SliceReader:
     def __init__(self, path: str, metadata: Optional[dict] = None):
         self.path = path
         self.meta = metadata if metadata is not None else read_metadata(path)
-        self._files: Dict[int, dict] = {}
+        self._files: Dict[int, TensorFile] = {}
+
+    def tensor_file(self, rank: int) -> TensorFile:
+        """``rank<rank>.pt``, its structure read once (no tensor data)."""
+        if rank not in self._files:
+            self._files[rank] = TensorFile(rank_file(self.path, rank))
+        return self._files[rank]
 
     def file(self, rank: int) -> dict:
-        """Contents of ``rank<rank>.pt`` (memory-mapped, opened once)."""
-        if rank not in self._files:
-            self._files[rank] = safe_load(rank_file(self.path, rank))
-        return self._files[rank]
+        """The structure of ``rank<rank>.pt``: its tensors are meta tensors (shape and dtype)."""
+        return self.tensor_file(rank).obj
+
+    def values(self, rank: int, tree):
+        """``tree`` (part of :meth:`file`) with the tensors read from ``rank<rank>.pt``."""
+        return self.tensor_file(rank).materialize(tree)
 
     def fill(self, fqn: str, start: int, out: torch.Tensor, state_key: Optional[str] = None) -> int:
         """Copy elements ``[start, start + out.numel())`` of parameter ``fqn`` (or of its optimizer
@@ -52,7 +62,7 @@ class SliceReader:
                 raise CheckpointError(
                     f"{rank_file(self.path, rank)}: slice of {fqn} does not match metadata.json"
                 )
-            out[lo - start : hi - start].copy_(values[lo - s_start : hi - s_start])
+            self.tensor_file(rank).read_into(values, lo - s_start, out[lo - start : hi - start])
             found += hi - lo
         return found
 
@@ -76,14 +86,14 @@ class SliceReader:
         return out
 
     def read_buffer(self, name: str) -> torch.Tensor:
-        return self.file(0)["buffers"][name].clone()
+        return self.tensor_file(0).tensor(self.file(0)["buffers"][name])
 
     def scalars(self, fqn: str) -> Optional[dict]:
         """Per-shard optimizer scalars (e.g. ``step``) recorded for ``fqn`` (first writer's)."""
         for rank, _, _ in self.meta["params"][fqn]["slices"]:
             found = self.file(rank)["optimizer"]["scalars"].get(fqn)
             if found is not None:
-                return found
+                return self.values(rank, found)
         return None
 
 
@@ -105,12 +115,12 @@ def load_sharded_checkpoint(path: str, model, optimizer=None) -> dict:
         if optimizer is not None:
             load_optimizer_state(optimizer, layout, reader)
     same = meta["world_size"] == comm.get_world_size()
-    mine = reader.file(comm.get_rank() if same else 0)
+    mine = comm.get_rank() if same else 0
     return {
         "metadata": meta,
         "same_world_size": same,
-        "extra": mine["extra"],
-        "rng": mine["rng"] if same else None,
+        "extra": reader.values(mine, reader.file(mine)["extra"]),
+        "rng": reader.values(mine, reader.file(mine)["rng"]) if same else None,
     }
 
 
@@ -123,7 +133,7 @@ def _load_params(layout: ModelLayout, reader: SliceReader) -> None:
             if reader.fill(seg.fqn, seg.start, flat[seg.offset : seg.offset + seg.length]) != seg.length:
                 raise CheckpointError(f"{reader.path}: the rank files do not cover all of {seg.fqn}")
     for name, buf in layout.buffers.items():
-        buf.copy_(reader.file(0)["buffers"][name])
+        buf.copy_(reader.read_buffer(name))
 
 
 def load_optimizer_state(optimizer, layout: ModelLayout, reader: SliceReader) -> None:

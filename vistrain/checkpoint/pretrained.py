@@ -30,35 +30,46 @@ from vistrain.checkpoint.files import (
     safe_load,
 )
 from vistrain.checkpoint.load import SliceReader
+from vistrain.checkpoint.tensor_file import TensorFile
 from vistrain.fsdp.deferred_init import defer_value
 
 logger = logging.getLogger("vistrain")
 
 
 class WeightsSource:
-    """Keys, shapes and tensors of a checkpoint, read one tensor at a time."""
+    """Keys, shapes, dtypes and tensors of a checkpoint, read one tensor at a time.
+
+    Opening reads only the structure (metadata.json, or the pickled part of a ``.pt`` file);
+    :meth:`read` then reads the bytes of one tensor (from the rank files holding its slices),
+    so the process never holds more of the checkpoint than the tensor asked for.
+    """
 
     def __init__(self, path: str):
         self.path = resolve_weights_path(path)
         self.reader = None
-        self._state: Dict[str, torch.Tensor] = {}
+        self._file = None
+        self._state: Dict[str, torch.Tensor] = {}  # a .pt file's meta tensors (shape, dtype)
         if os.path.isdir(self.path):
             self.reader = SliceReader(self.path)
         else:
-            self._state = _state_dict_of(safe_load(self.path), self.path)
+            self._file = TensorFile(self.path)
+            self._state = _state_dict_of(self._file.obj, self.path)
 
     def shapes(self) -> "OrderedDict[str, Tuple[int, ...]]":
+        return OrderedDict((k, shape) for k, (shape, _) in self.specs().items())
+
+    def specs(self) -> "OrderedDict[str, Tuple[Tuple[int, ...], torch.dtype]]":
+        """key -> (shape, dtype), parameters then buffers, in the checkpoint's order."""
         if self.reader is None:
-            return OrderedDict((k, tuple(v.shape)) for k, v in self._state.items())
+            return OrderedDict((k, (tuple(v.shape), v.dtype)) for k, v in self._state.items())
         meta = self.reader.meta
-        out = OrderedDict((k, tuple(v["shape"])) for k, v in meta["params"].items())
-        out.update((k, tuple(v["shape"])) for k, v in meta["buffers"].items())
-        return out
+        entries = list(meta["params"].items()) + list(meta["buffers"].items())
+        return OrderedDict((k, (tuple(v["shape"]), getattr(torch, v["dtype"]))) for k, v in entries)
 
     def read(self, key: str) -> torch.Tensor:
-        """A tensor of its own (not a view of the file)."""
+        """A tensor of its own, read from the file(s) now."""
         if self.reader is None:
-            return self._state[key].clone()
+            return self._file.tensor(self._state[key])
         if key in self.reader.meta["params"]:
             return self.reader.read_param(key)
         return self.reader.read_buffer(key)
@@ -156,9 +167,11 @@ def load_pretrained(model: nn.Module, weights_cfg) -> LoadReport:
     """Copy the weights named by ``weights_cfg`` (``cfg.MODEL.WEIGHTS_INIT``) into ``model``.
 
     ``model`` is the plain (unwrapped) module; every rank calls this before wrapping. Reads one
-    tensor at a time. On a model built on the meta device (per-unit initialisation) each read
-    is deferred to the moment the sharded engine creates that tensor's unit. Raises CheckpointError (one line: file, key, both shapes) on a shape
-    mismatch, FileNotFoundError for a missing path; logs and returns a :class:`LoadReport`.
+    tensor at a time (:class:`WeightsSource`), whatever the checkpoint's form. On a model built
+    on the meta device (per-unit initialisation) each read is deferred to the moment the sharded
+    engine creates that tensor's unit, so a rank holds at most one unit's weights. Raises
+    CheckpointError (one line: file, key, both shapes) on a shape mismatch, FileNotFoundError for
+    a missing path; logs and returns a :class:`LoadReport`.
     """
     source = WeightsSource(weights_cfg.PARAMS_FILE)
     targets = _load_targets(model)

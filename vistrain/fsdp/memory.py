@@ -76,3 +76,20 @@ def current_rss_mib() -> float:
     with open("/proc/self/statm") as f:
         pages = int(f.read().split()[1])
     return pages * resource.getpagesize() / 2**20
+
+
+def reset_peak_rss() -> None:
+    """Start a new peak: :func:`peak_rss_since_reset_mib` then reports the highest RSS reached after
+    this call (Linux: writing 5 to /proc/self/clear_refs resets ``VmHWM``)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_since_reset_mib() -> float:
+    """Highest resident set size (anonymous and file-backed pages) since :func:`reset_peak_rss`,
+    or since the process started (``VmHWM`` of /proc/self/status)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("/proc/self/status has no VmHWM")
