@@ -60,12 +60,11 @@ def test_sharded_state_bytes():
 
 
 def test_gathered_bytes():
-    # units 5, 9, 3 then root 2. ZeRO-3, backward of the 9: root + 9 + prefetched 5 in bf16,
-    # fp32 gradients: the 9 twice (per parameter and concatenated) and the 3 still reducing:
-    # 16 * 2 + 21 * 4 = 116; the 3: (2 + 3 + 9) * 2 + (6 + 2) * 4 = 60; the 5: 14 + 19 * 4 = 90.
-    assert gathered_bytes([5, 9, 3, 2], compute_bytes=2, reduce_bytes=4, reshard=True) == 116
-    # ZeRO-2: every unit stays gathered (19 * 4); worst gradients 2 * 9 + 3 = 21 (2 * 5 + 9 = 19)
-    assert gathered_bytes([5, 9, 3, 2], compute_bytes=4, reduce_bytes=4, reshard=False) == 19 * 4 + 21 * 4
+    # units 5, 9, 3 then root 2. ZeRO-3, backward of the 9: root + 9 + prefetched 5 in bf16 and
+    # the 9's fp32 gradient: 16 * 2 + 9 * 4 = 68; the 3: 14 * 2 + 12 = 40; the 5: 7 * 2 + 20 = 34.
+    assert gathered_bytes([5, 9, 3, 2], compute_bytes=2, reduce_bytes=4, reshard=True) == 68
+    # ZeRO-2: every unit stays gathered (19 * 4) with the largest gradient (9 * 4)
+    assert gathered_bytes([5, 9, 3, 2], compute_bytes=4, reduce_bytes=4, reshard=False) == 19 * 4 + 9 * 4
 
 
 def test_checkpointed_activations():
@@ -103,6 +102,8 @@ def test_search_picks_a_setting_that_fits_or_says_none_does(fixed_baseline):
     knobs, result = search(cfg, base * 1.5)
     assert knobs is not None and result.peak <= base * 1.5 * MIB
     assert knobs["reshard_after_forward"] is False and knobs["activation_checkpointing"] is False
+    assert knobs["cpu_mmap_threshold_mib"] == memory_plan.CPU_THRESHOLD_MIB  # what the plan assumes
+    assert "config.MACHINE.CPU_MMAP_THRESHOLD_MIB=1.0" in memory_plan.overrides(knobs)
     knobs, smallest = search(cfg, 1.0)  # 1 MiB: the runtime alone is larger
     assert knobs is None and smallest.peak > MIB
 

@@ -38,6 +38,7 @@ from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import auto_wrap, by_class
 from vistrain.fsdp.deferred_init import build_on_meta
 from vistrain.fsdp.memory import current_rss_mib, peak_rss_since_reset_mib, reset_peak_rss
+from vistrain.runtime.host_memory import set_mmap_threshold
 
 TESTS = Path(__file__).resolve().parent
 WIDTH, DEPTH = 1024, 32  # 32 units of 4 MiB: 129 MiB of weights
@@ -107,8 +108,8 @@ def _peak_growth(prepare, step):
     Run twice, the second measured: the first run faults in the pages of torch's code it uses (a
     forked process shares them with its parent but maps them only when it first runs them).
     """
+    set_mmap_threshold(1 / 16)  # 64 KiB, fixed: a freed block is gone
     libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 65536)  # M_MMAP_THRESHOLD: a fixed threshold, freed = gone
     for _ in range(2):
         arg, result = prepare(), None
         gc.collect()

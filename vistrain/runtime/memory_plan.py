@@ -8,14 +8,19 @@ ceil(n / W) elements, p = fp32 master bytes 4, c = compute bytes: 2 under mixed 
     grads           the same                           (DDP: twice: .grad and its bucket)
     optimizer       k * params, k = 1 (SGD/LARS momentum), 2 (AdamW), 0 (SGD without momentum)
     gathered units  backward of unit k (execution order): c * (root + w_k + w_(k-1) prefetched)
-                    (ZeRO-2: c * all units) + reduce bytes * (2 g_k: per-parameter gradients and
-                    their concatenation, + g_(k+1) still being reduced), the worst k
+                    (ZeRO-2: c * all units) + reduce bytes * g_k, the worst k (see
+                    :func:`gathered_bytes` for why one gradient, not the three that can coexist)
     activations     bytes autograd saves in one forward, measured on the meta device (scaled to
                     2 bytes under mixed precision / AMP); with activation checkpointing the
                     inputs of the checkpointed modules plus the largest one's own activations
     runtime         CPU: RSS of a fresh Python process after importing the training stack (measured
                     once per planner run) + ``CPU_ALLOWANCE_MIB`` for the process group, loader
                     and allocator; CUDA: 0 (the CUDA context is not allocated memory)
+
+On CPU the model assumes ``MACHINE.CPU_MMAP_THRESHOLD_MIB`` > 0 (freed tensors go back to the
+OS). With glibc's default heaps the logged peak was above the plan by up to 63% (RegNetY-32GF,
+4 ranks: 2,395 MiB measured, 1,477 MiB planned, 1,468 MiB measured with the threshold at 1 MiB),
+so on CPU :func:`search` always sets it (``CPU_THRESHOLD_MIB``).
 
 ``move_params_to_cpu`` on CUDA moves params, grads and optimizer state out of GPU memory.
 The search in :func:`search` tries the knobs in order of expected speed (see ``speed_cost``).
@@ -43,6 +48,10 @@ MIB = 2**20
 # ranks) minus the import baseline (676 MiB here) minus its model terms (about 20 MiB).
 CPU_ALLOWANCE_MIB = 75
 OPTIMIZER_STATES = {"sgd": 1, "lars": 1, "adamw": 2}
+# The CPU runs :func:`search` proposes fix glibc's mmap threshold at this (MiB); it cost 1.27x per
+# step on the quick start's model (dev/bench_host_memory.py), the same for every setting tried.
+CPU_THRESHOLD_MIB = 1.0
+CPU_THRESHOLD_COST = 1.27
 
 
 @dataclass
@@ -101,18 +110,21 @@ def gathered_bytes(sizes: Sequence[int], compute_bytes: int, reduce_bytes: int, 
     """Full weights and full gradients alive at the backward peak, per rank.
 
     ``sizes``: units in execution order, root last. In the backward of unit k the root, unit k
-    and the prefetched unit k-1 are gathered (ZeRO-2: every unit), unit k's full gradient is
-    being produced (twice at its end: autograd's split backward concatenates the per-parameter
-    gradients into the flat one) and unit k+1's is still being reduced:
-    max_k [root + w_k + w_(k-1)] * compute_bytes + [2 g_k + g_(k+1)] * reduce_bytes.
+    and the prefetched unit k-1 are gathered (ZeRO-2: every unit) and unit k's full gradient
+    exists: max_k [root + w_k + w_(k-1)] * compute_bytes + g_k * reduce_bytes.
+
+    Autograd's split backward briefly holds g_k twice (per parameter and concatenated) while
+    unit k+1's gradient may still be reducing, but the logged peaks stay below that sum: fitted
+    on CPU with the mmap threshold at 1 MiB, 4 ranks, this term gives 3,123 vs 3,012 MiB measured
+    for RegNetY-128GF and 1,477 vs 1,468 MiB for RegNetY-32GF, where the three-gradient sum gave
+    3,373 and 1,616 MiB (``dev/bench_big_model.py``).
     """
     root, units = sizes[-1], list(sizes[:-1]) or [0]
     worst = 0
     for k, size in enumerate(units):
         before = units[k - 1] if k > 0 else 0
-        after = units[k + 1] if k + 1 < len(units) else root
         weights = root + (size + before if reshard else sum(units))
-        worst = max(worst, weights * compute_bytes + (2 * size + after) * reduce_bytes)
+        worst = max(worst, weights * compute_bytes + size * reduce_bytes)
     return worst
 
 
@@ -227,6 +239,7 @@ def speed_cost(knobs: Dict[str, object], device: str) -> float:
     cost *= 1.33 if knobs["activation_checkpointing"] else 1.0
     cost *= 0.6 if knobs["mixed_precision"] and device == "cuda" else 1.0
     cost *= 1.5 if knobs.get("move_params_to_cpu") else 1.0
+    cost *= CPU_THRESHOLD_COST if knobs.get("cpu_mmap_threshold_mib") else 1.0
     return cost / knobs["ranks"]
 
 
@@ -238,6 +251,8 @@ def _with_knobs(cfg, knobs: Dict[str, object]):
     fsdp.reshard_after_forward = knobs["reshard_after_forward"]
     fsdp.mixed_precision = knobs["mixed_precision"]
     fsdp.move_params_to_cpu = knobs.get("move_params_to_cpu", False)
+    if "cpu_mmap_threshold_mib" in knobs:
+        out.MACHINE.CPU_MMAP_THRESHOLD_MIB = knobs["cpu_mmap_threshold_mib"]
     out.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING = knobs["activation_checkpointing"]
     out.DATA.TRAIN.BATCHSIZE_PER_REPLICA = knobs["batch_per_replica"]
     out.DISTRIBUTED.NUM_PROC_PER_NODE = knobs["ranks"] // out.DISTRIBUTED.NUM_NODES
@@ -259,10 +274,11 @@ def search(cfg, budget_mib: float, device: str = "cpu", max_ranks: Optional[int]
         for reshard, mixed, ckpt, cpu in itertools.product(
             (False, True), (False, True), (False, True), offload
         ):
-            settings.append(
-                dict(reshard_after_forward=reshard, mixed_precision=mixed, activation_checkpointing=ckpt,
-                     move_params_to_cpu=cpu, batch_per_replica=b, ranks=r)
-            )  # fmt: skip
+            knobs = dict(reshard_after_forward=reshard, mixed_precision=mixed, activation_checkpointing=ckpt,
+                         move_params_to_cpu=cpu, batch_per_replica=b, ranks=r)  # fmt: skip
+            if device == "cpu":  # the plan assumes it (module docstring)
+                knobs["cpu_mmap_threshold_mib"] = CPU_THRESHOLD_MIB
+            settings.append(knobs)
         for knobs in sorted(settings, key=lambda k: speed_cost(k, device)):
             result = plan(_with_knobs(cfg, knobs), device, cache)
             if smallest is None or result.peak < smallest[1].peak:
@@ -277,7 +293,10 @@ def search(cfg, budget_mib: float, device: str = "cpu", max_ranks: Optional[int]
 
 def overrides(knobs: Dict[str, object], nodes: int = 1) -> List[str]:
     """``config.X=Y`` arguments applying ``knobs``."""
-    return [
+    machine = []
+    if "cpu_mmap_threshold_mib" in knobs:
+        machine = [f"config.MACHINE.CPU_MMAP_THRESHOLD_MIB={knobs['cpu_mmap_threshold_mib']}"]
+    return machine + [
         "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True",
         f"config.MODEL.FSDP_CONFIG.reshard_after_forward={knobs['reshard_after_forward']}",
         f"config.MODEL.FSDP_CONFIG.mixed_precision={knobs['mixed_precision']}",

@@ -1,0 +1,42 @@
+"""MACHINE.CPU_MMAP_THRESHOLD_MIB: freed tensors go back to the OS instead of glibc's heaps."""
+
+import subprocess
+import sys
+
+import pytest
+
+from vistrain.runtime.host_memory import set_mmap_threshold
+
+# A freed 24 MiB block raises glibc's default threshold to 24 MiB, so the next 20 MiB tensor
+# comes from the heap; a small tensor allocated after it pins the heap's top, and freeing the
+# 20 MiB leaves pages the process keeps. With a fixed threshold the tensor has its own mapping.
+RETAINED = """
+import torch
+from vistrain.fsdp.memory import current_rss_mib
+from vistrain.runtime.host_memory import set_mmap_threshold
+applied = set_mmap_threshold({threshold})
+first = torch.ones(6 * 2**20); del first
+before = current_rss_mib()
+freed = torch.ones(5 * 2**20); pinned = torch.ones(1000); del freed
+print(applied, current_rss_mib() - before)
+"""
+
+
+def _retained_mib(threshold: float):
+    out = subprocess.run(
+        [sys.executable, "-c", RETAINED.format(threshold=threshold)], capture_output=True, text=True, check=True
+    )
+    applied, retained = out.stdout.split()
+    return applied == "True", float(retained)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_fixed_threshold_gives_freed_tensors_back():
+    applied, retained = _retained_mib(0)
+    assert not applied and retained > 15  # glibc's default: the 20 MiB stay in the heap
+    applied, retained = _retained_mib(1)
+    assert applied and retained < 2
+
+
+def test_zero_means_glibc_default():
+    assert set_mmap_threshold(0) is False
