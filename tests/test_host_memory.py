@@ -24,7 +24,10 @@ print(applied, current_rss_mib() - before)
 
 def _retained_mib(threshold: float):
     out = subprocess.run(
-        [sys.executable, "-c", RETAINED.format(threshold=threshold)], capture_output=True, text=True, check=True
+        [sys.executable, "-c", RETAINED.format(threshold=threshold)],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     applied, retained = out.stdout.split()
     return applied == "True", float(retained)
