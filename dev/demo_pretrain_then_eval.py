@@ -13,11 +13,14 @@ On the bundled real digits (1,437 train / 360 val images), through the normal la
    TRAIN digits;
 5. ``--knn``: ``config=benchmark/knn_regnet`` for the three trunks as a second signal.
 
-Prints every command and its run time, then one top-1 table. Exits 1 unless both pretrained trunks
-beat the raw-pixel logistic regression on their best feature.
+Prints every command and its run time, the SwAV head's collapse statistics
+(``dev/swav_diagnostics.py``: prototypes winning on val, mean pairwise cosine of the embeddings,
+final loss against ln K), then one top-1 table. Exits 1 unless every pretrained trunk beats the
+raw-pixel logistic regression on its best feature.
 
     python dev/demo_pretrain_then_eval.py                       # ./checkpoints/demo_pretrain_then_eval
     python dev/demo_pretrain_then_eval.py --out /tmp/demo --overwrite --knn
+    python dev/demo_pretrain_then_eval.py --methods SwAV        # one method (and random init) only
 """
 
 import argparse
@@ -42,6 +45,13 @@ def parse_args():
     parser.add_argument("--out", default="./checkpoints/demo_pretrain_then_eval", help="folder for the runs")
     parser.add_argument("--overwrite", action="store_true", help="delete --out first if it exists")
     parser.add_argument("--knn", action="store_true", help="also run the kNN benchmark on every trunk")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        choices=list(PRETRAINING),
+        default=list(PRETRAINING),
+        help="methods to pretrain",
+    )
     return parser.parse_args()
 
 
@@ -93,6 +103,17 @@ def pixel_baselines() -> dict:
     return results
 
 
+def print_head_diagnostics(run_dir: Path) -> None:
+    """Has the SwAV head collapsed? (dev/swav_diagnostics.py, on the val digits, one process)"""
+    sys.path.insert(0, str(REPO / "dev"))
+    from swav_diagnostics import diagnose, format_line
+
+    from vistrain.config import load_config
+
+    cfg = load_config([f"config={run_dir / 'config.yaml'}"])
+    print(format_line("SwAV head", diagnose(cfg, str(run_dir), probe=False)), flush=True)
+
+
 def print_table(engine: str, trunks: dict, pixels: dict) -> None:
     """One row per trunk (top-1 per feature and the best), then the pixel baselines."""
     print(f"\n{engine}: top-1 on the 360 validation digits")
@@ -114,10 +135,12 @@ def main() -> int:
         shutil.rmtree(out)
     timings, start = {}, time.perf_counter()
     weights = {"random init": ""}
-    for method, config in PRETRAINING.items():
-        run_dir = out / f"pretrain_{method.lower()}"
+    for method in args.methods:
+        config, run_dir = PRETRAINING[method], out / f"pretrain_{method.lower()}"
         run(f"pretrain {method}", [f"config={config}", f"config.CHECKPOINT.DIR={run_dir}"], timings)
         weights[f"{method} ({config})"] = str(run_dir)
+        if method == "SwAV":
+            print_head_diagnostics(run_dir)
     weights = {name: weights[name] for name in [*list(weights)[1:], "random init"]}
 
     benchmarks = {"linear_eval": "benchmark/linear_eval_regnet"}
