@@ -36,7 +36,7 @@ def main(argv) -> int:
         if device == "cpu" and cfg.MACHINE.CPU_MMAP_THRESHOLD_MIB <= 0:
             out["note"] = (
                 "planned for config.MACHINE.CPU_MMAP_THRESHOLD_MIB=1; with glibc's default heaps "
-                "the logged peak can be higher (up to 63% measured)"
+                "the logged peak can be higher (up to 62% measured)"
             )
         print(json.dumps(out, indent=2))
         return 0

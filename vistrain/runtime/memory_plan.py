@@ -18,7 +18,7 @@ ceil(n / W) elements, p = fp32 master bytes 4, c = compute bytes: 2 under mixed 
                     and allocator; CUDA: 0 (the CUDA context is not allocated memory)
 
 On CPU the model assumes ``MACHINE.CPU_MMAP_THRESHOLD_MIB`` > 0 (freed tensors go back to the
-OS). With glibc's default heaps the logged peak was above the plan by up to 63% (RegNetY-32GF,
+OS). With glibc's default heaps the logged peak was above the plan by up to 62% (RegNetY-32GF,
 4 ranks: 2,395 MiB measured, 1,477 MiB planned, 1,468 MiB measured with the threshold at 1 MiB),
 so on CPU :func:`search` always sets it (``CPU_THRESHOLD_MIB``).
 
