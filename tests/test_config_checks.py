@@ -85,6 +85,7 @@ def _bad_values(tmp_path):
             "MODEL.FSDP_CONFIG.BACKEND must be one of builtin, torch",
         ),
         (["config.MACHINE.DEVICE=gpu"], "MACHINE.DEVICE must be one of auto, cpu, cuda"),
+        (["config.MACHINE.CPU_MMAP_THRESHOLD_MIB=-1"], "MACHINE.CPU_MMAP_THRESHOLD_MIB must be >= 0; got -1"),
     ]
 
 
