@@ -350,6 +350,34 @@ def test_holdout_split_is_stratified_disjoint_and_seeded():
         lr_grid.holdout_split(labels, 1.0, seed=0)
 
 
+def test_stratified_folds_cover_every_sample_once_balanced_per_class_and_seeded():
+    labels = [0] * 50 + [1] * 30 + [2] * 7 + [3] * 1
+    splits = lr_grid.stratified_folds(labels, 5, seed=3)
+    holdouts = [holdout for _, holdout in splits]
+    assert sorted(i for h in holdouts for i in h) == list(range(len(labels)))  # each sample held out once
+    for fit, holdout in splits:
+        assert sorted(fit + holdout) == list(range(len(labels))) and not set(fit) & set(holdout)
+    sizes = [len(h) for h in holdouts]
+    assert max(sizes) - min(sizes) <= 1 and sum(sizes) == 88
+    for c, count in enumerate([50, 30, 7, 1]):
+        per_fold = [sum(labels[i] == c for i in h) for h in holdouts]
+        assert max(per_fold) - min(per_fold) <= 1 and sum(per_fold) == count
+    assert lr_grid.stratified_folds(labels, 5, seed=3) == splits
+    assert lr_grid.stratified_folds(labels, 5, seed=4) != splits
+    for bad in (1, 89):
+        with pytest.raises(ValueError, match="LINEAR_LR_FOLDS"):
+            lr_grid.stratified_folds(labels, bad, seed=0)
+
+
+def test_pooled_top1_sums_hits_over_folds_instead_of_averaging_percentages():
+    folds = [
+        {"s2_lr0": {"top1": 50.0, "num_images": 2}, "s2_lr1": {"top1": 100.0, "num_images": 2}},
+        {"s2_lr0": {"top1": 100.0, "num_images": 8}, "s2_lr1": {"top1": 75.0, "num_images": 8}},
+    ]
+    pooled = lr_grid.pooled_top1(folds)
+    assert pooled == {"s2_lr0": 90.0, "s2_lr1": 80.0}  # 9/10 and 8/10; mean percentages would say 75 / 87.5
+
+
 def test_choose_learning_rates_takes_the_best_holdout_score_ties_to_the_smaller_lr():
     grid = [0.01, 0.1, 1.0]
     scores = {"s2_lr0": 90.0, "s2_lr1": 95.0, "s2_lr2": 93.0, "s3_lr0": 80.0, "s3_lr1": 70.0, "s3_lr2": 80.0}
@@ -414,6 +442,31 @@ def test_linear_eval_with_lr_grid_reports_the_lr_chosen_on_held_out_training_ima
     assert 0 < int(held_out) < int(fit) and int(held_out) + int(fit) == 48
     heads = torch.load(run_dir / "linear_heads.pt", weights_only=True)
     assert sorted({k.split(".")[1] for k in heads}) == ["avgpool", "s1", "s2"]  # the final heads only
+
+
+def test_linear_eval_with_k_fold_lr_selection_holds_out_every_training_image_once(tmp_path):
+    run_dir = tmp_path / "run"
+    argv = _tiny(
+        run_dir,
+        "config.BENCHMARK.LINEAR_LRS=[0.001,0.5]",
+        "config.BENCHMARK.LINEAR_LR_FOLDS=3",
+        "config.DATA.TRAIN.SYNTHETIC_SIZE=48",
+    )
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "run_distributed.py"), *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(
+        r"lr grid on 48 held-out training images \(32 fit, 3-fold cross-validation\)", proc.stdout
+    )
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    for result in metrics["results"].values():
+        # a pooled top-1 over 48 images is a whole number of hits
+        assert result["lr"] in (0.001, 0.5) and round(result["holdout_top1"] * 48 / 100, 6).is_integer()
 
 
 def test_cached_train_features_train_the_same_heads_as_the_trunk_every_epoch():

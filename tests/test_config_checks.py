@@ -86,6 +86,7 @@ def _bad_values(tmp_path):
         ),
         (["config.MACHINE.DEVICE=gpu"], "MACHINE.DEVICE must be one of auto, cpu, cuda"),
         (["config.MACHINE.CPU_MMAP_THRESHOLD_MIB=-1"], "MACHINE.CPU_MMAP_THRESHOLD_MIB must be >= 0; got -1"),
+        (["config.BENCHMARK.LINEAR_LR_FOLDS=0"], "BENCHMARK.LINEAR_LR_FOLDS must be >= 1; got 0"),
     ]
 
 

@@ -6,8 +6,8 @@ feature in ``BENCHMARK.FEATURES``, a linear classifier ``Linear(BatchNorm1d(f, a
 is trained on the pooled feature ``f`` with SGD (+ nesterov) and a step or cosine schedule. All
 heads train together from one pass of the trunk per batch, so evaluating several stages costs one
 trunk forward. With ``BENCHMARK.LINEAR_LRS`` each feature's learning rate is chosen on held-out
-TRAIN images first (see :mod:`vistrain.benchmarks.lr_grid`); with the deterministic ``eval``
-TRAIN transform the frozen features are computed once (:class:`CachedFeatures`). Top-1/top-5 on
+TRAIN images first, one holdout or k folds (see :mod:`vistrain.benchmarks.lr_grid`); with the
+deterministic ``eval`` TRAIN transform the frozen features are computed once (:class:`CachedFeatures`). Top-1/top-5 on
 ``DATA.TEST`` are written to the log, TensorBoard (``linear_eval/<feature>/top1``) and
 ``CHECKPOINT.DIR/metrics.json``; the trained heads to ``CHECKPOINT.DIR/linear_heads.pt``.
 
@@ -160,7 +160,8 @@ def linear_eval(cfg) -> None:
     )
 
     # ---- [choose each feature's lr on held-out training images], train, evaluate, report
-    total = epochs * len(train_loader) * (2 if grid else 1)  # the grid pass is shorter: an upper bound
+    folds = max(1, int(cfg.BENCHMARK.LINEAR_LR_FOLDS)) if grid else 0
+    total = epochs * len(train_loader) * (1 + folds)  # a grid pass is shorter: an upper bound
     meter = TrainingMeter(run_dir, cfg.LOG_FREQUENCY, total, device)
     lrs, selection, iterations = {}, None, 0
     if grid:
@@ -194,32 +195,57 @@ def linear_eval(cfg) -> None:
 
 def select_learning_rates(cfg, sources, dims, num_classes: int, grid: List[float], meter: TrainingMeter):
     """Train one head per (feature, lr in ``grid``) on the fit part of DATA.TRAIN, score them on the
-    held-out part (read with DATA.TEST's transform), keep each feature's best lr. ``sources``:
-    (features of TRAIN batches, possibly cached; the trunk itself, for the held-out images).
+    held-out part (read with DATA.TEST's transform), keep each feature's best lr. With
+    ``BENCHMARK.LINEAR_LR_FOLDS`` = k > 1, k such rounds over the stratified folds of TRAIN, every
+    lr scored by its hits over all k held-out parts. ``sources``: (features of TRAIN batches,
+    possibly cached; the trunk itself, for the held-out images).
 
-    Returns ({feature: lr}, {feature: holdout top-1 % at that lr}, iterations done).
+    Returns ({feature: lr}, {feature: held-out top-1 % at that lr}, iterations done).
     """
-    train_source, source = sources
+    source = sources[1]
     labels = build_loader(cfg.DATA, "TRAIN", seed=cfg.SEED_VALUE, device=source.device).dataset.targets
-    fit, holdout = lr_grid.holdout_split(labels, cfg.BENCHMARK.LINEAR_HOLDOUT_FRACTION, cfg.SEED_VALUE)
-    fit_loader = build_loader(cfg.DATA, "TRAIN", seed=cfg.SEED_VALUE, device=source.device, indices=fit)
-    holdout_loader = build_loader(
-        _holdout_data_config(cfg.DATA), "TRAIN", seed=cfg.SEED_VALUE, device=source.device, indices=holdout
-    )
-    if len(fit_loader) == 0:
-        raise ValueError("the fit part of DATA.TRAIN yields no full batch: lower LINEAR_HOLDOUT_FRACTION")
+    folds = int(cfg.BENCHMARK.LINEAR_LR_FOLDS)
+    if folds > 1:
+        splits = lr_grid.stratified_folds(labels, folds, cfg.SEED_VALUE)
+    else:
+        splits = [lr_grid.holdout_split(labels, cfg.BENCHMARK.LINEAR_HOLDOUT_FRACTION, cfg.SEED_VALUE)]
     inputs = {lr_grid.grid_key(f, i): f for f in source.names for i in range(len(grid))}
     lrs = {lr_grid.grid_key(f, i): lr for f in source.names for i, lr in enumerate(grid)}
-    heads = parallelize(LinearHeads(dims, num_classes, inputs, lrs), _heads_model_config(cfg), source.device)
-    iterations = train_heads(train_source, heads, fit_loader, cfg.OPTIMIZER, meter)
-    scores = {key: res["top1"] for key, res in evaluate(source, heads, holdout_loader).items()}
+    grid_heads = (dims, num_classes, inputs, lrs)
+    per_fold, iterations = [], 0
+    for fit, holdout in splits:
+        results, iterations = _fit_and_score(cfg, sources, grid_heads, (fit, holdout), meter, iterations)
+        per_fold.append(results)
+    scores = lr_grid.pooled_top1(per_fold)
     chosen = lr_grid.choose_learning_rates(scores, source.names, grid)
     best = {f: scores[lr_grid.grid_key(f, grid.index(lr))] for f, lr in chosen.items()}
+    held_out = sum(len(holdout) for _, holdout in splits)
     logger.info(
-        f"lr grid on {len(holdout)} held-out training images ({len(fit)} fit): "
+        f"lr grid on {held_out} held-out training images ({len(splits[0][0])} fit"
+        + (f", {folds}-fold cross-validation" if folds > 1 else "")
+        + "): "
         + ", ".join(f"{f} lr {chosen[f]:g} ({best[f]:.2f}%)" for f in source.names)
     )
     return chosen, best, iterations
+
+
+def _fit_and_score(cfg, sources, grid_heads, split, meter: TrainingMeter, iterations: int):
+    """One round of the lr grid: heads ``LinearHeads(*grid_heads)`` trained on ``split``'s fit
+    indices, scored on its held-out ones. Returns ({head key: result}, iterations so far)."""
+    train_source, source = sources
+    fit, holdout = split
+    fit_loader = build_loader(cfg.DATA, "TRAIN", seed=cfg.SEED_VALUE, device=source.device, indices=fit)
+    holdout_cfg = _holdout_data_config(cfg.DATA)
+    holdout_loader = build_loader(
+        holdout_cfg, "TRAIN", seed=cfg.SEED_VALUE, device=source.device, indices=holdout
+    )
+    if len(fit_loader) == 0:
+        raise ValueError(
+            "the fit part of DATA.TRAIN yields no full batch: lower LINEAR_HOLDOUT_FRACTION or LINEAR_LR_FOLDS"
+        )
+    heads = parallelize(LinearHeads(*grid_heads), _heads_model_config(cfg), source.device)
+    iterations = train_heads(train_source, heads, fit_loader, cfg.OPTIMIZER, meter, iterations)
+    return evaluate(source, heads, holdout_loader), iterations
 
 
 def train_heads(

@@ -3,8 +3,12 @@
 Like dinov2's linear evaluation, a grid of learning rates is trained in one pass (every head sees
 the same frozen features; only its learning rate differs). Unlike a grid scored on the validation
 set, the choice here is made on a held-out part of the TRAIN split (``LINEAR_HOLDOUT_FRACTION``,
-stratified by label), so the reported test accuracy is not tuned on the test images. The chosen
-learning rate of every feature is then retrained on the whole TRAIN split.
+stratified by label), so the reported test accuracy is not tuned on the test images. With
+``LINEAR_LR_FOLDS`` = k > 1 the choice is made by stratified k-fold cross-validation instead: the
+grid trains k times, each time scored on a different 1/k of TRAIN, and every lr is judged by its
+hits over all TRAIN images (one image is worth 1/N of a point rather than 1/(N/10): on small data
+sets a single held-out part picks lrs by noise). The chosen learning rate of every feature is then
+retrained on the whole TRAIN split.
 """
 
 from typing import Dict, List, Sequence, Tuple
@@ -33,6 +37,42 @@ def holdout_split(labels: Sequence[int], fraction: float, seed: int) -> Tuple[Li
         raise ValueError("the held-out part of DATA.TRAIN is empty: too few images per class")
     fit = sorted(set(range(len(labels))) - set(holdout))
     return fit, sorted(holdout)
+
+
+def stratified_folds(labels: Sequence[int], folds: int, seed: int) -> List[Tuple[List[int], List[int]]]:
+    """Stratified k-fold split: ``folds`` pairs (fit, holdout) of sorted sample indices.
+
+    Every class is permuted (seeded with ``seed``, the same on every rank) and dealt round-robin
+    to the folds, starting where the previous class stopped so that the folds' sizes differ by at
+    most one. The holdouts are disjoint and together cover every sample once; each fit part is
+    the rest. Raises unless 2 <= ``folds`` <= number of samples.
+    """
+    labels = np.asarray(labels)
+    if not 2 <= folds <= len(labels):
+        raise ValueError(
+            f"BENCHMARK.LINEAR_LR_FOLDS must be 1 (one holdout) or 2..{len(labels)}, got {folds}"
+        )
+    rng = np.random.RandomState(seed)
+    holdouts: List[List[int]] = [[] for _ in range(folds)]
+    dealt = 0
+    for label in np.unique(labels):
+        for index in rng.permutation(np.flatnonzero(labels == label)).tolist():
+            holdouts[dealt % folds].append(index)
+            dealt += 1
+    everything = set(range(len(labels)))
+    return [(sorted(everything - set(holdout)), sorted(holdout)) for holdout in holdouts]
+
+
+def pooled_top1(per_fold: Sequence[Dict[str, dict]]) -> Dict[str, float]:
+    """{head key: top-1 % over the union of the folds' holdouts}, from every fold's
+    ``{head key: {"top1": %, "num_images": n}}``: hits are summed, not percentages averaged."""
+    hits: Dict[str, float] = {}
+    images: Dict[str, int] = {}
+    for results in per_fold:
+        for key, result in results.items():
+            hits[key] = hits.get(key, 0.0) + round(result["top1"] * result["num_images"] / 100.0)
+            images[key] = images.get(key, 0) + result["num_images"]
+    return {key: 100.0 * hits[key] / max(images[key], 1) for key in hits}
 
 
 def grid_key(feature: str, index: int) -> str:

@@ -151,6 +151,7 @@ RULES = {
     RUN_FOLDER_KEY: [writable_folder],
     "CHECKPOINT.CHECKPOINT_FREQUENCY": [at_least(1)],
     "BENCHMARK.POOL_SIZE": [at_least(1)],
+    "BENCHMARK.LINEAR_LR_FOLDS": [at_least(1)],
     "BENCHMARK.KNN_K": [at_least(1)],
     "BENCHMARK.KNN_TEMPERATURE": [above(0)],
     "BENCHMARK.KNN_CHUNK_SIZE": [at_least(1)],

@@ -186,6 +186,7 @@ _C.BENCHMARK.FEATURES = ["s3", "s4", "avgpool"]  # trunk outputs evaluated / ext
 _C.BENCHMARK.POOL_SIZE = 2  # stage maps are average-pooled to POOL_SIZE x POOL_SIZE, then flattened
 _C.BENCHMARK.LINEAR_LRS = []  # linear_eval: peak lrs tried per feature ([]: OPTIMIZER's lr only)
 _C.BENCHMARK.LINEAR_HOLDOUT_FRACTION = 0.1  # linear_eval: part of TRAIN that picks the lr from LINEAR_LRS
+_C.BENCHMARK.LINEAR_LR_FOLDS = 1  # linear_eval: > 1 picks the lr by stratified k-fold CV on TRAIN instead
 _C.BENCHMARK.KNN_K = 20  # kNN: neighbours voting
 _C.BENCHMARK.KNN_TEMPERATURE = 0.07  # kNN: vote weight exp(sim / T)
 _C.BENCHMARK.KNN_CHUNK_SIZE = 256  # kNN: test features compared per chunk (bounds memory)
