@@ -28,21 +28,12 @@ sys.path.insert(0, str(REPO / "dev"))
 import swav_diagnostics  # noqa: E402
 
 from vistrain.benchmarks.linear_eval import LinearHeads  # noqa: E402
-from vistrain.checkpoint import load_pretrained  # noqa: E402
-from vistrain.config import load_config  # noqa: E402
 from vistrain.data import build_loader  # noqa: E402
-from vistrain.models import build_model  # noqa: E402
 
 
-def frozen_features(run_dir: Path):
-    """{"train": {feature: (N, D), "label": (N,)}, "val": ...} of the run's last checkpoint."""
-    cfg = swav_diagnostics._eval_config(load_config([f"config={run_dir / 'config.yaml'}"]))
-    model = build_model(cfg.MODEL)
-    weights = cfg.MODEL.WEIGHTS_INIT.clone()
-    weights.defrost()
-    weights.PARAMS_FILE, weights.SKIP_LAYERS = str(run_dir), []
-    load_pretrained(model, weights)
-    model.eval()
+def frozen_features(run_dir: str):
+    """{"train": {feature: (N, D), "label": (N,)}, "val": ...} of a run's last checkpoint."""
+    model, cfg = swav_diagnostics.eval_model(*swav_diagnostics.load_run(run_dir))
     model.head = None
     cpu = torch.device("cpu")
     return {
@@ -92,7 +83,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("run_dir", type=Path, help="a pretraining run folder (holds config.yaml)")
+    parser.add_argument("run_dir", help="a pretraining run folder (holds config.yaml)")
     parser.add_argument("--feature", default="s2", choices=swav_diagnostics.FEATURES)
     parser.add_argument("--epochs", type=int, nargs="+", default=[30, 100, 300])
     parser.add_argument("--lrs", type=float, nargs="+", default=[0.01, 0.03, 0.1, 0.3, 1.0, 3.0])
@@ -101,7 +92,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    feats = frozen_features(args.run_dir.resolve())
+    feats = frozen_features(str(args.run_dir))
     train = (feats["train"][args.feature], feats["train"]["label"])
     val = (feats["val"][args.feature], feats["val"]["label"])
     print(f"{args.run_dir}, {args.feature}: probe val top-1 (%) by epochs and lr")

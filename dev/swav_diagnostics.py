@@ -119,8 +119,16 @@ def screening_probe(train: dict, val: dict) -> Dict[str, float]:
     return results
 
 
-def diagnose(cfg, weights: str, probe: bool) -> dict:
-    """Everything above for the model of ``cfg`` with ``weights`` ("" : random init)."""
+def load_run(path: str):
+    """(config, weights) of a run folder, or of one checkpoint_<N> inside it."""
+    weights = Path(path).resolve()
+    run_dir = weights if (weights / "config.yaml").exists() else weights.parent
+    return load_config([f"config={run_dir / 'config.yaml'}"]), str(weights)
+
+
+def eval_model(cfg, weights: str):
+    """(model in eval mode returning FEATURES, its eval config) for ``cfg`` with ``weights``
+    ("": random init, seeded); the head is kept only for SwAV."""
     torch.manual_seed(cfg.SEED_VALUE)
     cfg = _eval_config(cfg)
     model = build_model(cfg.MODEL)
@@ -132,6 +140,12 @@ def diagnose(cfg, weights: str, probe: bool) -> dict:
     model.eval()
     if cfg.MODEL.HEAD.NAME != "swav":
         model.head = None
+    return model, cfg
+
+
+def diagnose(cfg, weights: str, probe: bool) -> dict:
+    """Everything above for the model of ``cfg`` with ``weights`` ("" : random init)."""
+    model, cfg = eval_model(cfg, weights)
     device = torch.device("cpu")
     val = _pass(model, build_loader(cfg.DATA, "TEST", cfg.SEED_VALUE, device, rank=0, world_size=1))
     result = head_diagnostics(val["z"], val["scores"]) if "z" in val else {}
@@ -170,10 +184,8 @@ def main() -> int:
     if args.random is not None:
         cfg, weights, name = load_config(args.random), "", "random init"
     else:
-        weights = Path(args.run_dir).resolve()  # a run folder, or one checkpoint_<N> inside it
-        run_dir = weights if (weights / "config.yaml").exists() else weights.parent
-        cfg, name = load_config([f"config={run_dir / 'config.yaml'}"]), weights.name
-        weights = str(weights)
+        cfg, weights = load_run(args.run_dir)
+        name = Path(weights).name
     result = diagnose(cfg, weights, args.probe)
     print(json.dumps(result) if args.json else format_line(name, result))
     return 0

@@ -137,16 +137,22 @@ def test_trunk_stays_frozen_through_an_epoch_of_linear_eval(tmp_path):
     assert json.loads(lines[-1])["iteration"] == 4  # 32 images / (2 ranks x 4): the heads did train
 
 
-def test_linear_eval_through_the_launcher_writes_metrics(tmp_path):
-    run_dir = tmp_path / "run"
+def _launch_linear_eval(argv):
+    """``tools/run_distributed.py`` with ``argv`` in a subprocess; fails the test unless it exits 0."""
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "run_distributed.py"), *_tiny(run_dir)],
+        [sys.executable, str(REPO / "tools" / "run_distributed.py"), *argv],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_linear_eval_through_the_launcher_writes_metrics(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _launch_linear_eval(_tiny(run_dir))
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["engine"] == "linear_eval" and metrics["world_size"] == 2 and metrics["num_classes"] == 10
     assert list(metrics["results"]) == ["s1", "s2", "avgpool"]
@@ -423,14 +429,7 @@ def test_linear_eval_with_lr_grid_reports_the_lr_chosen_on_held_out_training_ima
         "config.BENCHMARK.LINEAR_HOLDOUT_FRACTION=0.25",
         "config.DATA.TRAIN.SYNTHETIC_SIZE=48",
     )
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "run_distributed.py"), *argv],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _launch_linear_eval(argv)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert list(metrics["results"]) == ["s1", "s2", "avgpool"]
     for result in metrics["results"].values():
@@ -452,14 +451,7 @@ def test_linear_eval_with_k_fold_lr_selection_holds_out_every_training_image_onc
         "config.BENCHMARK.LINEAR_LR_FOLDS=3",
         "config.DATA.TRAIN.SYNTHETIC_SIZE=48",
     )
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "run_distributed.py"), *argv],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _launch_linear_eval(argv)
     assert re.search(
         r"lr grid on 48 held-out training images \(32 fit, 3-fold cross-validation\)", proc.stdout
     )

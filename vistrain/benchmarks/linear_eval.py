@@ -7,9 +7,10 @@ is trained on the pooled feature ``f`` with SGD (+ nesterov) and a step or cosin
 heads train together from one pass of the trunk per batch, so evaluating several stages costs one
 trunk forward. With ``BENCHMARK.LINEAR_LRS`` each feature's learning rate is chosen on held-out
 TRAIN images first, one holdout or k folds (see :mod:`vistrain.benchmarks.lr_grid`); with the
-deterministic ``eval`` TRAIN transform the frozen features are computed once (:class:`CachedFeatures`). Top-1/top-5 on
-``DATA.TEST`` are written to the log, TensorBoard (``linear_eval/<feature>/top1``) and
-``CHECKPOINT.DIR/metrics.json``; the trained heads to ``CHECKPOINT.DIR/linear_heads.pt``.
+deterministic ``eval`` TRAIN transform the frozen features are computed once
+(:class:`CachedFeatures`). Top-1/top-5 on ``DATA.TEST`` are written to the log, TensorBoard
+(``linear_eval/<feature>/top1``) and ``CHECKPOINT.DIR/metrics.json``; the trained heads to
+``CHECKPOINT.DIR/linear_heads.pt``.
 
 Distributed: the heads are data parallel (DDP, sync BatchNorm when configured); the trunk is
 either replicated or sharded by our engine (``AUTO_SETUP_FSDP``). Test counts are de-duplicated
@@ -160,8 +161,8 @@ def linear_eval(cfg) -> None:
     )
 
     # ---- [choose each feature's lr on held-out training images], train, evaluate, report
-    folds = max(1, int(cfg.BENCHMARK.LINEAR_LR_FOLDS)) if grid else 0
-    total = epochs * len(train_loader) * (1 + folds)  # a grid pass is shorter: an upper bound
+    grid_rounds = int(cfg.BENCHMARK.LINEAR_LR_FOLDS) if grid else 0
+    total = epochs * len(train_loader) * (1 + grid_rounds)  # a grid round is shorter: an upper bound
     meter = TrainingMeter(run_dir, cfg.LOG_FREQUENCY, total, device)
     lrs, selection, iterations = {}, None, 0
     if grid:
