@@ -24,7 +24,6 @@ from torchvision.models.regnet import ResBottleneckBlock, SimpleStemIN
 
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import auto_wrap, by_class
-from vistrain.fsdp.flat_param import GatheredBytes
 from vistrain.fsdp.memory import held_tensors, peak_rss_mib, storage_bytes
 
 UNIT_CLASSES = (ResBottleneckBlock, SimpleStemIN, nn.Linear)  # blocks, stem, classifier
@@ -92,16 +91,18 @@ def worker(rank, world, args):
         x = torch.randn(args.batch, 3, args.size, args.size, generator=gen).to(device)
         y = torch.randint(0, 10, (args.batch,), generator=gen).to(device)
         for name, (model, optimizer) in engines.items():
-            if name == "vistrain":  # peak over its step alone
-                GatheredBytes.reset_peak()
+            gathered = model.model_state.gathered if name == "vistrain" and model.model_state else None
+            if gathered is not None:  # peak over its step alone
+                gathered.reset_peak()
             elapsed = step(model, optimizer, x, y, device)
             if name == "vistrain":
-                peak = max(peak, GatheredBytes.peak)
+                peak = max(peak, model.model_state.gathered.peak)
             if i >= args.warmup:
                 times[name].append(elapsed)
     ours = engines["vistrain"][0]
     units = sorted(
-        (sum(h.full.numel() * h.full.element_size() for h in u._handles) for u in ours.units()), reverse=True
+        (sum(h.full.numel() * h.full.element_size() for h in u.unit_state.handles) for u in ours.units()),
+        reverse=True,
     )
     return {
         "median_s": {name: statistics.median(t) for name, t in times.items()},

@@ -37,7 +37,7 @@ def frozen_features(run_dir: str):
     model.head = None
     cpu = torch.device("cpu")
     return {
-        split: swav_diagnostics._pass(
+        split: swav_diagnostics.feature_pass(
             model, build_loader(cfg.DATA, key, cfg.SEED_VALUE, cpu, rank=0, world_size=1)
         )
         for split, key in (("train", "TRAIN"), ("val", "TEST"))

@@ -57,7 +57,7 @@ def _eval_config(cfg):
 
 
 @torch.no_grad()
-def _pass(model, loader) -> Dict[str, torch.Tensor]:
+def feature_pass(model, loader) -> Dict[str, torch.Tensor]:
     """Trunk features, head embeddings and scores (first prototype layer), labels of one split."""
     set_epoch(loader, 0)
     out = {name: [] for name in [*FEATURES, "z", "scores", "label"]}
@@ -147,12 +147,14 @@ def diagnose(cfg, weights: str, probe: bool) -> dict:
     """Everything above for the model of ``cfg`` with ``weights`` ("" : random init)."""
     model, cfg = eval_model(cfg, weights)
     device = torch.device("cpu")
-    val = _pass(model, build_loader(cfg.DATA, "TEST", cfg.SEED_VALUE, device, rank=0, world_size=1))
+    val = feature_pass(model, build_loader(cfg.DATA, "TEST", cfg.SEED_VALUE, device, rank=0, world_size=1))
     result = head_diagnostics(val["z"], val["scores"]) if "z" in val else {}
     if weights:
         result["final_loss"] = final_loss(Path(weights))
     if probe:
-        train = _pass(model, build_loader(cfg.DATA, "TRAIN", cfg.SEED_VALUE, device, rank=0, world_size=1))
+        train = feature_pass(
+            model, build_loader(cfg.DATA, "TRAIN", cfg.SEED_VALUE, device, rank=0, world_size=1)
+        )
         result["probe_top1"] = screening_probe(train, val)
     return result
 

@@ -19,8 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import FullyShardedDataParallel as FSDP
 from vistrain.fsdp import auto_wrap, by_class
-from vistrain.fsdp.flat_param import GatheredBytes
-from vistrain.fsdp.lifecycle import TrainingState
+from vistrain.fsdp.phases import Phase
 
 TOL = 1e-5
 
@@ -103,13 +102,13 @@ def _exception_worker(rank, world):
         losses, warned = _train_with_failure(rank, world, recover_with, False)(
             model, make_optimizer("sgd", model.parameters())
         )
-        idle = model._root_state.phase is TrainingState.IDLE and not model._root_state.pending
+        idle = model.model_state.phase is Phase.IDLE and not model.model_state.reductions.pending
         results[recover_with] = (
             max_rel_diff(losses, ref_losses),
             max_rel_diff(model.state_dict(), ddp.module.state_dict()),
             warned,
             idle,
-            GatheredBytes.current,
+            model.model_state.gathered.current,
         )
     return results
 
@@ -265,7 +264,7 @@ def _skip_worker(rank, world):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
-            leftover.append(GatheredBytes.current)
+            leftover.append(model.model_state.gathered.current if isinstance(model, FSDP) else 0)
         return losses, leftover
 
     ref, ref_state, (losses, leftover), state = _reference_and_sharded(

@@ -6,6 +6,7 @@ from fsdp_models import local_batch, make_net, make_optimizer, wrap
 from torch import nn
 
 from vistrain.distributed.testing import run_on_ranks
+from vistrain.fsdp import shard_origins
 from vistrain.fsdp.memory import held_tensors, storage_bytes
 
 # Full-size state tensors per parameter element besides the parameter and its gradient.
@@ -30,7 +31,7 @@ def _held_worker(rank, world, optim_name):
         model = wrap(make_net(), True, reshard_after_forward=reshard)
         optimizer = make_optimizer(optim_name, model.parameters())
         _steps(model, optimizer, rank, world)
-        elements = [(p.numel(), sum(o.numel for o in p._fsdp_origins)) for p in model.parameters()]
+        elements = [(p.numel(), sum(o.numel for o in shard_origins(p))) for p in model.parameters()]
         grad_is_own = all(p.grad.untyped_storage().nbytes() == p.numel() * 4 for p in model.parameters())
         out.append(
             {
@@ -69,14 +70,14 @@ def _no_full_buffer_worker(rank, world):
     model = wrap(make_net(), True)
     optimizer = make_optimizer("sgd", model.parameters())
     _steps(model, optimizer, rank, world, steps=1)  # execution order known from now on
-    state = model._root_state
+    reductions = model.model_state.reductions
     most = []
-    for unit in state.units:
-        for handle in unit._handles:
-            handle.full.register_post_accumulate_grad_hook(lambda _: most.append(len(state.pending)))
+    for unit in model.model_state.units:
+        for handle in unit.handles:
+            handle.full.register_post_accumulate_grad_hook(lambda _: most.append(len(reductions.pending)))
     x, y = local_batch(1, rank, world)
     nn.functional.cross_entropy(model(x), y).backward()
-    return max(most), len(state.pending)
+    return max(most), len(reductions.pending)
 
 
 def test_reductions_do_not_pile_up_during_backward():

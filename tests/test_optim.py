@@ -9,6 +9,7 @@ from torch import nn
 
 from vistrain.config.defaults import get_defaults
 from vistrain.distributed.testing import run_on_ranks
+from vistrain.fsdp import SegmentValues
 from vistrain.optim import LARS, build_lr_schedule, build_optimizer, param_group_key, set_lr
 from vistrain.optim import lars as lars_module
 
@@ -172,8 +173,8 @@ def test_shard_mixing_groups_is_an_error():
 
 
 def _plain_origin_sq_norms(params, tensors):
-    """What origin_sq_norms returns for plain parameters: one squared norm per tensor."""
-    return [(t.float() * t.float()).sum() for t in tensors]
+    """What origin_sq_sums returns for plain parameters: one squared norm per tensor."""
+    return [SegmentValues.whole((t.float() * t.float()).sum(), t.numel()) for t in tensors]
 
 
 def _reference_lars(ws, grads_per_step, lr, momentum, wd, eta, exclude, nesterov):
@@ -220,15 +221,18 @@ def test_lars_matches_reference(nesterov):
 
 
 def _segment_sq_norms(segments):
-    """origin_sq_norms for flat params made of the given (start, end) segments (one 'rank')."""
+    """origin_sq_sums for flat params made of the given (start, end) segments (one 'rank')."""
 
     def norms(params, tensors):
         out = []
         for p, t in zip(params, tensors):
-            sq = torch.zeros_like(t)
-            for start, end in segments.get(id(p), []):
-                sq[start:end] = (t[start:end] ** 2).sum()
-            out.append(sq if id(p) in segments else (t * t).sum())
+            if id(p) not in segments:
+                out.append(SegmentValues.whole((t * t).sum(), t.numel()))
+                continue
+            values = torch.stack([(t[start:end] ** 2).sum() for start, end in segments[id(p)]])
+            starts = [start for start, _ in segments[id(p)]]
+            lengths = [end - start for start, end in segments[id(p)]]
+            out.append(SegmentValues(values, starts, lengths, t.numel()))
         return out
 
     return norms

@@ -1,10 +1,22 @@
 """Pins the private torch/torchvision behaviour that vistrain.torch_compat relies on."""
 
+import torch
 from torch import nn
 from torchvision.models import regnet_y_400mf
 from torchvision.models.regnet import BlockParams
 
-from vistrain.torch_compat import BatchNormBase, NormBase, StageSettings, regnet_stage_settings
+from vistrain.torch_compat import (
+    BatchNormBase,
+    NormBase,
+    StageSettings,
+    child_modules,
+    op_is_mutable,
+    own_buffers,
+    own_parameters,
+    persistent_buffer_names,
+    regnet_stage_settings,
+    view_base,
+)
 
 
 def test_batch_norm_base_covers_every_batch_norm():
@@ -105,3 +117,21 @@ def test_meta_load_records_where_each_storage_starts_in_the_file(tmp_path):
         nbytes = saved[key].numel() * saved[key].element_size()
         assert data[offset : offset + nbytes] == saved[key].numpy().tobytes(), key
     assert storage_file_offset(torch.zeros(2).untyped_storage()) is None
+
+
+def test_a_modules_own_registries_are_live_and_views_know_their_base():
+    bn = nn.BatchNorm2d(3)
+    bn.register_buffer("scratch", torch.zeros(1), persistent=False)
+    assert set(own_parameters(bn)) == {"weight", "bias"} and "running_mean" in own_buffers(bn)
+    assert persistent_buffer_names(bn) == ["running_mean", "running_var", "num_batches_tracked"]
+    own_parameters(bn).pop("bias")  # live: the module no longer has it as a parameter
+    assert [n for n, _ in bn.named_parameters()] == ["weight"]
+    seq = nn.Sequential(nn.Linear(2, 2))
+    child_modules(seq)["0"] = nn.Identity()
+    assert isinstance(seq[0], nn.Identity)
+    full = torch.zeros(6)
+    assert view_base(full[2:4].view(2, 1)) is full and view_base(full) is None
+
+
+def test_op_is_mutable_tells_in_place_aten_calls():
+    assert op_is_mutable(torch.ops.aten.add_.Tensor) and not op_is_mutable(torch.ops.aten.add.Tensor)

@@ -14,14 +14,18 @@ what we rely on, so an upgrade that changes it fails loudly there instead of sil
   torch's own FSDP does.
 * ``backward_running`` (``torch._C._current_graph_task_id``): whether this thread is inside a
   backward pass (the engine tells a backward an exception interrupted from one still running).
+* ``own_parameters`` / ``own_buffers`` / ``child_modules`` (``nn.Module._parameters`` ...) and
+  ``view_base`` (``Tensor._base``): the engine swaps parameters for views of gathered weights and
+  children for units in place, and finds the gathered tensor a saved view belongs to.
 * ``current_saved_tensors_hooks`` / ``saved_tensors_hooks_enabled``
   (``torch._C._autograd._top_saved_tensors_default_hooks`` / ``_saved_tensors_hooks_is_enabled``):
   the engine's saved-tensor hooks wrap those already active (activation checkpointing's).
 """
 
-from typing import Callable, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
+from torch import nn
 from torch.autograd import Variable
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
@@ -57,6 +61,38 @@ def backward_running() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+# -- a module's own registries (``nn.Module._parameters`` / ``_buffers`` / ``_modules``) ---------
+# The sharded engine replaces parameters by views and wrapped children by units in place; the
+# public ``named_*`` iterators give copies, ``register_*`` refuse names already in ``__dict__``.
+
+
+def own_parameters(module: nn.Module) -> Dict[str, Optional[nn.Parameter]]:
+    """The live dict of parameters registered on ``module`` itself (not its children)."""
+    return module._parameters
+
+
+def own_buffers(module: nn.Module) -> Dict[str, Optional[torch.Tensor]]:
+    """The live dict of buffers registered on ``module`` itself."""
+    return module._buffers
+
+
+def child_modules(module: nn.Module) -> Dict[str, Optional[nn.Module]]:
+    """The live dict of ``module``'s direct children."""
+    return module._modules
+
+
+def persistent_buffer_names(module: nn.Module) -> List[str]:
+    """Names of the buffers of ``module`` itself that go into its state dict."""
+    return [
+        n for n, b in module._buffers.items() if b is not None and n not in module._non_persistent_buffers_set
+    ]
+
+
+def view_base(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The tensor ``t`` is a view of (``t._base``: public in use, private by name), or None."""
+    return t._base
+
+
 def current_saved_tensors_hooks() -> Optional[Tuple[Callable, Callable]]:
     """The innermost active (pack, unpack) saved-tensor hooks, or None."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -71,6 +107,11 @@ def saved_tensors_hooks_enabled() -> bool:
 # ``TorchDispatchMode`` sees every ATen call with its arguments (public in spirit, private by
 # module name); pytree maps nested arguments; a storage's ``_cdata`` identifies it also on the
 # meta device, where ``data_ptr()`` is 0 for every tensor.
+
+
+def op_is_mutable(func) -> bool:
+    """Whether the ATen operator ``func`` (an ``OpOverload``) writes into one of its inputs."""
+    return func._schema.is_mutable
 
 
 def storage_id(t: torch.Tensor) -> int:

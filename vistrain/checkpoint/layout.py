@@ -21,6 +21,7 @@ from vistrain.distributed import comm
 from vistrain.fsdp import Backend, FullyShardedDataParallel, backend_of, shard_handle, unwrap
 from vistrain.fsdp.flat_param import shard_slices
 from vistrain.fsdp.names import clean_name
+from vistrain.torch_compat import persistent_buffer_names
 
 
 @dataclass(frozen=True)
@@ -114,10 +115,8 @@ def persistent_buffers(module: nn.Module) -> Dict[str, torch.Tensor]:
     """Buffers that belong in a state dict (BatchNorm statistics...), by clean name."""
     out = {}
     for prefix, sub in module.named_modules():
-        for name, buf in sub._buffers.items():
-            if buf is None or name in sub._non_persistent_buffers_set:
-                continue
-            out[clean_name(f"{prefix}.{name}" if prefix else name)] = buf
+        for name in persistent_buffer_names(sub):
+            out[clean_name(f"{prefix}.{name}" if prefix else name)] = getattr(sub, name)
     return out
 
 

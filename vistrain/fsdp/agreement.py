@@ -1,4 +1,4 @@
-"""Keeping ranks in agreement: the first step's unit-order check.
+"""Keeping ranks in agreement: the units' execution order and the first step's order check.
 
 Sharded units exchange weights and gradients in collectives matched by issue order, so every
 rank must run the same units in the same order. Two same-size units run in a rank-dependent
@@ -9,67 +9,114 @@ forward; so is the start of each unit's backward and the end of backward, unless
 ``find_unused_parameters`` defers every backward collective to the end. The first mismatch
 raises the same error on every rank, naming what each rank ran, before the mismatched
 collective is issued.
+
+The execution order recorded in the first step also tells prefetches which unit runs next.
 """
+
+import datetime
+from typing import Callable, List
 
 import torch
 import torch.distributed as dist
 
-from vistrain.fsdp.lifecycle import RootState
 from vistrain.fsdp.timeouts import wait_within
 
 END = -1  # announced when a root forward returns / a backward ends
 
 
-def check_unit_call(state: RootState, group, unit_index: int, backward: bool = False) -> None:
-    """Announce this rank's next unit forward (or backward) call, ``END`` when the root forward
-    (or the backward) is over; raise on every rank when the ranks disagree. First step only."""
-    world = dist.get_world_size(group)
-    if state.order_checked or world == 1:
-        return
-    device = state.root.compute_device
-    calls = state.backward_calls if backward else state.calls_this_step
-    mine = torch.tensor([calls, unit_index], dtype=torch.long, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    work = dist.all_gather(gathered, mine, group=group, async_op=True)
-    wait_within(work, state.root.collective_timeout, "the first step's unit-order check", device)
-    if backward:
-        state.backward_calls += 1
-    else:
-        state.calls_this_step += 1
-    seen = [int(t[1]) for t in gathered]
-    if len(set(seen)) > 1:
-        ran = ", ".join(f"rank {r} ran {_describe(state, i, backward)}" for r, i in enumerate(seen))
-        what = "the backward of different units" if backward else "different units"
-        hint = (
-            "an output that reaches the loss on some ranks only needs find_unused_parameters=True"
-            if backward
-            else "sharded units must run in the same order on every rank (no rank-dependent "
-            "branches or order)"
-        )
-        raise RuntimeError(
-            f"FullyShardedDataParallel: ranks ran {what} in the first training step; at unit call "
-            f"{calls}: {ran}. {hint[0].upper()}{hint[1:]}"
-        )
+class UnitOrder:
+    """The order in which one wrapped model's units run, and the first step's check of it.
+
+    ``names[i]`` is the path of unit ``i`` (outermost first, the canonical order).
+    """
+
+    def __init__(self, names: List[str], group, device: torch.device, timeout: datetime.timedelta):
+        self.names = names
+        self.group = group
+        self.device = device
+        self.timeout = timeout
+        self.execution: List[int] = []  # unit indices in first-forward-call order
+        self.final = False  # fixed after the first completed backward
+        self.checked = False  # the first step's cross-rank check has passed
+        self.forward_calls = 0  # within the current root forward
+        self.backward_calls = 0  # within the current backward
+
+    # -- forward --------------------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        self.forward_calls = 0
+
+    def record_forward(self, index: int) -> None:
+        """Unit ``index``'s training forward begins: note the order, check it in the first step."""
+        if not self.final and index not in self.execution:
+            self.execution.append(index)
+        self._check(index, backward=False)
+
+    def end_forward(self) -> None:
+        self._check(END, backward=False)
+
+    # -- backward -------------------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        self.backward_calls = 0
+
+    def record_backward(self, index: int) -> None:
+        self._check(index, backward=True)
+
+    def end_backward(self, announce: bool) -> None:
+        """A backward is over (``announce``: tell the other ranks, as each unit's start was):
+        from now on the order is fixed and has been checked."""
+        if announce:
+            self._check(END, backward=True)
+        self.final = bool(self.execution)
+        self.checked = True
+
+    def neighbours(self, index: int, step: int, depth: int) -> List[int]:
+        """Units that run after unit ``index`` (``step`` +1 in forward, -1 in backward), up to
+        ``depth`` of them; none until the order is fixed."""
+        if not self.final or index not in self.execution:
+            return []
+        at = self.execution.index(index)
+        ahead = [at + d * step for d in range(1, depth + 1)]
+        return [self.execution[j] for j in ahead if 0 <= j < len(self.execution)]
+
+    # -- the check --------------------------------------------------------------------------------
+    def _check(self, index: int, backward: bool) -> None:
+        """Announce this rank's next unit call (or ``END``); raise on every rank when the ranks
+        disagree. First step only."""
+        world = dist.get_world_size(self.group)
+        if self.checked or world == 1:
+            return
+        calls = self.backward_calls if backward else self.forward_calls
+        mine = torch.tensor([calls, index], dtype=torch.long, device=self.device)
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
+        wait_within(work, self.timeout, "the first step's unit-order check", self.device)
+        if backward:
+            self.backward_calls += 1
+        else:
+            self.forward_calls += 1
+        seen = [int(t[1]) for t in gathered]
+        if len(set(seen)) > 1:
+            raise RuntimeError(_disagreement(seen, calls, backward, self._describe))
+
+    def _describe(self, index: int, backward: bool) -> str:
+        if index == END:
+            return (
+                "nothing (its backward had finished)"
+                if backward
+                else "nothing (its root forward had returned)"
+            )
+        return f"'{self.names[index]}'"
 
 
-def record_call(unit) -> None:
-    """A unit's training forward begins: note the execution order (prefetches follow it)."""
-    state = unit._root_state
-    if not state.exec_order_final and unit not in state.exec_order:
-        state.exec_order.append(unit)
-    check_unit_call(state, state.root.process_group, state.units.index(unit))
-
-
-def check_backward_call(state: RootState, unit_index: int) -> None:
-    """A unit's backward begins (``END``: the backward ends). Not needed, and skipped, when
-    ``find_unused_parameters`` defers every backward collective or gradients are not synced."""
-    if not state.root.find_unused_parameters and state.require_grad_sync:
-        check_unit_call(state, state.root.process_group, unit_index, backward=True)
-
-
-def _describe(state: RootState, index: int, backward: bool) -> str:
-    if index == END:
-        return (
-            "nothing (its backward had finished)" if backward else "nothing (its root forward had returned)"
-        )
-    return f"'{state.name(state.units[index])}'"
+def _disagreement(seen: List[int], calls: int, backward: bool, describe: Callable) -> str:
+    ran = ", ".join(f"rank {r} ran {describe(i, backward)}" for r, i in enumerate(seen))
+    what = "the backward of different units" if backward else "different units"
+    hint = (
+        "an output that reaches the loss on some ranks only needs find_unused_parameters=True"
+        if backward
+        else "sharded units must run in the same order on every rank (no rank-dependent branches or order)"
+    )
+    return (
+        f"FullyShardedDataParallel: ranks ran {what} in the first training step; at unit call "
+        f"{calls}: {ran}. {hint[0].upper()}{hint[1:]}"
+    )

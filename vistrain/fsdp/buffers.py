@@ -15,24 +15,25 @@ from vistrain.fsdp.ownership import owned_modules
 from vistrain.fsdp.timeouts import wait_within
 
 
-def model_buffers(units) -> List[torch.Tensor]:
-    """Every buffer of every unit's modules, each once, in a fixed order."""
+def model_buffers(wrapped_modules) -> List[torch.Tensor]:
+    """Every buffer of the modules the units wrap (not inside nested units), each once, in a
+    fixed order."""
     seen, out = set(), []
-    for unit in units:
-        for sub in owned_modules(unit.module):
-            for buf in sub._buffers.values():
-                if buf is not None and id(buf) not in seen:
+    for module in wrapped_modules:
+        for sub in owned_modules(module):
+            for _, buf in sub.named_buffers(recurse=False):
+                if id(buf) not in seen:
                     seen.add(id(buf))
                     out.append(buf)
     return out
 
 
-def broadcast_buffers(units, group, timeout: datetime.timedelta) -> None:
+def broadcast_buffers(wrapped_modules, group, timeout: datetime.timedelta) -> None:
     """Copy the group's first rank's buffers to every rank: one broadcast per (dtype, device)."""
     if dist.get_world_size(group) == 1:
         return
     by_kind = {}
-    for buf in model_buffers(units):
+    for buf in model_buffers(wrapped_modules):
         by_kind.setdefault((buf.dtype, buf.device), []).append(buf)
     src = dist.get_global_rank(group, 0)
     for bufs in by_kind.values():

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from vistrain.torch_compat import TorchDispatchMode, storage_id, tree_flatten, tree_map
+from vistrain.torch_compat import TorchDispatchMode, op_is_mutable, storage_id, tree_flatten, tree_map
 
 RECIPE_ATTR = "_vistrain_init_recipe"
 
@@ -129,6 +129,9 @@ class _Recorder(TorchDispatchMode):
         self.nodes: Dict[int, _Node] = {}  # id(meta tensor) -> how it was computed
         self._alive: List[torch.Tensor] = []  # keeps storages and tensor ids unique
 
+    def keep_alive(self, t: torch.Tensor) -> None:
+        self._alive.append(t)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         rng_state = None
@@ -138,7 +141,7 @@ class _Recorder(TorchDispatchMode):
             rng_state = torch.random.get_rng_state()
             _advance_like(func, args, kwargs)
         out = func(*args, **kwargs)
-        if func._schema.is_mutable:
+        if op_is_mutable(func):
             self._record_in_place(func, args, kwargs, rng_state)
         elif not any(isinstance(a, torch.Tensor) and a.is_meta for a in tree_flatten((args, kwargs))[0]):
             self._record_factory(func, args, kwargs, rng_state, out)
@@ -204,7 +207,7 @@ class _TensorLiterals(TorchFunctionMode):
         if func in (torch.tensor, torch.as_tensor) and isinstance(out, torch.Tensor) and out.is_meta:
             data = tree_map(lambda a: a.clone() if isinstance(a, torch.Tensor) else a, args)
             step = _Step(func, data, {**kwargs, "device": torch.device("cpu")}, None)
-            self.recorder._alive.append(out)
+            self.recorder.keep_alive(out)
             self.recorder.recipes[_key(out)] = InitRecipe([step])
         return out
 

@@ -9,6 +9,7 @@ become views of it; afterwards the storage of ``full`` is released but the tenso
 so the autograd graph and its saved views see the data again after the next gather.
 """
 
+import datetime
 import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
@@ -18,7 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 from vistrain.fsdp.deferred_init import materialize
-from vistrain.fsdp.timeouts import DEFAULT_COLLECTIVE_TIMEOUT, wait_within
+from vistrain.fsdp.registry import register_shard
+from vistrain.fsdp.timeouts import wait_within
+from vistrain.torch_compat import own_parameters
 
 
 @dataclass
@@ -47,6 +50,11 @@ def shard_size(numel: int, world_size: int) -> int:
     return max(1, -(-numel // world_size))
 
 
+def padded_size(numel: int, world_size: int) -> int:
+    """Elements of the flat vector padded to ``world_size`` equal shards."""
+    return shard_size(numel, world_size) * world_size
+
+
 def shard_range(numel: int, world_size: int, rank: int) -> Tuple[int, int]:
     """[start, end) of rank's chunk in the padded flat vector (may run into the padding)."""
     size = shard_size(numel, world_size)
@@ -68,38 +76,6 @@ def shard_slices(origins: Sequence[ParamOrigin], world_size: int, rank: int):
     return out
 
 
-class GatheredBytes:
-    """Bytes of full (gathered) parameters alive in this process now and at the peak."""
-
-    current = 0
-    peak = 0
-
-    @classmethod
-    def reset_peak(cls) -> None:
-        cls.peak = cls.current
-
-    @classmethod
-    def add(cls, nbytes: int) -> None:
-        cls.current += nbytes
-        cls.peak = max(cls.peak, cls.current)
-
-
-_reduction_groups = {}
-
-
-def reduction_group(group):
-    """A second process group over the same ranks, for gradient reductions.
-
-    Collectives of one group run in issue order, so a backward prefetch (all-gather) issued
-    after a gradient reduction would wait for it; on their own group they overlap (their own
-    gloo threads, or their own NCCL communicator and stream). Created once per group, on every
-    rank in the same order, as ``new_group`` requires.
-    """
-    if group not in _reduction_groups:
-        _reduction_groups[group] = dist.new_group(dist.get_process_group_ranks(group))
-    return _reduction_groups[group]
-
-
 def _is_gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
 
@@ -112,8 +88,7 @@ def _gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: boo
         return dist.all_gather(
             list(output.chunk(dist.get_world_size(group))), shard, group=group, async_op=async_op
         )
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, shard, group=group, async_op=async_op)
+    return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(full: torch.Tensor, lo: int, hi: int, group):
@@ -127,8 +102,7 @@ def reduce_scatter_into(full: torch.Tensor, lo: int, hi: int, group):
     if _is_gloo(group):
         return dist.all_reduce(full, group=group, async_op=True), full[lo:hi]
     out = torch.empty(hi - lo, dtype=full.dtype, device=full.device)
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(out, full, group=group, async_op=True), out
+    return dist.reduce_scatter_tensor(out, full, group=group, async_op=True), out
 
 
 @dataclass
@@ -164,10 +138,11 @@ class FlatParamHandle:
         reduce_dtype: Optional[torch.dtype],
         shard_device: torch.device,
         sync_module_states: bool,
+        timeout: datetime.timedelta,
     ):
         self.origins = origins
         self.group = group
-        self.reduce_group = reduction_group(group)
+        self.timeout = timeout  # of every collective this handle waits for
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.numel = sum(o.numel for o in origins)
@@ -183,12 +158,12 @@ class FlatParamHandle:
             dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
         lo, hi = shard_range(self.numel, self.world_size, self.rank)
         self.shard = nn.Parameter(flat[lo:hi].clone().to(shard_device), requires_grad=requires_grad)
-        self.shard._fsdp_origins = origins
-        self.shard._fsdp_handle = self
+        register_shard(self.shard, self)
         del flat
 
-        padded = self.shard_numel * self.world_size
-        self.full = torch.empty(padded, dtype=self.compute_dtype, device=compute_device)
+        self.full = torch.empty(
+            padded_size(self.numel, self.world_size), dtype=self.compute_dtype, device=compute_device
+        )
         self.full.requires_grad_(requires_grad)
         # Collectives bump a tensor's version counter, which would invalidate the views autograd
         # saved in forward. ``.data`` aliases the same storage with its own counter.
@@ -199,14 +174,12 @@ class FlatParamHandle:
         self._placeholders = [torch.empty(o.shape, dtype=self.compute_dtype, device="meta") for o in origins]
         self._set_attributes(self._placeholders)
         self.gather: Optional[InFlightGather] = None
-        self.timeout = DEFAULT_COLLECTIVE_TIMEOUT  # set by the owning unit
         self.is_unsharded = False
         self.unsharded_grad_acc: Optional[torch.Tensor] = None  # summed full grads under no_sync
 
     # -- construction ---------------------------------------------------------------------
     def _flatten(self, params, device) -> torch.Tensor:
-        padded = self.shard_numel * self.world_size
-        flat = torch.zeros(padded, dtype=self.param_dtype, device=device)
+        flat = torch.zeros(padded_size(self.numel, self.world_size), dtype=self.param_dtype, device=device)
         with torch.no_grad():
             for p, o in zip(params, self.origins):
                 # a parameter built on the meta device is created (and initialised) only now
@@ -214,43 +187,52 @@ class FlatParamHandle:
         return flat
 
     # -- gather / free ------------------------------------------------------------------------
-    def _free_full(self) -> None:
-        GatheredBytes.add(-self.full.untyped_storage().nbytes())
+    def _free_full(self) -> int:
+        nbytes = self.full.untyped_storage().nbytes()
         self.full.untyped_storage().resize_(0)
+        return nbytes
 
-    def start_unshard(self) -> None:
-        """Launch the all-gather of the full flat vector (asynchronous); no-op when already there."""
+    def start_unshard(self) -> int:
+        """Launch the all-gather of the full flat vector (asynchronous); no-op when already there.
+
+        Returns the bytes this allocated for ``full`` (0 when it was gathered or in flight).
+        """
         if self.is_unsharded or self.gather is not None:
-            return
+            return 0
         nbytes = self.full.numel() * self.full.element_size()
         self.full.untyped_storage().resize_(nbytes)
-        GatheredBytes.add(nbytes)
         src = self.shard.detach().to(self.compute_device, self.compute_dtype, non_blocking=True)
         self.gather = InFlightGather(_gather_into(self._full_data, src, self.group, async_op=True), src)
+        return nbytes
 
     def _finish_gather(self) -> None:
         gather, self.gather = self.gather, None
         wait_within(gather.work, self.timeout, self._gather_description, self.compute_device)
 
-    def wait_unshard(self) -> None:
+    def wait_unshard(self) -> int:
         """Finish the gather; the modules then see views of ``full`` (also code that autograd
-        re-runs in backward, such as activation checkpointing inside the unit)."""
+        re-runs in backward, such as activation checkpointing inside the unit). Returns the
+        bytes allocated here (when no gather had been started)."""
         if self.is_unsharded:
-            return
-        self.start_unshard()
+            return 0
+        nbytes = self.start_unshard()
         self._finish_gather()
         self.is_unsharded = True
         self.set_views()
+        return nbytes
 
-    def reshard(self) -> None:
-        """Free the full weights, including those of a prefetch that was never used."""
+    def reshard(self) -> int:
+        """Free the full weights, including those of a prefetch that was never used; returns
+        the bytes freed."""
+        freed = 0
         if self.gather is not None:
             self._finish_gather()
-            self._free_full()
+            freed += self._free_full()
         if self.is_unsharded:
-            self._free_full()
+            freed += self._free_full()
             self.is_unsharded = False
             self._set_attributes(self._placeholders)
+        return freed
 
     def _gather_description(self) -> str:
         return f"the all-gather of {self.describe()}"
@@ -281,8 +263,7 @@ class FlatParamHandle:
         # __dict__ directly skips nn.Module.__setattr__'s checks on this hot path.
         for o, tensor in zip(self.origins, tensors):
             for module, attr in o.places():
-                if attr in module._parameters:  # registered by summon_full_params or a tie
-                    del module._parameters[attr]
+                own_parameters(module).pop(attr, None)  # registered by summon_full_params or a tie
                 module.__dict__[attr] = tensor
 
     def expose_as_parameters(self, source: torch.Tensor) -> None:
@@ -291,12 +272,12 @@ class FlatParamHandle:
             param = nn.Parameter(source[o.flat_offset : o.flat_offset + o.numel].view(o.shape), False)
             for module, attr in o.places():  # a tied parameter stays one object in every place
                 module.__dict__.pop(attr, None)
-                module._parameters[attr] = param
+                own_parameters(module)[attr] = param
 
     def gather_full_copy(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """A fresh (padded_numel,) tensor with the full values, in the master dtype by default."""
         dtype = dtype or self.param_dtype
-        out = torch.empty(self.shard_numel * self.world_size, dtype=dtype, device=self.compute_device)
+        out = torch.empty(padded_size(self.numel, self.world_size), dtype=dtype, device=self.compute_device)
         _gather_into(out, self.shard.detach().to(self.compute_device, dtype), self.group, False)
         return out
 
@@ -310,8 +291,9 @@ class FlatParamHandle:
         grad, self.full.grad = self.full.grad, None
         return grad
 
-    def start_reduce_scatter(self, grad: torch.Tensor):
-        """Average ``grad`` (padded_numel,) over ranks; returns (work, output shard, kept input)."""
+    def start_reduce_scatter(self, grad: torch.Tensor, reduce_group):
+        """Average ``grad`` (padded_numel,) over ranks on ``reduce_group`` (the same ranks as
+        ``group``, its own queue); returns (work, output shard, kept input)."""
         if self.unsharded_grad_acc is not None:
             grad = self.unsharded_grad_acc.add_(grad)
             self.unsharded_grad_acc = None
@@ -319,8 +301,8 @@ class FlatParamHandle:
         if self.world_size > 1:
             # Dividing before the sum keeps fp16 sums in range; DDP divides after. Same maths.
             grad.div_(self.world_size)
-        lo = self.rank * self.shard_numel
-        work, out = reduce_scatter_into(grad, lo, lo + self.shard_numel, self.reduce_group)
+        lo, hi = shard_range(self.numel, self.world_size, self.rank)
+        work, out = reduce_scatter_into(grad, lo, hi, reduce_group)
         return work, out, grad
 
     def accumulate_shard_grad(self, reduced: torch.Tensor) -> None:

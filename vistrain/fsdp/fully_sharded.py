@@ -9,37 +9,33 @@ unit. Per training step and unit::
                -> (hook after the gradient is accumulated) reduce-scatter it, free full weights
     end:       the root waits for outstanding reductions; shard.grad holds the averaged gradient
 
-With the same seed and data the results equal DDP's: same losses, same parameters. The states
-and their recovery after an exception are described in ``lifecycle.py``; cross-rank checks in
-``agreement.py``; buffer broadcasts in ``buffers.py``; collective timeouts in ``timeouts.py``.
+With the same seed and data the results equal DDP's: same losses, same parameters. This class is
+the ``nn.Module`` shell: a unit's handles, phase and transitions live in its ``UnitState``
+(``unit_state.py``), what the units share in the ``ModelState`` the root builds at its first
+forward (``model_state.py``); cross-rank checks in ``agreement.py``; reductions in
+``reductions.py``; buffer broadcasts in ``buffers.py``; collective timeouts in ``timeouts.py``.
 """
 
 import contextlib
-import functools
-import weakref
 from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from vistrain.fsdp import agreement, lifecycle
+from vistrain.fsdp import registry
 from vistrain.fsdp.deferred_init import materialize
 from vistrain.fsdp.flat_param import FlatParamHandle, ParamOrigin
 from vistrain.fsdp.grad import clip_grad_norm_
-from vistrain.fsdp.lifecycle import RootState, TrainingState
 from vistrain.fsdp.mixed_precision import cast_floating, default_compute_dtype, low_precision_dtype
+from vistrain.fsdp.model_state import ModelState, RootOptions
 from vistrain.fsdp.names import FLAT_PARAM_PREFIX, WRAPPED_NAME, clean_name
-from vistrain.fsdp.ownership import (
-    check_wrappable,
-    compute_device,
-    install_optimizer_check,
-    owned_modules,
-    owned_params,
-)
+from vistrain.fsdp.ownership import check_wrappable, compute_device, owned_modules, owned_params
+from vistrain.fsdp.phases import Phase
 from vistrain.fsdp.state_dict import full_state_dict, load_full_state_dict, local_mode, summon
 from vistrain.fsdp.timeouts import DEFAULT_COLLECTIVE_TIMEOUT, as_timedelta
-from vistrain.fsdp.tree import iter_tensors
+from vistrain.fsdp.unit_state import UnitState
+from vistrain.torch_compat import own_buffers
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -112,24 +108,15 @@ class FullyShardedDataParallel(nn.Module):
         self.add_module(WRAPPED_NAME, module)
 
         owned = list(owned_params(module))
-        self._handles = self._build_handles(owned, flatten_parameters, param_group_fn, sync_module_states)
-        for i, handle in enumerate(self._handles):
-            handle.timeout = self.collective_timeout
+        handles = self._build_handles(owned, flatten_parameters, param_group_fn, sync_module_states)
+        for i, handle in enumerate(handles):
             self.register_parameter(f"{FLAT_PARAM_PREFIX}{i}", handle.shard)
-            if handle.shard.requires_grad:
-                handle.full.register_post_accumulate_grad_hook(
-                    functools.partial(lifecycle.post_backward_hook, weakref.ref(self), handle)
-                )
+        keep_gathered = not reshard_after_forward or find_unused_parameters
+        self._unit = UnitState(handles, keep_gathered, self.prefetch_depth)
         self._prepare_buffers(buffer_dtype if not keep_fp32 else None, sync_module_states)
         for sub in owned_modules(module):
-            sub._fsdp_owner = weakref.ref(self)
+            registry.set_owner(sub, self)
         self._assign_root_names()
-        self._root_state: Optional[RootState] = None
-        self._is_root: Optional[bool] = None
-        self.phase = TrainingState.IDLE
-        self._summoned = False
-        self._state_dict_mode = "full"
-        install_optimizer_check()
 
     # -- construction helpers -------------------------------------------------------------------
     def _build_handles(self, owned, flatten, group_fn, sync) -> List[FlatParamHandle]:
@@ -158,16 +145,17 @@ class FullyShardedDataParallel(nn.Module):
                     reduce_dtype,
                     shard_device,
                     sync,
+                    self.collective_timeout,
                 )
             )
             for param, origin in zip(params, origins):
-                param._fsdp_replaced = True  # an optimizer built on it must fail loudly
-                param._fsdp_sharded_as = (weakref.ref(self), origin.local_fqn)
+                registry.mark_replaced(param, self, origin.local_fqn)  # an optimizer on it fails
         return handles
 
     def _prepare_buffers(self, buffer_dtype, sync: bool) -> None:
         for sub in owned_modules(self.module):
-            for name, buf in list(sub._buffers.items()):
+            buffers = own_buffers(sub)
+            for name, buf in list(buffers.items()):
                 if buf is None:
                     continue
                 buf = materialize(buf).to(self.compute_device)
@@ -177,16 +165,16 @@ class FullyShardedDataParallel(nn.Module):
                     dist.broadcast(
                         buf, src=dist.get_global_rank(self.process_group, 0), group=self.process_group
                     )
-                sub._buffers[name] = buf
+                buffers[name] = buf
 
     def _assign_root_names(self) -> None:
-        for handle in self._handles:
+        for handle in self._unit.handles:
             for o in handle.origins:
                 o.fqn = o.local_fqn
         for name, sub in self.module.named_modules():
             if isinstance(sub, FullyShardedDataParallel) and sub is not self:
                 prefix = clean_name(name)
-                for handle in sub._handles:
+                for handle in sub.unit_state.handles:
                     for o in handle.origins:
                         o.fqn = f"{prefix}.{o.local_fqn}" if prefix else o.local_fqn
 
@@ -208,44 +196,42 @@ class FullyShardedDataParallel(nn.Module):
         """This unit and every nested one, outermost first."""
         return [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
 
+    @property
+    def unit_state(self) -> UnitState:
+        """This unit's handles, phase and transitions."""
+        return self._unit
+
+    @property
+    def model_state(self) -> Optional[ModelState]:
+        """What the units of the wrapped model share; None before the root's first forward."""
+        return self._unit.model
+
     # -- forward ----------------------------------------------------------------------------------
-    def _lazy_init(self) -> None:
-        if self._root_state is not None:
-            return
-        units = self.units()
-        names = {id(u): clean_name(n) or "<root>" for n, u in self.named_modules() if u in units}
-        state = RootState(self, units, names)
-        for unit in units:
-            unit._root_state, unit._is_root = state, unit is self
+    def _lazy_init(self) -> ModelState:
+        """At the root's first forward: the ModelState of every unit below (collective)."""
+        if self._unit.model is None:
+            units = self.units()
+            names = {id(u): clean_name(n) or "<root>" for n, u in self.named_modules() if u in units}
+            options = RootOptions(
+                self.process_group,
+                self.compute_device,
+                self.broadcast_buffers,
+                self.find_unused_parameters,
+                self.collective_timeout,
+            )
+            ModelState(
+                options,
+                [u.unit_state for u in units],
+                [names[id(u)] for u in units],
+                [u.module for u in units],
+            )
+        return self._unit.model
 
     def forward(self, *args, **kwargs):
         self._lazy_init()
-        state = self._root_state
-        training = torch.is_grad_enabled() and state.phase is not TrainingState.BACKWARD
-        if self._is_root:
-            lifecycle.begin_root_forward(state, training)
-        if training:
-            agreement.record_call(self)
-        self.phase = TrainingState.FORWARD if training else self.phase
-        self._unshard()  # the gather also points the modules at fresh views of the weights
-        if training:
-            self._prefetch(+1)
+        training = self._unit.begin_forward()
         outputs = self._run_module(args, kwargs)
-        keep_for_backward = not self.reshard_after_forward or self._is_root or self.find_unused_parameters
-        if state.phase is not TrainingState.BACKWARD and (
-            not torch.is_grad_enabled() or not keep_for_backward
-        ):
-            self._reshard()
-        if torch.is_grad_enabled():
-            for tensor in iter_tensors(outputs):  # an early start; saved-weight hooks guarantee it
-                if tensor.requires_grad:
-                    tensor.register_hook(self._pre_backward_hook)
-        if training:
-            self.phase = TrainingState.IDLE
-        if self._is_root and training:
-            agreement.check_unit_call(state, self.process_group, agreement.END)
-            state.phase = TrainingState.IDLE
-        return outputs
+        return self._unit.end_forward(outputs, training)
 
     def _run_module(self, args, kwargs):
         if self.mixed_precision:
@@ -257,85 +243,28 @@ class FullyShardedDataParallel(nn.Module):
             if self.keep_fp32:
                 stack.enter_context(_autocast_off(self.compute_device))
             if torch.is_grad_enabled():
-                stack.enter_context(lifecycle.saved_weight_hooks(self._root_state))
+                stack.enter_context(self._unit.model.saved_weight_hooks())
             outputs = self.module(*args, **kwargs)
         if incoming is not None:  # hand the parent back the precision it computes in
             outputs = cast_floating(outputs, incoming, only_full_precision=True)
         return outputs
 
+    def _root_model_state(self, what: str) -> ModelState:
+        model = self._lazy_init()
+        if not self._unit.is_root:
+            raise RuntimeError(f"{what} must be called on the root FullyShardedDataParallel")
+        return model
+
     def reset_iter_state(self) -> None:
         """Recover from an exception in forward or backward: discard the step's gradients and
         free every gathered weight (done automatically by the next forward). Root only."""
-        self._lazy_init()
-        if not self._is_root:
-            raise RuntimeError("reset_iter_state() must be called on the root FullyShardedDataParallel")
-        lifecycle.reset_iter_state(self._root_state)
-
-    def _unshard(self) -> None:
-        for handle in self._handles:
-            handle.start_unshard()
-        for handle in self._handles:
-            handle.wait_unshard()
-
-    def _reshard(self) -> None:
-        for handle in self._handles:
-            handle.reshard()
-
-    def _prefetch(self, step: int) -> None:
-        """Start the all-gathers of the units that run next (+1 in forward, -1 in backward)."""
-        state = self._root_state
-        if not state.exec_order_final or self not in state.exec_order:
-            return
-        idx = state.exec_order.index(self)
-        for distance in range(1, self.prefetch_depth + 1):
-            j = idx + distance * step
-            if 0 <= j < len(state.exec_order):
-                nxt = state.exec_order[j]
-                if step > 0 or nxt.phase is not TrainingState.BACKWARD:
-                    for handle in nxt._handles:
-                        handle.start_unshard()
-
-    # -- backward -----------------------------------------------------------------------------
-    def _pre_backward_hook(self, grad):
-        self._gather_for_backward()
-        return grad
-
-    def _gather_for_backward(self) -> None:
-        """Before the unit's backward reads its weights (output hook or saved-weight unpack)."""
-        state = self._root_state
-        lifecycle.mark_backward(state)
-        if self.phase is not TrainingState.BACKWARD:
-            self.phase = TrainingState.BACKWARD
-            agreement.check_backward_call(state, state.units.index(self))
-            self._unshard()
-            self._prefetch(-1)
-
-    def _finalize_backward(self) -> None:
-        """Root only, once per backward: finish reductions, free everything, back to IDLE."""
-        state = self._root_state
-        agreement.check_backward_call(state, agreement.END)
-        if state.deferred or (self.find_unused_parameters and state.require_grad_sync):
-            lifecycle.reduce_deferred(state, self.process_group)
-        lifecycle.finish_reductions(state)
-        for unit in state.units:
-            unit._reshard()
-            unit.phase = TrainingState.IDLE
-        state.phase = TrainingState.IDLE
-        state.exec_order_final = bool(state.exec_order)
-        state.order_checked = True
+        self._root_model_state("reset_iter_state()").reset()
 
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally (no communication) inside the block; root only."""
-        self._lazy_init()
-        if not self._is_root:
-            raise RuntimeError("no_sync() must be called on the root FullyShardedDataParallel")
-        state = self._root_state
-        previous, state.require_grad_sync = state.require_grad_sync, False
-        try:
+        with self._root_model_state("no_sync()").no_sync():
             yield
-        finally:
-            state.require_grad_sync = previous
 
     # -- full parameters ------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -345,21 +274,23 @@ class FullyShardedDataParallel(nn.Module):
         Collective: every rank must enter. Changes are written back to the shards on exit when
         ``writeback``. Not allowed during forward or backward.
         """
-        lifecycle.recover_if_interrupted(self._root_state)
+        if self._unit.model is not None:
+            self._unit.model.recover_if_interrupted()
         with summon(self, recurse, writeback):
             yield
 
     # -- state dicts, gradients (implemented in state_dict.py / grad.py) ---------------------------
     def state_dict(self, *args, **kwargs):
         """The full state dict: keys and shapes of the unwrapped module. Collective."""
-        lifecycle.recover_if_interrupted(self._root_state)
-        if self._state_dict_mode == "local" or self._summoned:
+        if self._unit.phase in (Phase.LOCAL, Phase.SUMMONED):
             return super().state_dict(*args, **kwargs)
+        if self._unit.model is not None:
+            self._unit.model.recover_if_interrupted()
         return full_state_dict(self, super().state_dict)
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load a full (unwrapped-module) state dict. Collective."""
-        if self._state_dict_mode == "local":
+        if self._unit.phase is Phase.LOCAL:
             return super().load_state_dict(state_dict, strict)
         return load_full_state_dict(self, state_dict, strict, super().state_dict)
 

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from vistrain.fsdp.flat_param import shard_slices
+from vistrain.fsdp.registry import handle_of
 
 
 def clip_grad_norm_(
@@ -43,20 +44,32 @@ def clip_grad_norm_(
 
 @dataclass
 class SegmentValues:
-    """One value per original-parameter slice of a flat shard: ``values[k]`` applies to shard
-    elements ``[starts[k], starts[k] + lengths[k])``; padding elements have no value."""
+    """One value per original parameter inside a tensor: ``values[k]`` applies to the tensor's
+    (flattened) elements ``[starts[k], starts[k] + lengths[k])``. A flat shard has a segment per
+    original-parameter slice and padding elements have none; a plain parameter is one segment.
+    """
 
     values: torch.Tensor  # (len(starts),) fp32
     starts: List[int]
     lengths: List[int]
-    numel: int  # elements of the shard
+    numel: int  # elements of the tensor
+
+    @classmethod
+    def whole(cls, value: torch.Tensor, numel: int) -> "SegmentValues":
+        """One value for all ``numel`` elements (a plain parameter)."""
+        return cls(value.reshape(1), [0], [numel], numel)
+
+    def covers_whole(self) -> bool:
+        return len(self.starts) == 1 and self.starts[0] == 0 and self.lengths[0] == self.numel
 
     def map(self, fn) -> "SegmentValues":
         """``fn`` applied to the values (elementwise), same segments."""
         return SegmentValues(fn(self.values), self.starts, self.lengths, self.numel)
 
     def mul_into(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` (shaped like the shard) with each segment scaled in place by its value."""
+        """``t`` (the tensor's shape; a flat shard is 1-D) with each segment scaled in place."""
+        if self.covers_whole():
+            return t.mul_(self.values[0].to(t.dtype))
         for k, (start, length) in enumerate(zip(self.starts, self.lengths)):
             t[start : start + length].mul_(self.values[k].to(t.dtype))
         return t
@@ -68,21 +81,21 @@ class SegmentValues:
         return torch.repeat_interleave(values, counts, output_size=self.numel)
 
 
-def origin_sq_sums(params: List[torch.Tensor], tensors: List[torch.Tensor]) -> list:
+def origin_sq_sums(params: List[torch.Tensor], tensors: List[torch.Tensor]) -> List[SegmentValues]:
     """Squared L2 norm of each *original* parameter, per slice of each (possibly sharded) param.
 
-    For a shard ``p`` (it carries ``p._fsdp_handle``) and a tensor ``t`` shaped like it
-    (``p.detach()`` or ``p.grad``), returns :class:`SegmentValues` holding ||W_j||^2 (summed over
-    every rank's slice of W_j) for each original W_j with a slice in this shard. For a plain
-    parameter, the scalar (t*t).sum(). Slices come from rank arithmetic (``shard_slices``):
-    nothing per element is built; all shards share one all-reduce per process group.
+    For a flat shard ``p`` of the built-in engine and a tensor ``t`` shaped like it (``p.detach()``
+    or ``p.grad``): ||W_j||^2 (summed over every rank's slice of W_j) for each original W_j with a
+    slice in this shard, one segment per slice. For a plain parameter: one segment, (t*t).sum().
+    Slices come from rank arithmetic (``shard_slices``): nothing per element is built; all shards
+    share one all-reduce per process group.
     """
-    out: list = [None] * len(params)
+    out: List[SegmentValues] = [None] * len(params)
     by_group = {}
     for i, (p, t) in enumerate(zip(params, tensors)):
-        handle = getattr(p, "_fsdp_handle", None)
+        handle = handle_of(p)
         if handle is None:
-            out[i] = t.detach().float().pow(2).sum()
+            out[i] = SegmentValues.whole(t.detach().float().pow(2).sum(), t.numel())
             continue
         slices = shard_slices(handle.origins, handle.world_size, handle.rank)
         # one entry per origin (not per local slice): every rank all-reduces the same layout
@@ -104,7 +117,7 @@ def origin_sq_sums(params: List[torch.Tensor], tensors: List[torch.Tensor]) -> l
 
 
 def origin_sq_norms(params: List[torch.Tensor], tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-    """:func:`origin_sq_sums` laid out like each param: a shard gets a tensor shaped like it whose
-    element i holds ||W_j||^2 of the original W_j element i belongs to (padding: 0); a plain
-    parameter the scalar. Builds one shard-sized tensor per param: LARS uses the sums directly."""
-    return [s.spread() if isinstance(s, SegmentValues) else s for s in origin_sq_sums(params, tensors)]
+    """:func:`origin_sq_sums` laid out like each param: a tensor shaped like it whose element i
+    holds ||W_j||^2 of the original W_j element i belongs to (padding: 0). Builds one tensor per
+    param: LARS uses the sums directly."""
+    return [s.spread().view_as(p) for p, s in zip(params, origin_sq_sums(params, tensors))]

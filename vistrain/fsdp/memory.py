@@ -33,6 +33,21 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
+class GatheredBytes:
+    """Bytes of full (gathered) parameters one wrapped model holds now and at the peak."""
+
+    def __init__(self):
+        self.current = 0
+        self.peak = 0
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def add(self, nbytes: int) -> None:
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+
 def held_tensors(model: nn.Module, optimizer=None) -> Iterator[torch.Tensor]:
     """Every tensor ``model`` and ``optimizer`` keep between steps.
 
@@ -46,11 +61,12 @@ def held_tensors(model: nn.Module, optimizer=None) -> Iterator[torch.Tensor]:
             yield p.grad
     yield from model.buffers()
     for module in model.modules():
-        for handle in getattr(module, "_handles", ()):
-            yield from _tensor_attributes(handle)
-        root_state = getattr(module, "_root_state", None)
-        for pending in getattr(root_state, "pending", ()):
-            yield from _tensor_attributes(pending)
+        unit_state = getattr(module, "unit_state", None)  # a unit of the sharded engine
+        if unit_state is not None:
+            for handle in unit_state.handles:
+                yield from _tensor_attributes(handle)
+            if unit_state.is_root:
+                yield from unit_state.model.reductions.tensors()
     if optimizer is not None:
         for state in optimizer.state.values():
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))

@@ -3,7 +3,10 @@
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from vistrain.fsdp import registry
+from vistrain.fsdp.names import clean_name
+from vistrain.torch_compat import own_parameters
 
 
 def is_unit(module: nn.Module) -> bool:
@@ -20,7 +23,7 @@ def owned_params(module: nn.Module, prefix: str = ""):
     """(fqn, module, attr, param, aliases) of the parameters this unit shards.
 
     Those of modules not inside nested units, except tied parameters whose scope (the lowest
-    module using them all, set by ``sharing.mark_tied_params``) lies outside ``module``; plus
+    module using them all, registered by ``sharing.mark_tied_params``) lies outside ``module``; plus
     tied parameters whose scope this unit owns, wherever they appear. ``aliases`` lists the
     further (module, attr) places of a tied parameter.
     """
@@ -28,28 +31,29 @@ def owned_params(module: nn.Module, prefix: str = ""):
     found = {}  # id(param) -> [fqn, module, attr, param, aliases]
     for sub, sub_prefix in _owned_with_prefix(module, prefix):
         _check_not_wrapped_elsewhere(sub, sub_prefix, module)
-        for attr, param in sub._parameters.items():
+        for attr, param in own_parameters(sub).items():
             if param is not None and _in_scope(param, owned):
                 _add_place(found, f"{sub_prefix}{attr}", sub, attr, param)
     for path, sub in module.named_modules(prefix=prefix.rstrip("."), remove_duplicate=False):
         if id(sub) in owned:
             continue
-        for attr, param in sub._parameters.items():  # tied ones left here by nested units
-            if param is not None and getattr(param, "_fsdp_tied_scope", None) and _in_scope(param, owned):
-                _add_place(found, f"{path}.{attr}".replace("_fsdp_wrapped_module.", ""), sub, attr, param)
+        for attr, param in own_parameters(sub).items():  # tied ones left here by nested units
+            if param is not None and registry.tie_of(param) is not None and _in_scope(param, owned):
+                _add_place(found, clean_name(f"{path}.{attr}"), sub, attr, param)
     return [tuple(entry) for entry in found.values()]
 
 
 def _in_scope(param, owned) -> bool:
-    scope = getattr(param, "_fsdp_tied_scope", None)
-    return scope is None or id(scope()) in owned
+    tie = registry.tie_of(param)
+    return tie is None or id(tie[0]) in owned
 
 
 def _add_place(found, fqn, sub, attr, param) -> None:
-    if getattr(param, "_fsdp_replaced", False):
-        unit, local = param._fsdp_sharded_as
+    replaced = registry.replaced_by(param)
+    if replaced is not None:
+        unit, local = replaced
         raise ValueError(
-            f"parameter {fqn} is tied to {local} of an already wrapped unit ({type(unit().module).__name__}); "
+            f"parameter {fqn} is tied to {local} of an already wrapped unit ({type(unit.module).__name__}); "
             "a tied parameter must live in the lowest unit owning all its users: wrap with "
             "auto_wrap, or wrap a module that contains every user"
         )
@@ -61,8 +65,7 @@ def _add_place(found, fqn, sub, attr, param) -> None:
 
 
 def _check_not_wrapped_elsewhere(sub: nn.Module, path: str, module: nn.Module) -> None:
-    owner = getattr(sub, "_fsdp_owner", None)
-    if owner is not None and owner() is not None:
+    if registry.owner_of(sub) is not None:
         raise ValueError(
             f"module {path.rstrip('.') or '<root>'} ({type(sub).__name__}) is already inside a "
             "sharded unit under another name; refer to that unit under both names (auto_wrap "
@@ -101,25 +104,3 @@ def check_wrappable(module: nn.Module) -> None:
             "FullyShardedDataParallel needs an initialised process group: call "
             "torch.distributed.init_process_group (or launch with tools/run_distributed.py) first"
         )
-
-
-_optimizer_check_installed = False
-
-
-def install_optimizer_check() -> None:
-    """Make ``optimizer.step()`` fail when the optimizer was built before wrapping."""
-    global _optimizer_check_installed
-    if _optimizer_check_installed:
-        return
-    _optimizer_check_installed = True
-
-    def check(optimizer, args, kwargs):
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if getattr(param, "_fsdp_replaced", False):
-                    raise RuntimeError(
-                        "the optimizer holds parameters that FullyShardedDataParallel replaced by "
-                        "shards: build the optimizer on model.parameters() after wrapping"
-                    )
-
-    register_optimizer_step_pre_hook(check)

@@ -1,7 +1,8 @@
 """One typed way to ask how a model is distributed and what a flat shard holds.
 
 Code outside ``vistrain.fsdp`` (checkpoints, optimizer groups, the loop) asks here instead of
-testing class names, marker attributes or private fields:
+testing class names or private fields; identity comes from the engine's one registry
+(``registry.py``), weak maps keyed by the objects:
 
     backend_of(model)      -> Backend.REPLICATED | Backend.BUILTIN | Backend.TORCH
     shard_handle(param)    -> the FlatParamHandle of a flat shard, or None for a whole parameter
@@ -15,6 +16,7 @@ from typing import Optional, Sequence
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from vistrain.fsdp import registry
 from vistrain.fsdp.flat_param import FlatParamHandle, ParamOrigin
 from vistrain.fsdp.fully_sharded import FullyShardedDataParallel
 from vistrain.fsdp.torch_backend import TorchShardedModel
@@ -38,8 +40,7 @@ def backend_of(model: nn.Module) -> Backend:
 
 def shard_handle(param: nn.Parameter) -> Optional[FlatParamHandle]:
     """The handle that owns ``param`` if it is a flat shard of the built-in engine, else None."""
-    handle = getattr(param, "_fsdp_handle", None)  # set by FlatParamHandle on its own shard only
-    return handle if isinstance(handle, FlatParamHandle) else None
+    return registry.handle_of(param)
 
 
 def shard_origins(param: nn.Parameter) -> Optional[Sequence[ParamOrigin]]:

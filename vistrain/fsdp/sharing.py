@@ -9,10 +9,12 @@ in an order that splits a tie, or wrapping a module that is also reachable under
 unwrapped name, is refused at wrap time naming both paths.
 """
 
-import weakref
 from typing import Dict, List, Tuple
 
 from torch import nn
+
+from vistrain.fsdp import registry
+from vistrain.torch_compat import child_modules, own_parameters
 
 
 def _places(root: nn.Module):
@@ -20,7 +22,7 @@ def _places(root: nn.Module):
     places: Dict[int, List[Tuple[str, nn.Module, str]]] = {}
     seen = set()
     for path, module in root.named_modules(remove_duplicate=False):
-        for attr, param in module._parameters.items():
+        for attr, param in own_parameters(module).items():
             if param is None or (id(module), attr) in seen:
                 continue
             seen.add((id(module), attr))
@@ -46,15 +48,14 @@ def mark_tied_params(root: nn.Module) -> None:
             continue
         names = [f"{path}.{attr}" if path else attr for path, _, attr in where]
         scope = root.get_submodule(_common_prefix(names))
-        params[key]._fsdp_tied_scope = weakref.ref(scope)
-        params[key]._fsdp_tied_names = names
+        registry.mark_tied(params[key], scope, names)
 
 
 def module_references(root: nn.Module) -> Dict[int, List[Tuple[nn.Module, str]]]:
     """id(module) -> every (parent, child name) holding it; more than one for shared modules."""
     refs: Dict[int, List[Tuple[nn.Module, str]]] = {}
     for parent in root.modules():
-        for name, child in parent._modules.items():
+        for name, child in child_modules(parent).items():
             if child is not None:
                 refs.setdefault(id(child), []).append((parent, name))
     return refs
@@ -63,8 +64,9 @@ def module_references(root: nn.Module) -> Dict[int, List[Tuple[nn.Module, str]]]
 def check_untied_leftovers(root: nn.Module) -> None:
     """After ``auto_wrap(wrap_root=False)``: a tied parameter no unit could own is an error."""
     for param in root.parameters():
-        names = getattr(param, "_fsdp_tied_names", None)
-        if names and not getattr(param, "_fsdp_replaced", False):
+        tie = registry.tie_of(param)
+        if tie is not None and registry.replaced_by(param) is None:
+            names = tie[1]
             raise ValueError(
                 f"tied parameter {' = '.join(names)}: no sharded unit contains all its users; "
                 "wrap their common parent (or the root)"

@@ -11,6 +11,7 @@ from typing import List, NamedTuple
 import torch
 
 from vistrain.fsdp.names import clean_name, is_shard_key
+from vistrain.fsdp.phases import Phase
 
 
 class IncompatibleKeys(NamedTuple):
@@ -22,24 +23,16 @@ class IncompatibleKeys(NamedTuple):
 
 @contextlib.contextmanager
 def summon(fsdp, recurse: bool, writeback: bool):
-    """Body of ``summon_full_params``: expose full fp32 copies as parameters, write back on exit."""
-    units = [u for u in (fsdp.units() if recurse else [fsdp]) if not u._summoned]
-    copies = []
-    for unit in units:
-        unit._summoned = True
-        for handle in unit._handles:
-            full = handle.gather_full_copy()
-            handle.expose_as_parameters(full)
-            copies.append((handle, full))
-    try:
-        yield
-    finally:
-        for handle, full in copies:
-            if writeback:
-                handle.write_back(full)
-            handle.restore_attributes()
+    """Body of ``summon_full_params``: expose full fp32 copies as parameters, write back on exit.
+
+    Units already summoned by an enclosing block are left to it.
+    """
+    units = [u.unit_state for u in (fsdp.units() if recurse else [fsdp])]
+    with contextlib.ExitStack() as stack:
         for unit in units:
-            unit._summoned = False
+            if unit.phase is not Phase.SUMMONED:
+                stack.enter_context(unit.summoned(writeback))
+        yield
 
 
 def full_state_dict(fsdp, module_state_dict) -> "OrderedDict[str, torch.Tensor]":
@@ -79,11 +72,9 @@ def load_full_state_dict(fsdp, state_dict, strict: bool, module_state_dict):
 @contextlib.contextmanager
 def local_mode(fsdp):
     """Within the block, state_dict()/load_state_dict() of every unit deal in local shards."""
-    units = fsdp.units()
-    for unit in units:
-        unit._state_dict_mode = "local"
-    try:
+    if fsdp.model_state is not None:
+        fsdp.model_state.recover_if_interrupted()
+    with contextlib.ExitStack() as stack:
+        for unit in fsdp.units():
+            stack.enter_context(unit.unit_state.local())
         yield
-    finally:
-        for unit in units:
-            unit._state_dict_mode = "full"

@@ -17,6 +17,11 @@ class CollectiveTimeout(RuntimeError):
     """A collective of the sharded engine did not complete within its timeout on this rank."""
 
 
+class CollectiveError(RuntimeError):
+    """A collective of the sharded engine failed on this rank for another reason (a peer that
+    died or closed its connection, a transport error)."""
+
+
 def as_timedelta(timeout) -> datetime.timedelta:
     """Seconds (int/float) or a timedelta; must be positive."""
     if not isinstance(timeout, datetime.timedelta):
@@ -28,7 +33,8 @@ def as_timedelta(timeout) -> datetime.timedelta:
 
 def wait_within(work, timeout: datetime.timedelta, what, device: torch.device) -> None:
     """``work.wait()`` that raises ``CollectiveTimeout`` naming ``what`` (a string, or a function
-    giving one, called only on failure) after ``timeout``.
+    giving one, called only on failure) after ``timeout``, and ``CollectiveError`` naming it when
+    the collective fails otherwise.
 
     On CUDA a wait with a timeout would block the CPU until the collective ends (NCCL polls),
     losing the overlap of communication and compute; there the wait stays stream-ordered and
@@ -41,9 +47,20 @@ def wait_within(work, timeout: datetime.timedelta, what, device: torch.device) -
         else:
             work.wait()
     except RuntimeError as error:
+        described = what() if callable(what) else what
+        if not is_timeout(error):
+            raise CollectiveError(
+                f"FullyShardedDataParallel: {described} failed on this rank: {error}"
+            ) from error
         raise CollectiveTimeout(
-            f"FullyShardedDataParallel: {what() if callable(what) else what} did not complete within {timeout.total_seconds():g} s "
+            f"FullyShardedDataParallel: {described} did not complete within {timeout.total_seconds():g} s "
             f"on this rank ({error}). Ranks probably ran different units: a branch taken on some "
             "ranks only cannot be sharded; an output unused on some ranks needs "
             "find_unused_parameters=True"
         ) from error
+
+
+def is_timeout(error: RuntimeError) -> bool:
+    """Whether a failed wait timed out (gloo: "Operation timed out!", "Timed out waiting ...")
+    rather than failed (a peer's connection reset or closed)."""
+    return "timed out" in str(error).lower()

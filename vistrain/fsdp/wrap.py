@@ -6,6 +6,7 @@ from typing import Callable, Dict, Iterable, Optional, Type, Union
 from torch import nn
 
 from vistrain.fsdp.fully_sharded import FullyShardedDataParallel
+from vistrain.fsdp.registry import owner_of
 from vistrain.fsdp.sharing import check_untied_leftovers, mark_tied_params, module_references
 
 # A policy maps a module to None (not a unit of its own) or to per-unit option overrides.
@@ -65,7 +66,7 @@ def _wrap_children(module: nn.Module, policy: Policy, defaults: dict, refs, pref
                 kwargs["param_group_fn"] = _from_root(kwargs["param_group_fn"], f"{prefix}{name}.")
             unit = FullyShardedDataParallel(child, **kwargs)
             for parent, child_name in refs.get(id(child), [(module, name)]):
-                parent._modules[child_name] = unit
+                setattr(parent, child_name, unit)
 
 
 def _from_root(group_fn: Callable, prefix: str) -> Callable:
@@ -77,23 +78,18 @@ def _from_root(group_fn: Callable, prefix: str) -> Callable:
     return grouped
 
 
-def _owner(module: nn.Module) -> Optional[FullyShardedDataParallel]:
-    ref = getattr(module, "_fsdp_owner", None)
-    return ref() if ref is not None else None
-
-
 def params_of(module: nn.Module):
     """The parameters holding ``module``'s weights: its unit's shards, or its own parameters.
 
     Raises when a shard also holds weights of modules outside ``module`` (wrap it as a unit).
     """
-    owner = _owner(module)
+    owner = owner_of(module)
     if owner is None:
         return list(module.parameters())
     inside = set(map(id, module.modules()))
     params = []
     for unit in owner.units():
-        for handle in unit._handles:
+        for handle in unit.unit_state.handles:
             mine = [id(o.module) in inside for o in handle.origins]
             if all(mine):
                 params.append(handle.shard)
@@ -107,7 +103,7 @@ def params_of(module: nn.Module):
 
 def gathered(module: nn.Module, writeback: bool = True):
     """Context in which ``module``'s full weights are present and writable (collective if sharded)."""
-    owner = _owner(module)
+    owner = owner_of(module)
     if owner is None:
         return contextlib.nullcontext()
     return owner.summon_full_params(recurse=True, writeback=writeback)

@@ -9,12 +9,12 @@ squared norm of that original parameter summed over shards and ranks; the trust 
 the update slice by slice (nothing per element). Sharded LARS therefore equals DDP LARS.
 """
 
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 from torch.optim import Optimizer
 
-from vistrain.fsdp import origin_sq_sums
+from vistrain.fsdp import SegmentValues, origin_sq_sums
 
 
 def _trust(w_norm: torch.Tensor, g_norm: torch.Tensor, eta: float, decay: float) -> torch.Tensor:
@@ -77,11 +77,11 @@ class LARS(Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                self._update(p, group, trust.get(p, 1.0))
+                self._update(p, group, trust.get(p))
         return loss
 
-    def _trust_ratios(self) -> dict:
-        """{param: trust ratio tensor broadcastable to param} for every non-excluded param."""
+    def _trust_ratios(self) -> Dict[torch.Tensor, SegmentValues]:
+        """{param: trust ratio per original parameter inside it} for every non-excluded param."""
         params, decays, etas = [], [], []
         for group in self.param_groups:
             if group["lars_exclude"]:
@@ -101,23 +101,16 @@ class LARS(Optimizer):
         sq = origin_sq_sums(params + params, tensors)
         out = {}
         for i, p in enumerate(params):
-            w_sq, g_sq = sq[i], sq[len(params) + i]
-            if hasattr(w_sq, "map"):  # per original-parameter slice of a flat shard
-                out[p] = w_sq.map(
-                    lambda w, g=g_sq.values, i=i: _trust(w.sqrt(), g.sqrt(), etas[i], decays[i])
-                )
-            else:
-                out[p] = _trust(w_sq.sqrt(), g_sq.sqrt(), etas[i], decays[i])
+            w_sq, g_sq = sq[i], sq[len(params) + i]  # one value per original parameter inside p
+            out[p] = w_sq.map(lambda w, g=g_sq.values, i=i: _trust(w.sqrt(), g.sqrt(), etas[i], decays[i]))
         return out
 
-    def _update(self, p: torch.Tensor, group: dict, trust) -> None:
+    def _update(self, p: torch.Tensor, group: dict, trust: Optional[SegmentValues]) -> None:
         d_p = p.grad
         if group["weight_decay"] != 0:
             d_p = d_p.add(p, alpha=group["weight_decay"])
-        if hasattr(trust, "mul_into"):  # per-slice trust of a flat shard, scaled slice by slice
+        if trust is not None:  # per original parameter (slice by slice inside a flat shard)
             d_p = trust.mul_into(d_p.clone() if d_p is p.grad else d_p)
-        else:
-            d_p = d_p * trust
         momentum = group["momentum"]
         if momentum != 0:
             state = self.state[p]

@@ -10,7 +10,6 @@ import datetime
 import json
 import logging
 import os
-import resource
 import sys
 import time
 from typing import Optional
@@ -18,6 +17,7 @@ from typing import Optional
 import torch
 
 from vistrain.distributed import comm
+from vistrain.fsdp.memory import peak_rss_mib
 
 logger = logging.getLogger("vistrain")
 
@@ -43,7 +43,7 @@ def peak_memory_mib(device: torch.device) -> float:
     """Peak CUDA memory allocated by tensors, or on CPU the peak resident set of this process (MiB)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    return peak_rss_mib()
 
 
 class NonFiniteLossError(FloatingPointError):

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 from torchvision.models.regnet import AnyStage, ResBottleneckBlock
 
+from vistrain.fsdp.flat_param import shard_size
 from vistrain.models import build_model
 from vistrain.runtime.sharding import wrap_policy
 from vistrain.torch_compat import storage_id
@@ -101,7 +102,7 @@ def sharded_state_bytes(
     sizes: Sequence[int], world: int, states: int, sharded: bool = True
 ) -> Dict[str, int]:
     """params / grads / optimizer state bytes per rank (fp32 masters) for units of ``sizes``."""
-    elements = sum(-(-n // world) for n in sizes) if sharded else sum(sizes)
+    elements = sum(shard_size(n, world) for n in sizes) if sharded else sum(sizes)
     grads = elements * 4 if sharded else 2 * elements * 4  # DDP: .grad plus its bucket copy
     return {"params": elements * 4, "grads": grads, "optimizer_state": states * elements * 4}
 
@@ -150,14 +151,14 @@ def measure_activations(model: nn.Module, crops: List[torch.Tensor], granularity
         return t
 
     targets = {"block": ResBottleneckBlock, "stage": AnyStage}.get(granularity or "", ())
-    per_module, inputs = [], []
+    per_module, inputs, started_at = [], [], {}
 
     def pre(module, args):
-        module._plan_start = counter[0]
+        started_at[id(module)] = counter[0]
         inputs.append(sum(a.untyped_storage().nbytes() for a in args if isinstance(a, torch.Tensor)))
 
     def post(module, args, output):
-        per_module.append(counter[0] - module._plan_start)
+        per_module.append(counter[0] - started_at[id(module)])
 
     handles = []
     for m in model.modules():

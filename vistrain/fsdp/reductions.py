@@ -1,0 +1,140 @@
+"""Gradient reductions of one wrapped model: their process groups and the ones in flight.
+
+Collectives of one process group run in issue order, so a backward prefetch (all-gather) issued
+after a gradient reduction would wait for it. Reductions therefore run on a second group over
+the same ranks (their own gloo threads, or their own NCCL communicator and stream), and overlap.
+
+``new_group`` must be called by every rank of the world, in the same order, for every group,
+members or not. Ranks that shard over different groups (a group per node, or the subgroups of
+the engine-state tests) each know only their own, so :func:`create_reduction_groups` first
+all-gathers every rank's list over the world and then creates every group in one sorted order.
+"""
+
+import functools
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from vistrain.fsdp.flat_param import FlatParamHandle
+from vistrain.fsdp.timeouts import wait_within
+
+Ranks = Tuple[int, ...]
+
+
+def group_ranks(group) -> Ranks:
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def create_reduction_groups(groups: Sequence) -> Dict[Ranks, object]:
+    """A reduction group for each of ``groups`` (this rank's units' groups), keyed by ranks.
+
+    Collective over the whole world: every rank calls it once per wrapped model, at the root's
+    first forward. Groups of one rank need no second group and get their own.
+    """
+    mine = sorted({group_ranks(g) for g in groups})
+    everyone = [mine]
+    if dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    created = {}
+    for ranks in sorted({tuple(r) for lists in everyone for r in lists}):
+        if len(ranks) > 1:
+            created[ranks] = dist.new_group(list(ranks))  # every rank, members or not
+    by_ranks = {group_ranks(g): g for g in groups}
+    return {ranks: created.get(ranks, group) for ranks, group in by_ranks.items()}
+
+
+@dataclass
+class PendingReduction:
+    """A gradient reduction started in backward; its result is added to the shard's ``.grad``
+    once every rank has issued it (``work`` waited when the next reduction starts, or at the end
+    of backward)."""
+
+    handle: FlatParamHandle
+    work: dist.Work
+    reduced: torch.Tensor  # (shard_numel,) this rank's slice of the averaged gradient
+    source: torch.Tensor  # (padded_numel,) the full gradient being reduced; alive until the wait
+
+
+class ReductionQueue:
+    """The model's gradient reductions: in flight, deferred to the end of backward, finished."""
+
+    def __init__(self, reduction_groups: Dict[Ranks, object]):
+        self.reduction_groups = reduction_groups
+        self.pending: List[PendingReduction] = []
+        # find_unused_parameters: full gradients kept until the end of backward, by handle.
+        self.deferred: Dict[FlatParamHandle, torch.Tensor] = {}
+
+    def start(self, handle: FlatParamHandle, grad: torch.Tensor) -> None:
+        # The previous reduction had this handle's whole backward to overlap with; finishing it now
+        # bounds the full-size gradient buffers alive at any time to this one's and one in flight
+        # (gloo reduces the full vector in place: its buffer lives until the reduction is finished).
+        self.finish_all()
+        group = self.reduction_groups[group_ranks(handle.group)]
+        work, reduced, source = handle.start_reduce_scatter(grad, group)
+        self.pending.append(PendingReduction(handle, work, reduced, source))
+
+    def defer(self, handle: FlatParamHandle, grad: torch.Tensor) -> None:
+        self.deferred[handle] = grad
+
+    def finish_all(self) -> None:
+        """Wait for every in-flight reduction and add its result to the shard's gradient."""
+        for reduction in self.pending:
+            wait_within(
+                reduction.work,
+                reduction.handle.timeout,
+                functools.partial(_reduction_description, reduction.handle),
+                reduction.source.device,
+            )
+            reduction.handle.accumulate_shard_grad(reduction.reduced)
+        self.pending.clear()
+
+    def discard(self) -> None:
+        """After an interrupted step: wait for what was issued (so every rank can reset on its
+        own) and drop the results."""
+        for reduction in self.pending:
+            wait_within(
+                reduction.work,
+                reduction.handle.timeout,
+                "a discarded gradient reduction",
+                reduction.source.device,
+            )
+        self.pending.clear()
+        self.deferred.clear()
+
+    def reduce_deferred(self, handles: List[FlatParamHandle], group) -> None:
+        """find_unused_parameters: reduce, in the canonical unit order, every handle some rank used.
+
+        A MAX all-reduce of per-handle "has a gradient here" flags tells every rank which handles
+        to reduce; a rank that did not use one contributes zeros. Handles no rank used keep
+        ``.grad`` as it was, as DDP leaves globally unused parameters.
+        """
+        handles = [h for h in handles if h.shard.requires_grad]
+        local = [h in self.deferred or h.unsharded_grad_acc is not None for h in handles]
+        device = handles[0].compute_device if handles else torch.device("cpu")
+        flags = torch.tensor(local, dtype=torch.uint8, device=device)
+        if handles and dist.get_world_size(group) > 1:
+            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
+            wait_within(
+                work, handles[0].timeout, "the used-parameter flags of find_unused_parameters", flags.device
+            )
+        for handle, used in zip(handles, flags.tolist()):
+            if used:
+                grad = self.deferred.pop(handle, None)
+                if grad is None:
+                    grad = torch.zeros_like(handle.full, dtype=handle.compute_dtype).detach()
+                self.start(handle, grad)
+        self.deferred.clear()
+
+    def tensors(self):
+        """Every tensor the queue keeps alive (memory accounting)."""
+        for reduction in self.pending:
+            yield reduction.reduced
+            yield reduction.source
+        yield from self.deferred.values()
+
+
+def _reduction_description(handle: FlatParamHandle) -> str:
+    return f"the gradient reduction of {handle.describe()}"
