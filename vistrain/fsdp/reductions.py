@@ -12,7 +12,7 @@ all-gathers every rank's list over the world and then creates every group in one
 
 import functools
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,9 @@ class ReductionQueue:
 
     def __init__(self, reduction_groups: Dict[Ranks, object]):
         self.reduction_groups = reduction_groups
+        # called with each handle whose shard gradient is final for this backward (the optimizer
+        # step in backward); None: gradients wait in ``shard.grad`` for ``optimizer.step()``
+        self.on_shard_grad_ready: Optional[Callable[[FlatParamHandle], None]] = None
         self.pending: List[PendingReduction] = []
         # find_unused_parameters: full gradients kept until the end of backward, by handle.
         self.deferred: Dict[FlatParamHandle, torch.Tensor] = {}
@@ -81,7 +84,8 @@ class ReductionQueue:
 
     def finish_all(self) -> None:
         """Wait for every in-flight reduction and add its result to the shard's gradient."""
-        for reduction in self.pending:
+        pending, self.pending = self.pending, []
+        for reduction in pending:
             wait_within(
                 reduction.work,
                 reduction.handle.timeout,
@@ -89,7 +93,8 @@ class ReductionQueue:
                 reduction.source.device,
             )
             reduction.handle.accumulate_shard_grad(reduction.reduced)
-        self.pending.clear()
+            if self.on_shard_grad_ready is not None:
+                self.on_shard_grad_ready(reduction.handle)
 
     def discard(self) -> None:
         """After an interrupted step: wait for what was issued (so every rank can reset on its
