@@ -30,6 +30,7 @@ from vistrain.fsdp.grad import clip_grad_norm_
 from vistrain.fsdp.mixed_precision import cast_floating, default_compute_dtype, low_precision_dtype
 from vistrain.fsdp.model_state import ModelState, RootOptions
 from vistrain.fsdp.names import FLAT_PARAM_PREFIX, WRAPPED_NAME, clean_name
+from vistrain.fsdp.optim_in_backward import OptimizerInBackward
 from vistrain.fsdp.ownership import check_wrappable, compute_device, owned_modules, owned_params
 from vistrain.fsdp.phases import Phase
 from vistrain.fsdp.state_dict import full_state_dict, load_full_state_dict, local_mode, summon
@@ -265,6 +266,15 @@ class FullyShardedDataParallel(nn.Module):
         """Accumulate gradients locally (no communication) inside the block; root only."""
         with self._root_model_state("no_sync()").no_sync():
             yield
+
+    def apply_optimizer_in_backward(self, optimizer) -> OptimizerInBackward:
+        """Step ``optimizer`` (built on ``self.parameters()``) on each shard as soon as its
+        gradient is final in backward, then free that gradient (``optim_in_backward.py``); do not
+        call ``optimizer.step()`` / ``zero_grad()`` yourself. Root only; collective the first
+        time (every rank binds at the same point). Returns the binding (``freeze(params)``)."""
+        binding = OptimizerInBackward(optimizer)
+        self._root_model_state("apply_optimizer_in_backward()").step_in_backward(binding.step_shard)
+        return binding
 
     # -- full parameters ------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -18,7 +18,7 @@ import contextlib
 import datetime
 import warnings
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -128,6 +128,10 @@ class ModelState:
         for unit in self.units:
             unit.end_backward()
         self._enter(Phase.IDLE)
+
+    def step_in_backward(self, step_shard: Optional[Callable[[FlatParamHandle], None]]) -> None:
+        """Call ``step_shard(handle)`` once each handle's shard gradient is final (None: stop)."""
+        self.reductions.on_shard_grad_ready = step_shard
 
     @contextlib.contextmanager
     def no_sync(self):
