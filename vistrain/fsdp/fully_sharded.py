@@ -27,6 +27,7 @@ from vistrain.fsdp import registry
 from vistrain.fsdp.deferred_init import materialize
 from vistrain.fsdp.flat_param import FlatParamHandle, ParamOrigin
 from vistrain.fsdp.grad import clip_grad_norm_
+from vistrain.fsdp.heap import release_free_pages
 from vistrain.fsdp.mixed_precision import cast_floating, default_compute_dtype, low_precision_dtype
 from vistrain.fsdp.model_state import ModelState, RootOptions
 from vistrain.fsdp.names import FLAT_PARAM_PREFIX, WRAPPED_NAME, clean_name
@@ -66,6 +67,9 @@ class FullyShardedDataParallel(nn.Module):
             gradients are reduced at its end, after agreeing which ones any rank produced. Root only.
         collective_timeout: seconds (or a timedelta) after which a waited collective of this
             unit raises instead of hanging (ranks that ran different units). Default 5 minutes.
+        release_host_memory: on CPU, give free heap pages back to the OS once this unit is built
+            and (the root's setting) at unit boundaries once enough gathered weights and
+            gradients were freed (glibc ``malloc_trim``, see ``heap.py``).
     """
 
     is_sharded_unit = True
@@ -88,6 +92,7 @@ class FullyShardedDataParallel(nn.Module):
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
         collective_timeout=DEFAULT_COLLECTIVE_TIMEOUT,
+        release_host_memory: bool = True,
     ):
         check_wrappable(module)
         super().__init__()
@@ -106,6 +111,7 @@ class FullyShardedDataParallel(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.collective_timeout = as_timedelta(collective_timeout)
+        self.release_host_memory = release_host_memory
         self.add_module(WRAPPED_NAME, module)
 
         owned = list(owned_params(module))
@@ -118,6 +124,8 @@ class FullyShardedDataParallel(nn.Module):
         for sub in owned_modules(module):
             registry.set_owner(sub, self)
         self._assign_root_names()
+        if release_host_memory and self.compute_device.type == "cpu":
+            release_free_pages()  # the materialised parameters and the flat copy (heap.py)
 
     # -- construction helpers -------------------------------------------------------------------
     def _build_handles(self, owned, flatten, group_fn, sync) -> List[FlatParamHandle]:
@@ -219,6 +227,7 @@ class FullyShardedDataParallel(nn.Module):
                 self.broadcast_buffers,
                 self.find_unused_parameters,
                 self.collective_timeout,
+                self.release_host_memory,
             )
             ModelState(
                 options,

@@ -25,6 +25,7 @@ import torch
 from vistrain.fsdp.agreement import UnitOrder
 from vistrain.fsdp.buffers import broadcast_buffers
 from vistrain.fsdp.flat_param import FlatParamHandle
+from vistrain.fsdp.heap import HeapRelease
 from vistrain.fsdp.memory import GatheredBytes
 from vistrain.fsdp.phases import MODEL_TRANSITIONS, Phase, checked_transition
 from vistrain.fsdp.reductions import ReductionQueue, create_reduction_groups
@@ -47,6 +48,7 @@ class RootOptions:
     broadcast_buffers: bool
     find_unused_parameters: bool
     collective_timeout: datetime.timedelta
+    release_host_memory: bool  # CPU: trim glibc's heaps at unit boundaries (heap.py)
 
 
 class ModelState:
@@ -63,8 +65,11 @@ class ModelState:
         self.order = UnitOrder(
             names, options.process_group, options.compute_device, options.collective_timeout
         )
+        self.heap = HeapRelease(options.release_host_memory and options.compute_device.type == "cpu")
         groups = [h.group for unit in units for h in unit.handles]
-        self.reductions = ReductionQueue(create_reduction_groups(groups or [options.process_group]))
+        self.reductions = ReductionQueue(
+            create_reduction_groups(groups or [options.process_group]), self.heap
+        )
         self.gathered = GatheredBytes()
         # id(handle.full) -> unit: the tensors whose views the modules compute with.
         self.full_owners = {id(h.full): unit for unit in units for h in unit.handles}
@@ -76,6 +81,11 @@ class ModelState:
 
     def handles(self) -> List[FlatParamHandle]:
         return [h for unit in self.units for h in unit.handles]
+
+    def gathered_freed(self, nbytes: int) -> None:
+        """A unit freed ``nbytes`` of gathered weights."""
+        self.gathered.add(-nbytes)
+        self.heap.freed(nbytes)
 
     # -- forward --------------------------------------------------------------------------------
     def begin_forward(self, training: bool) -> None:
@@ -127,6 +137,7 @@ class ModelState:
         self.reductions.finish_all()
         for unit in self.units:
             unit.end_backward()
+        self.heap.at_unit_boundary()
         self._enter(Phase.IDLE)
 
     def step_in_backward(self, step_shard: Optional[Callable[[FlatParamHandle], None]]) -> None:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from vistrain.fsdp.flat_param import FlatParamHandle
+from vistrain.fsdp.heap import HeapRelease
 from vistrain.fsdp.timeouts import wait_within
 
 Ranks = Tuple[int, ...]
@@ -61,8 +62,9 @@ class PendingReduction:
 class ReductionQueue:
     """The model's gradient reductions: in flight, deferred to the end of backward, finished."""
 
-    def __init__(self, reduction_groups: Dict[Ranks, object]):
+    def __init__(self, reduction_groups: Dict[Ranks, object], heap: HeapRelease):
         self.reduction_groups = reduction_groups
+        self.heap = heap  # told of the full gradients freed
         # called with each handle whose shard gradient is final for this backward (the optimizer
         # step in backward); None: gradients wait in ``shard.grad`` for ``optimizer.step()``
         self.on_shard_grad_ready: Optional[Callable[[FlatParamHandle], None]] = None
@@ -93,6 +95,7 @@ class ReductionQueue:
                 reduction.source.device,
             )
             reduction.handle.accumulate_shard_grad(reduction.reduced)
+            self.heap.freed(reduction.source.untyped_storage().nbytes())
             if self.on_shard_grad_ready is not None:
                 self.on_shard_grad_ready(reduction.handle)
 
