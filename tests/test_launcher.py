@@ -117,7 +117,7 @@ def test_each_torchrun_restart_attempt_sees_only_its_own_rendezvous_keys():
 
     import torch.distributed as dist
 
-    from vistrain.distributed.testing import find_free_port
+    from vistrain.distributed.launch import find_free_port
 
     timeout = datetime.timedelta(seconds=30)
     agent = dist.TCPStore("127.0.0.1", find_free_port(), is_master=True, wait_for_workers=False)

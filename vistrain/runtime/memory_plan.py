@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torchvision.models.regnet import AnyStage, ResBottleneckBlock
 
-from vistrain.models import build_model
+from vistrain.models import build_meta_model
 from vistrain.runtime.sharding import wrap_policy
 from vistrain.torch_compat import storage_id
 
@@ -190,8 +190,7 @@ def plan(cfg, device: str = "cpu", cache: Optional[dict] = None) -> MemoryPlan:
     sharded = bool(fsdp.AUTO_SETUP_FSDP)
     low = bool(sharded and fsdp.mixed_precision or model_cfg.AMP_PARAMS.USE_AMP)
     if "model" not in cache:
-        with torch.device("meta"):
-            cache["model"] = build_model(model_cfg)
+        cache["model"] = build_meta_model(model_cfg)
     model = cache["model"]
     if sharded:
         policy = wrap_policy(fp32_batchnorm=low)

@@ -27,6 +27,7 @@ from vistrain.checkpoint import (
     save_sharded_checkpoint,
     set_aside,
 )
+from vistrain.config import ConfigError
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed import comm
 from vistrain.fsdp import Backend, ShardedGradScaler, backend_of
@@ -59,7 +60,7 @@ def train(cfg) -> None:
     loader = build_loader(cfg.DATA, "TRAIN", seed=cfg.SEED_VALUE, device=device)
     iters_per_epoch = len(loader)
     if iters_per_epoch == 0:
-        raise ValueError("DATA.TRAIN yields no full batch per rank: add data or lower BATCHSIZE_PER_REPLICA")
+        raise ConfigError("DATA.TRAIN yields no full batch per rank: add data or lower BATCHSIZE_PER_REPLICA")
     group_key = functools.partial(param_group_key, opt_cfg=cfg.OPTIMIZER)
     model = build_for_run(build_model, cfg.MODEL)  # on the meta device for the sharded engine
     if cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE:
