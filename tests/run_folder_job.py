@@ -3,7 +3,7 @@ no torchvision: the launcher and both spawned ranks import this module).
 
     python tests/run_folder_job.py RUN_DIR
 
-runs 2 CPU ranks that write their pids to RUN_DIR and loop on all-reduces, through the command
+runs 2 CPU ranks that write their pids (and ``ready<rank>`` once looping) to RUN_DIR and loop on all-reduces until stopped, through the command
 line's launcher (``vistrain.cli.run``: exit codes and messages as tools/run_distributed.py).
 """
 
@@ -19,11 +19,14 @@ from vistrain.config import load_config
 
 
 def collectives_forever(cfg):
-    """Write this rank's pid, then all-reduce in a loop (a healthy job would run for 5 minutes)."""
+    """Write this rank's pid, then all-reduce until stopped (only the launcher ends this job);
+    ``ready<rank>`` once the first all-reduce is done: every rank is in the loop."""
     import torch.distributed as dist
 
     Path(cfg.CHECKPOINT.DIR, f"pid{dist.get_rank()}").write_text(str(os.getpid()))
-    for _ in range(3000):
+    dist.all_reduce(torch.ones(1))
+    Path(cfg.CHECKPOINT.DIR, f"ready{dist.get_rank()}").touch()
+    while True:
         dist.all_reduce(torch.ones(1))
         time.sleep(0.1)
 
