@@ -22,6 +22,7 @@ from vistrain.data import (
     rank_indices,
     set_epoch,
 )
+from vistrain.data.datasets import count_samples
 from vistrain.data.transforms import MultiCropTransform, geometric_ops
 from vistrain.distributed.testing import run_on_ranks
 
@@ -207,6 +208,20 @@ def test_concat_and_limit():
     dataset = build_dataset(cfg.TRAIN)
     assert len(dataset) == 8 and dataset.targets == [0, 1, 2, 3, 4, 5, 0, 1]
     assert dataset[7]["label"] == 1
+
+
+def test_count_samples_reads_no_image_and_writes_no_demo_cache(tmp_path):
+    cfg = _data_cfg(DATA_SOURCES=["synthetic", "demo_digits"], DATA_PATHS=[""], SYNTHETIC_SIZE=6, SPLIT="val")
+    cfg.TRAIN.DATA_LIMIT = 300
+    assert count_samples(cfg.TRAIN) == 300
+    cfg.TRAIN.DATA_LIMIT = -1
+    cfg.CACHE_DIR = str(tmp_path / "cache")
+    assert count_samples(cfg.TRAIN) == 6 + 360
+    assert not (tmp_path / "cache").exists()
+    assert len(build_dataset(cfg.TRAIN, cache_dir=cfg.CACHE_DIR)) == 366  # the demo cache, written now
+    cfg.TRAIN.DATA_LIMIT = 0
+    with pytest.raises(DataError, match="holds no samples"):
+        count_samples(cfg.TRAIN)
 
 
 def test_disk_folder_split_and_missing_path(tmp_path):

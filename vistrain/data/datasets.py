@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Sequence, Tuple, Union
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
@@ -51,6 +51,8 @@ def read_image(path: str) -> Image.Image:
             return Image.open(handle).convert("RGB")  # convert() forces the full decode
     except FileNotFoundError:
         raise CorruptImageError(f"image file not found: {path}") from None
+    except UnidentifiedImageError:  # its message names a file handle, not the file
+        raise CorruptImageError(f"cannot read image {path}: not an image format PIL knows") from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
         raise CorruptImageError(f"cannot read image {path}: {err}") from None
 
