@@ -26,7 +26,8 @@ from vistrain.models.trunks import TRUNKS
 from vistrain.models.trunks.regnet import PUBLISHED_REGNETS, feature_names
 from vistrain.optim import OPTIMIZERS
 from vistrain.optim.schedulers import SCHEDULES
-from vistrain.runtime.sharding import BACKENDS, COMPUTE_DTYPES
+from vistrain.runtime.precision import AMP_DTYPES, DTYPES
+from vistrain.runtime.sharding import BACKENDS
 from vistrain.training import train
 
 # ENGINE_NAME -> function(cfg) run on every rank by vistrain.distributed.launch
@@ -58,7 +59,8 @@ def catalog() -> Catalog:
         "data sources": SOURCES,
         "transforms": TRANSFORMS,
         "sharding backends": BACKENDS,
-        "compute dtypes": COMPUTE_DTYPES,
+        "compute dtypes": DTYPES,
+        "amp dtypes": AMP_DTYPES,
     }
     return Catalog(
         names={key: sorted(names) for key, names in registries.items()},

@@ -118,7 +118,6 @@ def loadable_weights(value: str, catalog: Catalog) -> Problem:
 # the table: dotted key -> rules its value must satisfy. "DATA.*" keys hold for DATA.TRAIN and
 # DATA.TEST; which of them a job reads is decided in _data_sources below.
 
-AMP_DTYPES = ("bfloat16", "float16")
 RUN_FOLDER_KEY = "CHECKPOINT.DIR"
 
 RULES = {
@@ -145,7 +144,7 @@ RULES = {
     "MODEL.HEAD.NAME": [one_of("heads")],
     "MODEL.FSDP_CONFIG.BACKEND": [one_of("sharding backends")],
     "MODEL.FSDP_CONFIG.compute_dtype": [one_of("compute dtypes")],
-    "MODEL.AMP_PARAMS.AMP_DTYPE": [one_of(AMP_DTYPES)],
+    "MODEL.AMP_PARAMS.AMP_DTYPE": [one_of("amp dtypes")],
     "MODEL.SYNC_BN_CONFIG.GROUP_SIZE": [at_least(0)],
     "MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY": [one_of(("block", "stage"))],
     "MODEL.WEIGHTS_INIT.PARAMS_FILE": [loadable_weights],

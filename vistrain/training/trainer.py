@@ -34,6 +34,7 @@ from vistrain.fsdp import Backend, ShardedGradScaler, backend_of
 from vistrain.losses import build_loss
 from vistrain.models import build_model
 from vistrain.optim import build_lr_schedule, build_optimizer, param_group_key, set_lr
+from vistrain.runtime import precision
 from vistrain.runtime.logger import NonFiniteLossError, TrainingMeter, logger
 from vistrain.runtime.parallel import parallelize
 from vistrain.runtime.run_setup import record_config, start_run
@@ -181,10 +182,7 @@ def _optimizer_step(model: nn.Module, criterion, optimizer, s: StepSettings, ite
 
 
 def _step_settings(cfg, model: nn.Module, device: torch.device) -> StepSettings:
-    amp_cfg = cfg.MODEL.AMP_PARAMS
-    amp_dtype = None
-    if amp_cfg.USE_AMP:  # name and device were checked before launch (vistrain.config.checks)
-        amp_dtype = getattr(torch, amp_cfg.AMP_DTYPE)
+    amp_dtype = precision.amp_dtype(cfg.MODEL)  # name and device were checked before launch
     update_freq = cfg.OPTIMIZER.update_freq
     scaler = _grad_scaler(model) if amp_dtype == torch.float16 else None
     return StepSettings(device, amp_dtype, scaler, update_freq, float(cfg.OPTIMIZER.clip_grad_norm))
