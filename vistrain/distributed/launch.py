@@ -274,7 +274,14 @@ def _run_folder_lock(cfg: CfgNode, plan: LaunchPlan):
 
 def _run_spawned_rank(local_rank: int, launcher_pid: int, main_fn, cfg, plan, error_dir: str) -> None:
     supervise.bind_to_launcher(launcher_pid)  # never outlive the launcher, leave Ctrl-C to it
-    _run_rank(local_rank, main_fn, cfg, plan, error_dir)
+    try:
+        _run_rank(local_rank, main_fn, cfg, plan, error_dir)
+    except BaseException:
+        # Reported in error_dir; leave at once: tearing down an interpreter whose process group's
+        # peers are gone can abort with C++ "terminate called" noise on the launcher's stderr.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def _spawn_and_watch(main_fn, cfg: CfgNode, plan: LaunchPlan) -> None:
