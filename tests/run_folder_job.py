@@ -8,6 +8,7 @@ line's launcher (``vistrain.cli.run``: exit codes and messages as tools/run_dist
 """
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -32,6 +33,9 @@ def collectives_forever(cfg):
 
 
 if __name__ == "__main__":
+    # Ctrl-C as in a terminal, even where the test runner was started in the background (a
+    # non-interactive shell starts background jobs with SIGINT ignored, and Python keeps that)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     job = load_config(
         [
             "config.MACHINE.DEVICE=cpu",
