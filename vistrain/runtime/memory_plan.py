@@ -18,9 +18,9 @@ ceil(n / W) elements, p = fp32 master bytes 4, c = compute bytes: 2 under mixed 
                     and allocator; CUDA: 0 (the CUDA context is not allocated memory)
 
 On CPU the model assumes ``MACHINE.CPU_MMAP_THRESHOLD_MIB`` > 0 (freed tensors go back to the
-OS). With glibc's default heaps the logged peak was above the plan by up to 62% (RegNetY-32GF,
-4 ranks: 2,395 MiB measured, 1,477 MiB planned, 1,468 MiB measured with the threshold at 1 MiB),
-so on CPU :func:`search` always sets it (``CPU_THRESHOLD_MIB``).
+OS): glibc's default heaps keep freed pages that no tensor holds, which no term models, so on CPU
+:func:`search` always sets it (``CPU_THRESHOLD_MIB``). The measurements the terms were fitted to
+and checked against: docs/memory.md.
 
 ``move_params_to_cpu`` on CUDA moves params, grads and optimizer state out of GPU memory.
 The search in :func:`search` tries the knobs in order of expected speed (see ``speed_cost``).
@@ -40,17 +40,17 @@ from torch import nn
 from torchvision.models.regnet import AnyStage, ResBottleneckBlock
 
 from vistrain.fsdp.flat_param import shard_size
-from vistrain.models import build_model
+from vistrain.models import build_meta_model
 from vistrain.runtime.sharding import wrap_policy
 from vistrain.torch_compat import storage_id
 
 MIB = 2**20
-# gloo threads and buffers, data loader, glibc arenas: the quick start's peak RSS (770 MiB, 2
-# ranks) minus the import baseline (676 MiB here) minus its model terms (about 20 MiB).
+# gloo threads and buffers, data loader, glibc arenas: what the quick start's peak RSS holds beyond
+# the import baseline and its model terms (docs/memory.md)
 CPU_ALLOWANCE_MIB = 75
 OPTIMIZER_STATES = {"sgd": 1, "lars": 1, "adamw": 2}
-# The CPU runs :func:`search` proposes fix glibc's mmap threshold at this (MiB); it cost 1.27x per
-# step on the quick start's model (dev/bench_host_memory.py), the same for every setting tried.
+# The CPU runs :func:`search` proposes fix glibc's mmap threshold at this (MiB), at this relative
+# cost per step (page faults; dev/bench_host_memory.py, docs/memory.md)
 CPU_THRESHOLD_MIB = 1.0
 CPU_THRESHOLD_COST = 1.27
 # The optimizer step inside backward: the same work, steps run shard by shard (dev/bench_fsdp.py,
@@ -125,10 +125,8 @@ def gathered_bytes(sizes: Sequence[int], compute_bytes: int, reduce_bytes: int, 
     exists: max_k [root + w_k + w_(k-1)] * compute_bytes + g_k * reduce_bytes.
 
     Autograd's split backward briefly holds g_k twice (per parameter and concatenated) while
-    unit k+1's gradient may still be reducing, but the logged peaks stay below that sum: fitted
-    on CPU with the mmap threshold at 1 MiB, 4 ranks, this term gives 3,123 vs 3,012 MiB measured
-    for RegNetY-128GF and 1,477 vs 1,468 MiB for RegNetY-32GF, where the three-gradient sum gave
-    3,373 and 1,616 MiB (``dev/bench_big_model.py``).
+    unit k+1's gradient may still be reducing, but the logged peaks stay below that three-gradient
+    sum and close to this one-gradient term (``dev/bench_big_model.py``, docs/memory.md).
     """
     root, units = sizes[-1], list(sizes[:-1]) or [0]
     worst = 0
@@ -201,8 +199,7 @@ def plan(cfg, device: str = "cpu", cache: Optional[dict] = None) -> MemoryPlan:
     sharded = bool(fsdp.AUTO_SETUP_FSDP)
     low = bool(sharded and fsdp.mixed_precision or model_cfg.AMP_PARAMS.USE_AMP)
     if "model" not in cache:
-        with torch.device("meta"):
-            cache["model"] = build_model(model_cfg)
+        cache["model"] = build_meta_model(model_cfg)
     model = cache["model"]
     if sharded:
         policy = wrap_policy(fp32_batchnorm=low)
@@ -245,9 +242,10 @@ def import_baseline_mib() -> float:
 
 
 def speed_cost(knobs: Dict[str, object], device: str) -> float:
-    """Relative time per image of a knob setting (lower is faster), from bench_fsdp and common
-    practice: ZeRO-3 gathers twice (1.23x ZeRO-2 here), checkpointing re-runs the forward
-    (1.33x), mixed precision halves GPU time (no gain on CPU), CPU offload costs 1.5x."""
+    """Relative time per image of a knob setting (lower is faster): ZeRO-3 gathers twice,
+    checkpointing re-runs the forward, mixed precision speeds up GPUs only, CPU offload and the
+    fixed mmap threshold cost transfers and page faults. Each factor and its source
+    (``dev/bench_fsdp.py``, ``dev/bench_host_memory.py`` or common practice): docs/memory.md."""
     cost = 1.23 if knobs["reshard_after_forward"] else 1.0
     cost *= 1.33 if knobs["activation_checkpointing"] else 1.0
     # bf16 on CPU computes no faster here and changes the numbers: tried after the exact knobs
