@@ -33,11 +33,6 @@ def main(argv) -> int:
     device = args.device or ("cpu" if cfg.MACHINE.DEVICE == "cpu" else "cuda")
     if args.budget_mib is None:
         out = plan(cfg, device).as_mib()
-        if device == "cpu" and cfg.MACHINE.CPU_MMAP_THRESHOLD_MIB <= 0:
-            out["note"] = (
-                "planned for config.MACHINE.CPU_MMAP_THRESHOLD_MIB=1; with glibc's default heaps "
-                "the logged peak can be higher (up to 62% measured)"
-            )
         print(json.dumps(out, indent=2))
         return 0
     knobs, result = search(cfg, args.budget_mib, device, args.max_ranks)
