@@ -290,18 +290,25 @@ def _with_knobs(cfg, knobs: Dict[str, object]):
     return out
 
 
-def in_backward_choices(cfg) -> tuple:
+def in_backward_choices(cfg, step_in_backward: Optional[bool] = None) -> tuple:
     """The step inside backward is exact, so the search may switch it on, unless the run needs
-    every gradient first (global clipping, fp16 loss scaling)."""
+    every gradient first (global clipping, fp16 loss scaling); ``step_in_backward`` fixes it."""
     amp = cfg.MODEL.AMP_PARAMS
     if cfg.OPTIMIZER.clip_grad_norm > 0 or (amp.USE_AMP and amp.AMP_DTYPE == "float16"):
         return (bool(cfg.OPTIMIZER.step_in_backward),)
-    return (False, True)
+    return (False, True) if step_in_backward is None else (step_in_backward,)
 
 
-def search(cfg, budget_mib: float, device: str = "cpu", max_ranks: Optional[int] = None):
+def search(
+    cfg,
+    budget_mib: float,
+    device: str = "cpu",
+    max_ranks: Optional[int] = None,
+    step_in_backward: Optional[bool] = None,
+):
     """The fastest knob setting whose plan fits ``budget_mib``: (knobs, plan), or (None, the
-    smallest plan reached). Fewer ranks and a larger batch per replica are tried first."""
+    smallest plan reached). Fewer ranks and a larger batch per replica are tried first;
+    ``step_in_backward`` True/False fixes that knob (None: the search may choose it)."""
     world = cfg.DISTRIBUTED.NUM_NODES * cfg.DISTRIBUTED.NUM_PROC_PER_NODE
     max_ranks = max_ranks or world
     ranks = [world * 2**i for i in range(8) if world * 2**i <= max_ranks]
@@ -312,7 +319,7 @@ def search(cfg, budget_mib: float, device: str = "cpu", max_ranks: Optional[int]
     for r, b in itertools.product(ranks, batches):
         settings = []
         for reshard, mixed, ckpt, cpu, in_backward in itertools.product(
-            (False, True), (False, True), (False, True), offload, in_backward_choices(cfg)
+            (False, True), (False, True), (False, True), offload, in_backward_choices(cfg, step_in_backward)
         ):
             knobs = dict(reshard_after_forward=reshard, mixed_precision=mixed, activation_checkpointing=ckpt,
                          move_params_to_cpu=cpu, step_in_backward=in_backward, batch_per_replica=b,
