@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torchvision.models.regnet import ResBottleneckBlock, SimpleStemIN
 
 from vistrain.distributed.testing import run_on_ranks
-from vistrain.fsdp import auto_wrap, by_class
+from vistrain.fsdp import auto_wrap, by_class, heap
 from vistrain.fsdp.memory import held_tensors, peak_rss_mib, storage_bytes
 
 UNIT_CLASSES = (ResBottleneckBlock, SimpleStemIN, nn.Linear)  # blocks, stem, classifier
@@ -100,7 +100,9 @@ def worker(rank, world, args):
     for i in range(args.steps + args.warmup):
         x = torch.randn(args.batch, 3, args.size, args.size, generator=gen).to(device)
         y = torch.randint(0, 10, (args.batch,), generator=gen).to(device)
-        for name, (model, optimizer) in engines.items():
+        names = list(engines)
+        for name in names[i % len(names) :] + names[: i % len(names)]:  # rotate: no engine always first
+            model, optimizer = engines[name]
             gathered = model.model_state.gathered if name == "vistrain" and model.model_state else None
             if gathered is not None:  # peak over its step alone
                 gathered.reset_peak()
@@ -131,7 +133,15 @@ def main():
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--model", default="regnet_y_400mf")
+    parser.add_argument(
+        "--trim-after-mib",
+        type=float,
+        default=None,
+        help="heap trims after this many MiB freed (engine default 256)",
+    )
     args = parser.parse_args()
+    if args.trim_after_mib is not None:  # the ranks are forked from here and inherit it
+        heap.TRIM_AFTER_BYTES = int(args.trim_after_mib * 2**20)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     results = run_on_ranks(worker, args.world, args, backend=backend)
     r0 = results[0]
