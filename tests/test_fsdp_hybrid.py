@@ -1,0 +1,147 @@
+"""Hybrid sharding (shard within a group, replicate across groups) equals DDP over the world.
+
+Real gloo ranks: 4 ranks as 2 groups of 2 and 6 ranks as 2 groups of 3, SGD and LARS, clipping,
+ZeRO-2, gradient accumulation, BatchNorm buffers; the rank arithmetic over many world sizes.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from fsdp_models import Block, local_batch, make_net, make_optimizer, max_rel_diff, train, wrap
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from vistrain.distributed.testing import run_on_ranks
+from vistrain.fsdp import auto_wrap, by_class, hybrid_groups, replica_group_ranks, shard_group_ranks
+from vistrain.fsdp.hybrid import shard_group_size_problem
+from vistrain.optim.lars import LARS
+
+TOL = 1e-5
+STEPS = 6
+
+
+# -- rank arithmetic (pure) -------------------------------------------------------------------------
+@pytest.mark.parametrize("world", range(1, 17))
+def test_shard_and_replica_groups_tile_the_world(world):
+    for k in [0] + [d for d in range(1, world + 1) if world % d == 0]:
+        shards, replicas = shard_group_ranks(world, k), replica_group_ranks(world, k)
+        size = k or world
+        assert sorted(r for g in shards for r in g) == list(range(world))
+        assert sorted(r for g in replicas for r in g) == list(range(world))
+        assert all(len(g) == size for g in shards) and len(replicas) == size
+        assert all(g == tuple(range(g[0], g[0] + size)) for g in shards)  # consecutive: a node
+        for position, group in enumerate(replicas):  # the same shard position in every group
+            assert [shards[r // size].index(r) for r in group] == [position] * len(group)
+            assert [r // size for r in group] == list(range(world // size))
+        assert shard_group_size_problem(world, k) is None
+
+
+def test_bad_shard_group_sizes_say_why():
+    assert "must divide the world size (6)" in shard_group_size_problem(6, 4)
+    assert "got -1" in shard_group_size_problem(4, -1)
+    with pytest.raises(ValueError, match="shard_group_size"):
+        shard_group_ranks(6, 4)
+    assert shard_group_ranks(6, 3) == [(0, 1, 2), (3, 4, 5)]
+    assert replica_group_ranks(6, 3) == [(0, 3), (1, 4), (2, 5)]
+    assert replica_group_ranks(4, 0) == [(0,), (1,), (2,), (3,)]
+
+
+# -- parity with DDP over the world -----------------------------------------------------------------
+class BNNet(nn.Module):
+    """BatchNorm without SyncBN: running statistics follow the first rank's (broadcast_buffers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 5, 3, padding=1)
+        self.bn = nn.BatchNorm2d(5)
+        self.blocks = nn.Sequential(Block(5))
+        self.head = nn.Linear(5, 7)
+
+    def forward(self, x):
+        return self.head(self.blocks(torch.relu(self.bn(self.stem(x)))).mean((2, 3)))
+
+
+def _optimizer(name, params):
+    if name == "lars":
+        return LARS(params, lr=0.1, momentum=0.9, weight_decay=1e-4)
+    return make_optimizer(name, params)
+
+
+def _accumulating(model, optimizer, rank, world, steps=3):
+    """Two micro-batches per step, the first under no_sync (update_freq=2)."""
+    for step in range(steps):
+        for micro in range(2):
+            x, y = local_batch(2 * step + micro, rank, world)
+            context = model.no_sync() if micro == 0 else torch.enable_grad()
+            with context:
+                nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _hybrid_worker(rank, world, k):
+    shard, replica = hybrid_groups(k)
+    out = {}
+    cases = {
+        "sgd": ("sgd", {}, None),
+        "lars": ("lars", {}, None),
+        "sgd_clip_zero2": ("sgd", {"reshard_after_forward": False}, 0.05),
+    }
+    for name, (optim, kwargs, clip) in cases.items():
+        ref = DDP(make_net())
+        ref_losses = train(ref, _optimizer(optim, ref.parameters()), rank, world, STEPS, clip)
+        model = wrap(make_net(), True, process_group=shard, replica_group=replica, **kwargs)
+        losses = train(model, _optimizer(optim, model.parameters()), rank, world, STEPS, clip)
+        out[name] = (
+            max_rel_diff(losses, ref_losses),
+            max_rel_diff(model.state_dict(), ref.module.state_dict()),
+        )
+    ref, model = DDP(make_net()), wrap(make_net(), True, process_group=shard, replica_group=replica)
+    for m in (ref, model):
+        _accumulating(m, make_optimizer("sgd", m.parameters()), rank, world)
+    out["no_sync"] = (0.0, max_rel_diff(model.state_dict(), ref.module.state_dict()))
+    torch.manual_seed(0)
+    ref = DDP(BNNet())  # broadcast_buffers: the world's rank 0's statistics
+    torch.manual_seed(0)
+    model = auto_wrap(BNNet(), by_class([Block]), process_group=shard, replica_group=replica)
+    for m in (ref, model):
+        train(m, make_optimizer("sgd", m.parameters()), rank, world, 3)
+        m(local_batch(9, rank, world)[0])  # the first rank's statistics, then this rank's batch
+    state = model.state_dict()
+    out["batchnorm"] = (0.0, max_rel_diff(state, ref.module.state_dict()))
+    # every replica holds the same shards
+    shards = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(shards) for _ in range(dist.get_world_size(replica))]
+    dist.all_gather(gathered, shards, group=replica)
+    out["replicas_identical"] = all(torch.equal(g, shards) for g in gathered)
+    return out
+
+
+@pytest.mark.parametrize("world,k", [(4, 2), (6, 3)], ids=["4_ranks_2x2", "6_ranks_2x3"])
+def test_hybrid_sharding_equals_ddp_over_the_world(world, k):
+    for result in run_on_ranks(_hybrid_worker, world, k):
+        assert result.pop("replicas_identical")
+        for name, (loss_diff, state_diff) in result.items():
+            assert loss_diff < TOL and state_diff < TOL, (name, loss_diff, state_diff)
+
+
+def _final_grad_worker(rank, world):
+    """The one hook point: ``on_shard_grad_ready`` sees each shard gradient already averaged over
+    the world (after the cross-replica all-reduce), and the reductions' groups overlap."""
+    shard, replica = hybrid_groups(2)
+    model = wrap(make_net(), True, process_group=shard, replica_group=replica)
+    x, y = local_batch(0, rank, world)
+    nn.functional.cross_entropy(model(x), y).backward()  # builds the model state
+    model.zero_grad(set_to_none=True)
+    seen = {}
+    queue = model.model_state.reductions
+    queue.on_shard_grad_ready = lambda handle: seen.setdefault(id(handle.shard), handle.shard.grad.clone())
+    nn.functional.cross_entropy(model(x), y).backward()
+    ready = all(torch.equal(seen[id(p)], p.grad) for p in model.parameters())
+    return ready and len(seen) == len(list(model.parameters())), sorted(queue.reduction_groups)
+
+
+def test_shard_gradients_are_final_when_announced():
+    for rank, (ready, groups) in enumerate(run_on_ranks(_final_grad_worker, 4)):
+        assert ready
+        assert groups == sorted([(rank // 2 * 2, rank // 2 * 2 + 1), (rank % 2, rank % 2 + 2)])
