@@ -198,3 +198,35 @@ def test_auto_setup_with_shard_groups_equals_ddp(method, cases):
             assert loss_diff < 1e-2, (name, loss_diff)
         else:
             assert loss_diff < TOL and state_diff < TOL, (name, loss_diff, state_diff)
+
+
+# -- BACKEND=torch: FSDP2 on a 2-D (replicate, shard) mesh -----------------------------------------
+def _torch_mesh_worker(rank, world, run_dir):
+    import test_auto_setup as auto
+
+    from vistrain.checkpoint import save_sharded_checkpoint
+
+    auto.STEPS = 6  # see _recipe_worker
+    ref_losses, ref_state, _ = auto.run(auto.recipe("simclr"), False, rank, world)
+    cfg = auto.recipe(
+        "simclr", "config.MODEL.FSDP_CONFIG.BACKEND=torch", "config.MODEL.FSDP_CONFIG.shard_group_size=2"
+    )
+    losses, state, model = auto.run(cfg, True, rank, world)
+    save_sharded_checkpoint(run_dir, 6, model, None, {}, {}, keep_last=0)
+    param = next(model.parameters())
+    mesh = (
+        tuple(param.device_mesh.shape),
+        param.device_mesh.mesh_dim_names,
+        [str(p) for p in param.placements],
+    )
+    return max_rel_diff(losses, ref_losses), max_rel_diff(state, ref_state), mesh, state
+
+
+def test_torch_backend_takes_the_same_key_as_a_2d_mesh(tmp_path):
+    from vistrain.checkpoint import consolidated_state_dict, find_latest_checkpoint
+
+    loss_diff, state_diff, mesh, state = run_on_ranks(_torch_mesh_worker, 4, str(tmp_path))[0]
+    assert mesh == ((2, 2), ("replicate", "shard"), ["R", "S(0)"])
+    assert loss_diff < TOL and state_diff < TOL, (loss_diff, state_diff)
+    saved = consolidated_state_dict(find_latest_checkpoint(str(tmp_path)))
+    assert saved.keys() == state.keys() and all(torch.equal(saved[k], state[k]) for k in state)
