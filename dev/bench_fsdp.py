@@ -39,7 +39,9 @@ def build(name):
 
 
 def make_engines(args, device):
-    """DDP, then ours and fully_shard with reshard_after_forward on (ZeRO-3) and off (ZeRO-2)."""
+    """DDP, then ours and fully_shard with reshard_after_forward on (ZeRO-3) and off (ZeRO-2);
+    ours also without giving freed heap pages back (``release_host_memory=False``, the engine
+    before it trimmed) and with the optimizer step inside backward."""
     engines = {"ddp": DDP(build(args.model).to(device))}
     shard_group, replica_group = hybrid_groups(args.shard_group_size)  # WORLD, None when 0
     for reshard, suffix in ((True, ""), (False, " (keep)")):
@@ -56,10 +58,17 @@ def make_engines(args, device):
             )
         except (ImportError, RuntimeError) as error:  # older torch: compare what we can
             print(f"fully_shard unavailable: {error}")
-    return {
+    engines["vistrain (no trim)"] = auto_wrap(
+        build(args.model).to(device), by_class(UNIT_CLASSES), release_host_memory=False
+    )
+    engines["vistrain (step in bwd)"] = auto_wrap(build(args.model).to(device), by_class(UNIT_CLASSES))
+    out = {
         name: (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
         for name, model in engines.items()
     }
+    model, optimizer = out["vistrain (step in bwd)"]
+    model.apply_optimizer_in_backward(optimizer)
+    return out
 
 
 def torch_fully_shard(model, reshard, shard_group_size):
@@ -72,14 +81,15 @@ def torch_fully_shard(model, reshard, shard_group_size):
     return fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
 
 
-def step(model, optimizer, x, y, device):
+def step(model, optimizer, x, y, device, in_backward=False):
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
     loss = nn.functional.cross_entropy(model(x), y)
     loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=False)  # keep gradients allocated: they are persistent state
+    if not in_backward:  # else every shard stepped inside backward and holds no gradient
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)  # keep gradients allocated: persistent state
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
@@ -104,7 +114,7 @@ def worker(rank, world, args):
             gathered = model.model_state.gathered if name == "vistrain" and model.model_state else None
             if gathered is not None:  # peak over its step alone
                 gathered.reset_peak()
-            elapsed = step(model, optimizer, x, y, device)
+            elapsed = step(model, optimizer, x, y, device, in_backward="step in bwd" in name)
             if name == "vistrain":
                 peak = max(peak, model.model_state.gathered.peak)
             if i >= args.warmup:

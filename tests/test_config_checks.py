@@ -2,6 +2,7 @@
 with one line naming the key, no traceback, and nothing written; --help and no arguments print
 the usage."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -87,6 +88,27 @@ def _bad_values(tmp_path):
         (["config.MACHINE.DEVICE=gpu"], "MACHINE.DEVICE must be one of auto, cpu, cuda"),
         (["config.MACHINE.CPU_MMAP_THRESHOLD_MIB=-1"], "MACHINE.CPU_MMAP_THRESHOLD_MIB must be >= 0; got -1"),
         (["config.BENCHMARK.LINEAR_LR_FOLDS=0"], "BENCHMARK.LINEAR_LR_FOLDS must be >= 1; got 0"),
+        (
+            ["config.OPTIMIZER.step_in_backward=True"],  # the tiny recipe runs under DDP
+            "OPTIMIZER.step_in_backward needs the built-in sharded engine: set "
+            "MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True",
+        ),
+        (
+            [
+                "config.OPTIMIZER.step_in_backward=True",
+                "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True",
+                "config.MODEL.FSDP_CONFIG.BACKEND=torch",
+            ],
+            "OPTIMIZER.step_in_backward needs the built-in sharded engine",
+        ),
+        (
+            [
+                "config.OPTIMIZER.step_in_backward=True",
+                "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True",
+                "config.OPTIMIZER.clip_grad_norm=1.0",
+            ],
+            "OPTIMIZER.step_in_backward cannot clip the global gradient norm",
+        ),
     ]
 
 
@@ -180,3 +202,23 @@ def test_help_and_no_arguments_print_the_usage(capsys):
     assert "vistrain/config/defaults.py" in usage and len(usage.splitlines()) < 15
     assert cli.main([]) == 2
     assert capsys.readouterr().err == usage
+
+
+def test_the_step_in_backward_refuses_fp16_loss_scaling():
+    """On CUDA float16 needs a grad scaler, which skips a step only once every gradient is in."""
+    cfg = load_config(
+        [
+            "config=test/simclr_tiny",
+            "config.MACHINE.DEVICE=auto",
+            "config.OPTIMIZER.step_in_backward=True",
+            "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True",
+            "config.MODEL.AMP_PARAMS.USE_AMP=True",
+            "config.MODEL.AMP_PARAMS.AMP_DTYPE=float16",
+        ]
+    )
+    with_cuda = dataclasses.replace(catalog(), cuda_available=True)
+    with pytest.raises(ConfigError, match="cannot skip a step on an fp16 overflow .*AMP_DTYPE=bfloat16"):
+        check_config(cfg, with_cuda)
+    cfg.defrost()
+    cfg.MODEL.AMP_PARAMS.AMP_DTYPE = "bfloat16"
+    check_config(cfg, with_cuda)

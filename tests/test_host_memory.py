@@ -43,3 +43,42 @@ def test_fixed_threshold_gives_freed_tensors_back():
 
 def test_zero_means_glibc_default():
     assert set_mmap_threshold(0) is False
+
+
+# The same retained 20 MiB, then the engine's trim (glibc malloc_trim): the heap pages go back.
+TRIMMED = """
+import torch
+from vistrain.fsdp.heap import release_free_pages
+from vistrain.fsdp.memory import current_rss_mib
+first = torch.ones(6 * 2**20); del first
+before = current_rss_mib()
+freed = torch.ones(5 * 2**20); pinned = torch.ones(1000); del freed
+kept = current_rss_mib() - before
+release_free_pages()
+print(kept, current_rss_mib() - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_the_engines_trim_gives_freed_heap_pages_back():
+    out = subprocess.run([sys.executable, "-c", TRIMMED], capture_output=True, text=True, check=True)
+    kept, after_trim = map(float, out.stdout.split())
+    assert kept > 15 and after_trim < 2, (kept, after_trim)
+
+
+def test_heap_release_trims_once_enough_was_freed(monkeypatch):
+    from vistrain.fsdp import heap
+
+    heap_release = heap.HeapRelease(enabled=True)
+    if heap_release._libc is None:
+        pytest.skip("not glibc")
+    heap_release.freed(heap.TRIM_AFTER_BYTES - 1)
+    heap_release.at_unit_boundary()
+    assert heap_release.trims == 0
+    heap_release.freed(1)
+    heap_release.at_unit_boundary()
+    assert heap_release.trims == 1 and heap_release.freed_since_trim == 0
+    disabled = heap.HeapRelease(enabled=False)
+    disabled.freed(10 * heap.TRIM_AFTER_BYTES)
+    disabled.at_unit_boundary()
+    assert disabled.trims == 0

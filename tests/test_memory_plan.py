@@ -17,6 +17,7 @@ from vistrain.runtime.memory_plan import (
     MIB,
     checkpointed_activations,
     gathered_bytes,
+    in_backward_grad_bytes,
     measure_activations,
     plan,
     search,
@@ -65,6 +66,33 @@ def test_gathered_bytes():
     assert gathered_bytes([5, 9, 3, 2], compute_bytes=2, reduce_bytes=4, reshard=True) == 68
     # ZeRO-2: every unit stays gathered (19 * 4) with the largest gradient (9 * 4)
     assert gathered_bytes([5, 9, 3, 2], compute_bytes=4, reduce_bytes=4, reshard=False) == 19 * 4 + 9 * 4
+
+
+def test_in_backward_grad_bytes():
+    # units 10, 7 at 3 ranks: the largest shard is ceil(10 / 3) = 4 elements; its gradient and
+    # one update temporary of 4 fp32 elements each
+    assert in_backward_grad_bytes([10, 7], 3) == 2 * 4 * 4
+
+
+def test_the_step_in_backward_changes_only_the_gradient_term_and_the_search_may_choose_it(fixed_baseline):
+    args = [
+        "config=test/simclr_tiny",
+        "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True",
+        "config.MODEL.TRUNK.REGNET.NAME=regnet_y_400mf",  # on the meta device: sizes only
+        "config.MODEL.HEAD.DIMS=[440,512,128]",
+    ]
+    ordinary = plan(load_config(args))
+    in_backward = plan(load_config([*args, "config.OPTIMIZER.step_in_backward=True"]))
+    assert in_backward.grads < ordinary.grads and in_backward.params == ordinary.params
+    assert in_backward.peak == ordinary.peak - ordinary.grads + in_backward.grads
+    # a budget between the two peaks: only the step in backward fits (every other knob tried)
+    budget = (in_backward.peak + ordinary.peak) / 2 / MIB
+    knobs, result = search(load_config(args), budget)
+    assert knobs is not None and knobs["step_in_backward"] and result.peak <= budget * MIB
+    assert "config.OPTIMIZER.step_in_backward=True" in memory_plan.overrides(knobs)
+    # never chosen when the run clips the global norm (it needs every gradient first)
+    knobs, _ = search(load_config([*args, "config.OPTIMIZER.clip_grad_norm=1.0"]), 1e9)
+    assert knobs["step_in_backward"] is False
 
 
 def test_checkpointed_activations():

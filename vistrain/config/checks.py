@@ -339,6 +339,33 @@ def _one_view_for_linear_eval(cfg: CfgNode, _: Catalog) -> Problem:
     )
 
 
+def _step_in_backward_is_exact(cfg: CfgNode, _: Catalog) -> Problem:
+    """The step inside backward follows the built-in engine's reductions, and cannot wait for
+    what needs every gradient first (the global norm, fp16 overflow checks)."""
+    opt, fsdp, amp = cfg.OPTIMIZER, cfg.MODEL.FSDP_CONFIG, cfg.MODEL.AMP_PARAMS
+    if not opt.step_in_backward or cfg.ENGINE_NAME != "train":
+        return None
+    if not fsdp.AUTO_SETUP_FSDP or fsdp.BACKEND != "builtin":
+        return (
+            "OPTIMIZER.step_in_backward needs the built-in sharded engine: set "
+            "MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True and MODEL.FSDP_CONFIG.BACKEND=builtin, or "
+            "OPTIMIZER.step_in_backward=False"
+        )
+    if opt.clip_grad_norm > 0:
+        return (
+            "OPTIMIZER.step_in_backward cannot clip the global gradient norm (it needs every "
+            "gradient before the first step): set OPTIMIZER.clip_grad_norm=0 or "
+            "OPTIMIZER.step_in_backward=False"
+        )
+    if amp.USE_AMP and amp.AMP_DTYPE == "float16":
+        return (
+            "OPTIMIZER.step_in_backward cannot skip a step on an fp16 overflow (found only once "
+            "every gradient is in): use MODEL.AMP_PARAMS.AMP_DTYPE=bfloat16 or "
+            "OPTIMIZER.step_in_backward=False"
+        )
+    return None
+
+
 CROSS_RULES = (
     _data_sources,
     _trunk_features,
@@ -346,4 +373,5 @@ CROSS_RULES = (
     _warmup_within_training,
     _feature_banks_complete,
     _one_view_for_linear_eval,
+    _step_in_backward_is_exact,
 )

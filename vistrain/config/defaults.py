@@ -165,6 +165,9 @@ _C.OPTIMIZER.lars_eta = 0.001  # LARS trust coefficient
 _C.OPTIMIZER.lars_exclude_bias_and_norm = True  # LARS: plain SGD for biases and norm layers
 _C.OPTIMIZER.update_freq = 1  # gradient accumulation: optimizer step every N iterations
 _C.OPTIMIZER.clip_grad_norm = 0.0  # > 0: clip the global gradient norm to this value
+# Sharded engine: update each shard inside backward as soon as its gradient is reduced, then free
+# that gradient (a rank never holds its whole gradient). Same numbers; no clip_grad_norm, no fp16.
+_C.OPTIMIZER.step_in_backward = False
 _C.OPTIMIZER.param_schedulers = CN()
 _C.OPTIMIZER.param_schedulers.lr = CN()
 _C.OPTIMIZER.param_schedulers.lr.name = "cosine"  # cosine | multistep | constant (warmup before any)

@@ -10,6 +10,7 @@ from vistrain.fsdp.fully_sharded import FullyShardedDataParallel  # noqa: F401
 from vistrain.fsdp.grad import SegmentValues, origin_sq_norms, origin_sq_sums  # noqa: F401
 from vistrain.fsdp.hybrid import hybrid_groups, replica_group_ranks, shard_group_ranks  # noqa: F401
 from vistrain.fsdp.mixed_precision import ShardedGradScaler  # noqa: F401
+from vistrain.fsdp.optim_in_backward import OptimizerInBackward, apply_optimizer_in_backward  # noqa: F401
 from vistrain.fsdp.query import Backend, backend_of, shard_handle, shard_origins, unwrap  # noqa: F401
 from vistrain.fsdp.torch_backend import TorchShardedModel  # noqa: F401
 from vistrain.fsdp.wrap import auto_wrap, by_class, by_size, gathered, params_of  # noqa: F401

@@ -27,9 +27,11 @@ from vistrain.fsdp import registry
 from vistrain.fsdp.deferred_init import materialize
 from vistrain.fsdp.flat_param import FlatParamHandle, ParamOrigin
 from vistrain.fsdp.grad import clip_grad_norm_
+from vistrain.fsdp.heap import release_free_pages
 from vistrain.fsdp.mixed_precision import cast_floating, default_compute_dtype, low_precision_dtype
 from vistrain.fsdp.model_state import ModelState, RootOptions
 from vistrain.fsdp.names import FLAT_PARAM_PREFIX, WRAPPED_NAME, clean_name
+from vistrain.fsdp.optim_in_backward import OptimizerInBackward
 from vistrain.fsdp.ownership import check_wrappable, compute_device, owned_modules, owned_params
 from vistrain.fsdp.phases import Phase
 from vistrain.fsdp.state_dict import full_state_dict, load_full_state_dict, local_mode, summon
@@ -65,6 +67,9 @@ class FullyShardedDataParallel(nn.Module):
             gradients are reduced at its end, after agreeing which ones any rank produced. Root only.
         collective_timeout: seconds (or a timedelta) after which a waited collective of this
             unit raises instead of hanging (ranks that ran different units). Default 5 minutes.
+        release_host_memory: on CPU, give free heap pages back to the OS once this unit is built
+            and (the root's setting) at unit boundaries once enough gathered weights and
+            gradients were freed (glibc ``malloc_trim``, see ``heap.py``).
         replica_group: hybrid sharding (FSDP's HYBRID_SHARD): the ranks holding the same shards
             as this one in the other shard groups (``process_group`` is then this rank's shard
             group, e.g. its node). Each shard gradient is all-reduced over it after the
@@ -93,6 +98,7 @@ class FullyShardedDataParallel(nn.Module):
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
         collective_timeout=DEFAULT_COLLECTIVE_TIMEOUT,
+        release_host_memory: bool = True,
         replica_group=None,
     ):
         check_wrappable(module)
@@ -115,6 +121,7 @@ class FullyShardedDataParallel(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.collective_timeout = as_timedelta(collective_timeout)
+        self.release_host_memory = release_host_memory
         self.add_module(WRAPPED_NAME, module)
 
         owned = list(owned_params(module))
@@ -127,6 +134,8 @@ class FullyShardedDataParallel(nn.Module):
         for sub in owned_modules(module):
             registry.set_owner(sub, self)
         self._assign_root_names()
+        if release_host_memory and self.compute_device.type == "cpu":
+            release_free_pages()  # the materialised parameters and the flat copy (heap.py)
 
     # -- construction helpers -------------------------------------------------------------------
     def _build_handles(self, owned, flatten, group_fn, sync) -> List[FlatParamHandle]:
@@ -229,6 +238,7 @@ class FullyShardedDataParallel(nn.Module):
                 self.broadcast_buffers,
                 self.find_unused_parameters,
                 self.collective_timeout,
+                self.release_host_memory,
                 self.replica_group,
             )
             ModelState(
@@ -277,6 +287,15 @@ class FullyShardedDataParallel(nn.Module):
         """Accumulate gradients locally (no communication) inside the block; root only."""
         with self._root_model_state("no_sync()").no_sync():
             yield
+
+    def apply_optimizer_in_backward(self, optimizer) -> OptimizerInBackward:
+        """Step ``optimizer`` (built on ``self.parameters()``) on each shard as soon as its
+        gradient is final in backward, then free that gradient (``optim_in_backward.py``); do not
+        call ``optimizer.step()`` / ``zero_grad()`` yourself. Root only; collective the first
+        time (every rank binds at the same point). Returns the binding (``freeze(params)``)."""
+        binding = OptimizerInBackward(optimizer)
+        self._root_model_state("apply_optimizer_in_backward()").step_in_backward(binding.step_shard)
+        return binding
 
     # -- full parameters ------------------------------------------------------------------------
     @contextlib.contextmanager

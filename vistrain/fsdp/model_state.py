@@ -18,13 +18,14 @@ import contextlib
 import datetime
 import warnings
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
 from vistrain.fsdp.agreement import UnitOrder
 from vistrain.fsdp.buffers import broadcast_buffers
 from vistrain.fsdp.flat_param import FlatParamHandle
+from vistrain.fsdp.heap import HeapRelease
 from vistrain.fsdp.memory import GatheredBytes
 from vistrain.fsdp.phases import MODEL_TRANSITIONS, Phase, checked_transition
 from vistrain.fsdp.reductions import ReductionQueue, create_reduction_groups
@@ -47,6 +48,7 @@ class RootOptions:
     broadcast_buffers: bool
     find_unused_parameters: bool
     collective_timeout: datetime.timedelta
+    release_host_memory: bool  # CPU: trim glibc's heaps at unit boundaries (heap.py)
     replica_group: object = None  # hybrid sharding: the ranks holding the same shards, or None
 
     def data_parallel_groups(self) -> list:
@@ -69,9 +71,10 @@ class ModelState:
         self.require_grad_sync = True
         groups = options.data_parallel_groups()
         self.order = UnitOrder(names, groups, options.compute_device, options.collective_timeout)
+        self.heap = HeapRelease(options.release_host_memory and options.compute_device.type == "cpu")
         handle_groups = [g for unit in units for h in unit.handles for g in (h.group, h.replica_group)]
         handle_groups = [g for g in handle_groups if g is not None]
-        self.reductions = ReductionQueue(create_reduction_groups(handle_groups or groups))
+        self.reductions = ReductionQueue(create_reduction_groups(handle_groups or groups), self.heap)
         self.gathered = GatheredBytes()
         # id(handle.full) -> unit: the tensors whose views the modules compute with.
         self.full_owners = {id(h.full): unit for unit in units for h in unit.handles}
@@ -83,6 +86,11 @@ class ModelState:
 
     def handles(self) -> List[FlatParamHandle]:
         return [h for unit in self.units for h in unit.handles]
+
+    def gathered_freed(self, nbytes: int) -> None:
+        """A unit freed ``nbytes`` of gathered weights."""
+        self.gathered.add(-nbytes)
+        self.heap.freed(nbytes)
 
     # -- forward --------------------------------------------------------------------------------
     def begin_forward(self, training: bool) -> None:
@@ -135,7 +143,12 @@ class ModelState:
         self.reductions.finish_all()
         for unit in self.units:
             unit.end_backward()
+        self.heap.at_unit_boundary()
         self._enter(Phase.IDLE)
+
+    def step_in_backward(self, step_shard: Optional[Callable[[FlatParamHandle], None]]) -> None:
+        """Call ``step_shard(handle)`` once each handle's shard gradient is final (None: stop)."""
+        self.reductions.on_shard_grad_ready = step_shard
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from vistrain.fsdp.flat_param import FlatParamHandle
+from vistrain.fsdp.heap import HeapRelease
 from vistrain.fsdp.timeouts import wait_within
 
 Ranks = Tuple[int, ...]
@@ -66,8 +67,9 @@ class PendingReduction:
 class ReductionQueue:
     """The model's gradient reductions: in flight, deferred to the end of backward, finished."""
 
-    def __init__(self, reduction_groups: Dict[Ranks, object]):
+    def __init__(self, reduction_groups: Dict[Ranks, object], heap: HeapRelease):
         self.reduction_groups = reduction_groups
+        self.heap = heap  # told of the full gradients freed
         # called with each handle whose shard gradient is final for this backward (the optimizer
         # step in backward); None: gradients wait in ``shard.grad`` for ``optimizer.step()``
         self.on_shard_grad_ready: Optional[Callable[[FlatParamHandle], None]] = None
@@ -104,6 +106,7 @@ class ReductionQueue:
         pending, self.pending = self.pending, []
         for reduction in pending:
             self._wait(reduction, _reduction_description)
+            self.heap.freed(reduction.source.untyped_storage().nbytes())  # the full gradient, now dropped
             handle = reduction.handle
             if handle.replica_group is None:
                 self._finish(reduction)

@@ -78,7 +78,7 @@ class UnitState:
             self._reshard_handle(handle)
 
     def _reshard_handle(self, handle: FlatParamHandle) -> None:
-        self.model.gathered.add(-handle.reshard())
+        self.model.gathered_freed(handle.reshard())
 
     def prefetch(self, for_backward: bool) -> None:
         """Start this unit's gathers ahead of its turn (not again once its backward began)."""
@@ -114,6 +114,7 @@ class UnitState:
         keep = self.keep_gathered_for_backward or self.is_root
         if model.phase is not Phase.BACKWARD and (not grad_enabled or not keep):
             self.reshard()
+            model.heap.at_unit_boundary()
         if grad_enabled:
             for tensor in iter_tensors(outputs):  # an early start; saved-weight hooks guarantee it
                 if tensor.requires_grad:
@@ -143,6 +144,7 @@ class UnitState:
         self.model.mark_backward()  # also when no earlier hook fired (only intermediates on self)
         self._reshard_handle(handle)
         self.model.reduce_gradient(handle, grad)
+        self.model.heap.at_unit_boundary()
 
     def end_backward(self) -> None:
         self.reshard()

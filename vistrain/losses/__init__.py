@@ -6,9 +6,12 @@ torch.distributed. The criteria adapt them to SSLModel outputs and own the metho
 
     loss = criterion(model(crops), num_crops)
     loss.backward()
-    criterion.before_optimizer_step(model, iteration)
+    criterion.before_optimizer_step(model, iteration)   # drops frozen_params' gradients
     optimizer.step()
     criterion.after_optimizer_step(model)
+
+With the optimizer step inside backward the loop hands ``frozen_params(model, iteration)`` to the
+engine before backward instead, and calls ``after_optimizer_step`` once backward returns.
 """
 
 from typing import List
@@ -28,8 +31,15 @@ class SSLCriterion(nn.Module):
     def set_epoch(self, epoch: int) -> None:
         """Called at the start of every epoch."""
 
+    def frozen_params(self, model: nn.Module, iteration: int) -> List[nn.Parameter]:
+        """Parameters the optimizer must leave alone at this iteration (none by default)."""
+        return []
+
     def before_optimizer_step(self, model: nn.Module, iteration: int) -> None:
-        """Called after backward, before ``optimizer.step()``."""
+        """Called after backward, before ``optimizer.step()``: frozen parameters lose their
+        gradients, so the optimizer skips them (no momentum or weight decay either)."""
+        for param in self.frozen_params(model, iteration):
+            param.grad = None
 
     def after_optimizer_step(self, model: nn.Module) -> None:
         """Called right after ``optimizer.step()``."""
@@ -87,14 +97,11 @@ class SwAVCriterion(SSLCriterion):
     def set_epoch(self, epoch: int) -> None:
         self.loss.set_epoch(epoch)
 
-    def before_optimizer_step(self, model: nn.Module, iteration: int) -> None:
-        """SwAV: "freeze the prototypes during the first epoch" -- drop their gradients."""
+    def frozen_params(self, model: nn.Module, iteration: int) -> List[nn.Parameter]:
+        """SwAV: "freeze the prototypes during the first epoch" (their parameters, or shards)."""
         if iteration >= self.freeze_prototypes_niters:
-            return
-
-        for module in _prototype_modules(model):
-            for param in params_of(module):
-                param.grad = None
+            return []
+        return [param for module in _prototype_modules(model) for param in params_of(module)]
 
     def after_optimizer_step(self, model: nn.Module) -> None:
         """Project the prototypes back onto the unit sphere (and keep a copy for the queue)."""

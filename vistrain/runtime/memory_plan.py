@@ -54,6 +54,9 @@ OPTIMIZER_STATES = {"sgd": 1, "lars": 1, "adamw": 2}
 # step on the quick start's model (dev/bench_host_memory.py), the same for every setting tried.
 CPU_THRESHOLD_MIB = 1.0
 CPU_THRESHOLD_COST = 1.27
+# The optimizer step inside backward: the same work, steps run shard by shard (dev/bench_fsdp.py,
+# "step in bwd" row, within noise of the ordinary step); ranked just after it when both fit.
+IN_BACKWARD_COST = 1.01
 
 
 @dataclass
@@ -106,6 +109,13 @@ def sharded_state_bytes(
     elements = sum(shard_size(n, world) for n in sizes) if sharded else sum(sizes)
     grads = elements * 4 if sharded else 2 * elements * 4  # DDP: .grad plus its bucket copy
     return {"params": elements * 4, "grads": grads, "optimizer_state": states * elements * 4}
+
+
+def in_backward_grad_bytes(sizes: Sequence[int], world: int) -> int:
+    """Gradient bytes per rank with the optimizer step inside backward: a shard's gradient lives
+    only while its unit is updated, with one update temporary of the same size (weight decay,
+    LARS's scaled copy); the largest unit's shard sets the peak."""
+    return 2 * max(shard_size(n, world) for n in sizes) * 4
 
 
 def gathered_bytes(sizes: Sequence[int], compute_bytes: int, reduce_bytes: int, reshard: bool) -> int:
@@ -204,6 +214,8 @@ def plan(cfg, device: str = "cpu", cache: Optional[dict] = None) -> MemoryPlan:
     states = OPTIMIZER_STATES.get(cfg.OPTIMIZER.name, 1) if momentum else 0
     shard_ranks = fsdp.shard_group_size or world  # hybrid sharding: shards over a group of k ranks
     state = sharded_state_bytes(sizes, shard_ranks, states, sharded)
+    if sharded and cfg.OPTIMIZER.step_in_backward:
+        state["grads"] = in_backward_grad_bytes(sizes, shard_ranks)
     if device == "cuda" and sharded and fsdp.move_params_to_cpu:
         state = dict.fromkeys(state, 0)
     compute = 2 if sharded and fsdp.mixed_precision else 4
@@ -240,9 +252,11 @@ def speed_cost(knobs: Dict[str, object], device: str) -> float:
     (1.33x), mixed precision halves GPU time (no gain on CPU), CPU offload costs 1.5x."""
     cost = 1.23 if knobs["reshard_after_forward"] else 1.0
     cost *= 1.33 if knobs["activation_checkpointing"] else 1.0
-    cost *= 0.6 if knobs["mixed_precision"] and device == "cuda" else 1.0
+    # bf16 on CPU computes no faster here and changes the numbers: tried after the exact knobs
+    cost *= (0.6 if device == "cuda" else 1.05) if knobs["mixed_precision"] else 1.0
     cost *= 1.5 if knobs.get("move_params_to_cpu") else 1.0
     cost *= CPU_THRESHOLD_COST if knobs.get("cpu_mmap_threshold_mib") else 1.0
+    cost *= IN_BACKWARD_COST if knobs.get("step_in_backward") else 1.0
     return cost / knobs["ranks"]
 
 
@@ -257,9 +271,19 @@ def _with_knobs(cfg, knobs: Dict[str, object]):
     if "cpu_mmap_threshold_mib" in knobs:
         out.MACHINE.CPU_MMAP_THRESHOLD_MIB = knobs["cpu_mmap_threshold_mib"]
     out.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING = knobs["activation_checkpointing"]
+    out.OPTIMIZER.step_in_backward = knobs.get("step_in_backward", False)
     out.DATA.TRAIN.BATCHSIZE_PER_REPLICA = knobs["batch_per_replica"]
     out.DISTRIBUTED.NUM_PROC_PER_NODE = knobs["ranks"] // out.DISTRIBUTED.NUM_NODES
     return out
+
+
+def in_backward_choices(cfg) -> tuple:
+    """The step inside backward is exact, so the search may switch it on, unless the run needs
+    every gradient first (global clipping, fp16 loss scaling)."""
+    amp = cfg.MODEL.AMP_PARAMS
+    if cfg.OPTIMIZER.clip_grad_norm > 0 or (amp.USE_AMP and amp.AMP_DTYPE == "float16"):
+        return (bool(cfg.OPTIMIZER.step_in_backward),)
+    return (False, True)
 
 
 def search(cfg, budget_mib: float, device: str = "cpu", max_ranks: Optional[int] = None):
@@ -274,11 +298,12 @@ def search(cfg, budget_mib: float, device: str = "cpu", max_ranks: Optional[int]
     best, smallest, cache = None, None, {}
     for r, b in itertools.product(ranks, batches):
         settings = []
-        for reshard, mixed, ckpt, cpu in itertools.product(
-            (False, True), (False, True), (False, True), offload
+        for reshard, mixed, ckpt, cpu, in_backward in itertools.product(
+            (False, True), (False, True), (False, True), offload, in_backward_choices(cfg)
         ):
             knobs = dict(reshard_after_forward=reshard, mixed_precision=mixed, activation_checkpointing=ckpt,
-                         move_params_to_cpu=cpu, batch_per_replica=b, ranks=r)  # fmt: skip
+                         move_params_to_cpu=cpu, step_in_backward=in_backward, batch_per_replica=b,
+                         ranks=r)  # fmt: skip
             if device == "cpu":  # the plan assumes it (module docstring)
                 knobs["cpu_mmap_threshold_mib"] = CPU_THRESHOLD_MIB
             settings.append(knobs)
@@ -305,6 +330,7 @@ def overrides(knobs: Dict[str, object], nodes: int = 1) -> List[str]:
         f"config.MODEL.FSDP_CONFIG.mixed_precision={knobs['mixed_precision']}",
         f"config.MODEL.FSDP_CONFIG.move_params_to_cpu={knobs['move_params_to_cpu']}",
         f"config.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING={knobs['activation_checkpointing']}",
+        f"config.OPTIMIZER.step_in_backward={knobs.get('step_in_backward', False)}",
         f"config.DATA.TRAIN.BATCHSIZE_PER_REPLICA={knobs['batch_per_replica']}",
         f"config.DISTRIBUTED.NUM_PROC_PER_NODE={math.ceil(knobs['ranks'] / nodes)}",
     ]

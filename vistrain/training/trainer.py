@@ -4,6 +4,9 @@ The loop reads top to bottom: build (data, model, loss, optimizer, schedule), re
 every batch: forward under autocast -> loss -> backward (accumulating over ``update_freq``
 micro-batches without gradient sync) -> clip -> step -> log -> checkpoint. Method state (SwAV
 queue, prototype freezing and normalisation) lives on the criterion and is called explicitly.
+With ``OPTIMIZER.step_in_backward`` the sharded engine runs the step inside the last micro-batch's
+backward, shard by shard (``vistrain.fsdp.optim_in_backward``); the loop then only tells it which
+parameters are frozen this step.
 
 Iterations are counted per data batch; ``iteration`` in logs, metrics and checkpoint names is the
 number of completed iterations.
@@ -29,7 +32,13 @@ from vistrain.checkpoint import (
 )
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed import comm
-from vistrain.fsdp import Backend, ShardedGradScaler, backend_of
+from vistrain.fsdp import (
+    Backend,
+    OptimizerInBackward,
+    ShardedGradScaler,
+    apply_optimizer_in_backward,
+    backend_of,
+)
 from vistrain.losses import build_loss
 from vistrain.models import build_model
 from vistrain.optim import build_lr_schedule, build_optimizer, param_group_key, set_lr
@@ -48,6 +57,7 @@ class StepSettings:
     scaler: Optional[torch.amp.GradScaler]  # float16 only
     update_freq: int
     clip_grad_norm: float
+    in_backward: Optional[OptimizerInBackward]  # the step runs inside backward (sharded engine)
 
 
 def train(cfg) -> None:
@@ -68,7 +78,7 @@ def train(cfg) -> None:
     criterion = build_loss(cfg.LOSS).to(device)
     optimizer = build_optimizer(cfg.OPTIMIZER, model)
     lr_schedule = build_lr_schedule(cfg.OPTIMIZER, iters_per_epoch)
-    settings = _step_settings(cfg, model, device)
+    settings = _step_settings(cfg, model, optimizer, device)
     layout = EpochLayout(
         iters_per_epoch,
         cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA * comm.get_world_size(),
@@ -106,6 +116,8 @@ def train(cfg) -> None:
             set_lr(optimizer, lr)
             in_epoch = iteration - epoch * iters_per_epoch
             group = _accumulation_group(in_epoch, iters_per_epoch, settings.update_freq)
+            if settings.in_backward is not None and group.is_last:
+                settings.in_backward.freeze(criterion.frozen_params(model, iteration))
             loss = _forward_backward(model, criterion, batch, settings, group)
             meter.update(loss, num_images=batch["index"].shape[0], num_skipped=batch.get("num_skipped", 0))
             if group.is_last:
@@ -158,6 +170,9 @@ def _forward_backward(
 
 
 def _optimizer_step(model: nn.Module, criterion, optimizer, s: StepSettings, iteration: int) -> None:
+    if s.in_backward is not None:  # every shard stepped inside backward
+        criterion.after_optimizer_step(model)
+        return
     criterion.before_optimizer_step(model, iteration)
     if s.clip_grad_norm > 0:
         if s.scaler is not None:
@@ -179,14 +194,18 @@ def _optimizer_step(model: nn.Module, criterion, optimizer, s: StepSettings, ite
 # setup helpers
 
 
-def _step_settings(cfg, model: nn.Module, device: torch.device) -> StepSettings:
+def _step_settings(cfg, model: nn.Module, optimizer, device: torch.device) -> StepSettings:
     amp_cfg = cfg.MODEL.AMP_PARAMS
     amp_dtype = None
     if amp_cfg.USE_AMP:  # name and device were checked before launch (vistrain.config.checks)
         amp_dtype = getattr(torch, amp_cfg.AMP_DTYPE)
     update_freq = cfg.OPTIMIZER.update_freq
     scaler = _grad_scaler(model) if amp_dtype == torch.float16 else None
-    return StepSettings(device, amp_dtype, scaler, update_freq, float(cfg.OPTIMIZER.clip_grad_norm))
+    # checked before launch: the built-in engine, no clipping, no fp16 scaler
+    in_backward = apply_optimizer_in_backward(model, optimizer) if cfg.OPTIMIZER.step_in_backward else None
+    return StepSettings(
+        device, amp_dtype, scaler, update_freq, float(cfg.OPTIMIZER.clip_grad_norm), in_backward
+    )
 
 
 def _grad_scaler(model: nn.Module) -> torch.amp.GradScaler:
