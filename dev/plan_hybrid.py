@@ -7,13 +7,15 @@ crops, 8 images per GPU, LARS, bf16 with fp32 reductions, activation checkpointi
 ``MODEL.FSDP_CONFIG.shard_group_size`` 0 (shards over all GPUs) and the GPUs of one node (and
 two), ZeRO-3 and ZeRO-2: per-GPU memory (``vistrain.runtime.memory_plan.plan``, CUDA) and the
 bytes each GPU sends per step inside its shard group, across groups and across nodes
-(``traffic``; ring accounting, a group spanning nodes counts whole). Built on the meta device.
+(``vistrain.runtime.traffic_plan.traffic``; ring accounting, a group spanning nodes counts
+whole). Built on the meta device.
 """
 
 import argparse
 
 from vistrain.config import load_config
-from vistrain.runtime.memory_plan import plan, traffic
+from vistrain.runtime.memory_plan import plan
+from vistrain.runtime.traffic_plan import traffic
 
 SEER_10B = [
     "config=pretrain/swav_regnet_y_256gf_seer",

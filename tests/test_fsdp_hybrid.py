@@ -230,3 +230,79 @@ def test_torch_backend_takes_the_same_key_as_a_2d_mesh(tmp_path):
     assert loss_diff < TOL and state_diff < TOL, (loss_diff, state_diff)
     saved = consolidated_state_dict(find_latest_checkpoint(str(tmp_path)))
     assert saved.keys() == state.keys() and all(torch.equal(saved[k], state[k]) for k in state)
+
+
+# -- the optimizer step inside backward (issue 21) on hybrid shards ---------------------------------
+def _in_backward_worker(rank, world, opt_names):
+    import functools
+
+    import test_optim_in_backward as iib
+
+    from vistrain.fsdp import apply_optimizer_in_backward
+    from vistrain.optim import build_optimizer, param_group_key
+
+    shard, replica = hybrid_groups(2)
+    out = {}
+    for opt_name in opt_names:
+        cfg = iib._opt_cfg(opt_name)
+        runs = []
+        for in_backward in (False, True):
+            torch.manual_seed(0)
+            group_fn = functools.partial(param_group_key, opt_cfg=cfg)
+            model = auto_wrap(
+                iib.Model(),
+                by_class([nn.Linear, nn.Conv2d]),
+                param_group_fn=group_fn,
+                process_group=shard,
+                replica_group=replica,
+            )
+            optimizer = build_optimizer(cfg, model)
+            if in_backward:  # steps each shard once its gradient is averaged over the world
+                apply_optimizer_in_backward(model, optimizer)
+            iib._train(model, optimizer, cfg, rank, in_backward, 2, True)  # update_freq 2
+            runs.append((model.state_dict(), [optimizer.state[p] for p in model.parameters()]))
+        (ref, ref_states), (weights, states) = runs
+        out[opt_name] = max(
+            max((weights[k] - ref[k]).abs().max().item() for k in ref),
+            max(
+                (a[key].float() - b[key].float()).abs().max().item()
+                for a, b in zip(states, ref_states)
+                for key in b
+            ),
+        )
+    return out
+
+
+def test_step_in_backward_on_hybrid_shards_equals_the_ordinary_step():
+    for result in run_on_ranks(_in_backward_worker, 4, ["sgd", "lars", "adamw"]):
+        assert all(diff < 1e-6 for diff in result.values()), result
+
+
+def _trainer_worker(rank, world, run_dir, overrides):
+    from vistrain.config import load_config
+    from vistrain.training.trainer import train
+
+    argv = [
+        "config=test/swav_tiny",
+        f"config.CHECKPOINT.DIR={run_dir}",
+        "config.LOG_FREQUENCY=1",
+        "config.OPTIMIZER.num_epochs=1",
+        "config.OPTIMIZER.name=lars",
+        "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True",
+        "config.MODEL.FSDP_CONFIG.shard_group_size=2",
+        f"config.DISTRIBUTED.NUM_PROC_PER_NODE={world}",
+        *overrides,
+    ]
+    train(load_config(argv))
+
+
+def test_trainer_with_shard_groups_and_the_step_in_backward(tmp_path):
+    import json
+
+    losses = {}
+    for name, overrides in {"step": [], "in_backward": ["config.OPTIMIZER.step_in_backward=True"]}.items():
+        run_on_ranks(_trainer_worker, 4, str(tmp_path / name), overrides)
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        losses[name] = torch.tensor([json.loads(line)["loss"] for line in lines], dtype=torch.float64)
+    assert len(losses["step"]) > 1
+    torch.testing.assert_close(losses["in_backward"], losses["step"], rtol=1e-5, atol=0)

@@ -30,7 +30,8 @@ def main(argv) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    from vistrain.runtime.memory_plan import overrides, plan, search, traffic
+    from vistrain.runtime.memory_plan import overrides, plan, search
+    from vistrain.runtime.traffic_plan import traffic
 
     device = args.device or ("cpu" if cfg.MACHINE.DEVICE == "cpu" else "cuda")
     if args.budget_mib is None:
