@@ -306,3 +306,17 @@ def test_trainer_with_shard_groups_and_the_step_in_backward(tmp_path):
         losses[name] = torch.tensor([json.loads(line)["loss"] for line in lines], dtype=torch.float64)
     assert len(losses["step"]) > 1
     torch.testing.assert_close(losses["in_backward"], losses["step"], rtol=1e-5, atol=0)
+
+
+def _different_seeds_worker(rank, world):
+    """sync_module_states: ranks built from different seeds start from the world's first rank's
+    weights and buffers (shard group broadcast, then replica group)."""
+    shard, replica = hybrid_groups(2)
+    torch.manual_seed(rank)
+    model = auto_wrap(BNNet(), by_class([Block]), process_group=shard, replica_group=replica)
+    torch.manual_seed(0)
+    return max_rel_diff(model.state_dict(), BNNet().state_dict())
+
+
+def test_replicas_start_from_the_first_ranks_weights():
+    assert run_on_ranks(_different_seeds_worker, 4) == [0.0] * 4
