@@ -45,3 +45,19 @@ def test_state_per_rank_follows_the_shard_group_not_the_world():
     per_node = traffic(_cfg(*nodes, "config.MODEL.FSDP_CONFIG.shard_group_size=2"))
     over_all = traffic(_cfg(*nodes))
     assert 0 < per_node.cross_node == per_node.replica_group < over_all.cross_node == over_all.shard_group
+
+
+def test_the_planner_refuses_groups_that_do_not_split_the_world(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "plan_memory.py"
+    spec = importlib.util.spec_from_file_location("plan_memory_tool", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    argv = ["config=test/simclr_tiny", "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True"]
+    assert tool.main([*argv, "config.MODEL.FSDP_CONFIG.shard_group_size=3"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "config error: MODEL.FSDP_CONFIG.shard_group_size (3) must divide the world size (2); "
+        "use the ranks per node or another divisor, or 0 to shard over all ranks"
+    ]

@@ -17,6 +17,7 @@ import json
 import sys
 
 from vistrain.config import ConfigError, load_config
+from vistrain.config.checks import check_world_size
 
 
 def main(argv) -> int:
@@ -27,6 +28,7 @@ def main(argv) -> int:
     args, config_args = parser.parse_known_args(argv)
     try:
         cfg = load_config(config_args)
+        check_world_size(cfg, cfg.DISTRIBUTED.NUM_NODES * cfg.DISTRIBUTED.NUM_PROC_PER_NODE)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
