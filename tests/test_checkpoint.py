@@ -200,13 +200,9 @@ def test_sigkill_mid_epoch_then_auto_resume_gives_the_same_losses(tmp_path):
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    deadline = time.time() + 120
-    while (
-        find_latest_checkpoint(str(tmp_path / "killed")) is None
-        and proc.poll() is None
-        and time.time() < deadline
-    ):
-        time.sleep(0.005)
+    log = tmp_path / "killed" / "log.txt"
+    while proc.poll() is None and not (log.exists() and " saved " in log.read_text()):
+        time.sleep(0.005)  # the first checkpoint is complete once its "saved" line is logged
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks, wherever they are
     proc.wait()
     latest = find_latest_checkpoint(str(tmp_path / "killed"))

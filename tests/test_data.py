@@ -2,6 +2,7 @@
 
 import logging
 import os
+import re
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import torch
 from PIL import Image
 
 import vistrain.data.demo_digits as demo
+from vistrain.config import DataError
 from vistrain.config.defaults import get_defaults
 from vistrain.data import (
     CorruptImageError,
@@ -20,6 +22,7 @@ from vistrain.data import (
     rank_indices,
     set_epoch,
 )
+from vistrain.data.datasets import count_samples
 from vistrain.data.transforms import MultiCropTransform, geometric_ops
 from vistrain.distributed.testing import run_on_ranks
 
@@ -207,6 +210,20 @@ def test_concat_and_limit():
     assert dataset[7]["label"] == 1
 
 
+def test_count_samples_reads_no_image_and_writes_no_demo_cache(tmp_path):
+    cfg = _data_cfg(DATA_SOURCES=["synthetic", "demo_digits"], DATA_PATHS=[""], SYNTHETIC_SIZE=6, SPLIT="val")
+    cfg.TRAIN.DATA_LIMIT = 300
+    assert count_samples(cfg.TRAIN) == 300
+    cfg.TRAIN.DATA_LIMIT = -1
+    cfg.CACHE_DIR = str(tmp_path / "cache")
+    assert count_samples(cfg.TRAIN) == 6 + 360
+    assert not (tmp_path / "cache").exists()
+    assert len(build_dataset(cfg.TRAIN, cache_dir=cfg.CACHE_DIR)) == 366  # the demo cache, written now
+    cfg.TRAIN.DATA_LIMIT = 0
+    with pytest.raises(DataError, match="holds no samples"):
+        count_samples(cfg.TRAIN)
+
+
 def test_disk_folder_split_and_missing_path(tmp_path):
     for split, value in (("train", 10), ("val", 200)):
         for cls in ("cat", "dog"):
@@ -221,7 +238,7 @@ def test_disk_folder_split_and_missing_path(tmp_path):
         build_dataset(cfg.TRAIN)
     missing = str(tmp_path / "nowhere")
     cfg.TRAIN.DATA_PATHS = [missing]
-    with pytest.raises(FileNotFoundError, match=missing):
+    with pytest.raises(DataError, match=missing):
         build_dataset(cfg.TRAIN)
 
 
@@ -238,7 +255,7 @@ def test_filelist_source(tmp_path):
     with pytest.raises(ValueError, match="train.txt:1"):
         build_dataset(cfg.TRAIN)
     cfg.TRAIN.DATA_PATHS = [str(tmp_path / "missing.txt")]
-    with pytest.raises(FileNotFoundError, match="missing.txt"):
+    with pytest.raises(DataError, match="missing.txt"):
         build_dataset(cfg.TRAIN)
 
 
@@ -268,11 +285,16 @@ def test_corrupt_images_raise_naming_the_file(tmp_path):
         else:
             assert dataset[i]["index"] == i
     assert dataset.num_skipped == 0
-    # raised inside a DataLoader worker, the error keeps its type and the file name
+    # raised inside a DataLoader worker, the error keeps its type and its one line (no worker
+    # traceback in the message), naming the file and the switch that skips it
     cfg.NUM_DATALOADER_WORKERS, cfg.TRAIN.BATCHSIZE_PER_REPLICA = 1, 6
     batches = iter(build_loader(cfg, "TRAIN", seed=0, device=CPU))
-    with pytest.raises(CorruptImageError, match=r"cannot read image .*\.png"):
+    with pytest.raises(CorruptImageError) as info:
         next(batches)
+    assert re.fullmatch(
+        r"cannot read image \S+\.png: .*; set DATA\.TRAIN\.SKIP_CORRUPT=True to skip unreadable images",
+        str(info.value),
+    )
     batches._shutdown_workers()  # now, rather than whenever the traceback is collected
 
 
@@ -297,7 +319,9 @@ def test_missing_listed_image(tmp_path):
     listing = tmp_path / "list.txt"
     listing.write_text("ok.png 0\ngone.png 1\n")
     cfg = _data_cfg(DATA_SOURCES=["disk_filelist"], DATA_PATHS=[str(listing)])
-    with pytest.raises(FileNotFoundError, match="gone.png"):
+    with pytest.raises(
+        CorruptImageError, match="image file not found: .*gone.png.*DATA.TRAIN.SKIP_CORRUPT=True"
+    ):
         build_dataset(cfg.TRAIN)[1]
     cfg.TRAIN.SKIP_CORRUPT = True
     sample = build_dataset(cfg.TRAIN)[1]

@@ -12,6 +12,7 @@ ARGS...``): rank 1 SIGKILLs itself once before the optimizer step of iteration K
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from vistrain.distributed.launch import find_free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = str(REPO / "tools" / "run_distributed.py")
@@ -72,12 +75,6 @@ def _losses(run_dir) -> dict:
     """iteration -> loss; after a restart the re-done iterations' latest record counts."""
     records = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
     return {r["iteration"]: r["loss"] for r in records}
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _free_port_between(low: int, high: int) -> int:
@@ -137,7 +134,7 @@ def test_torchrun_standalone_two_processes(tmp_path, spawn_reference):
 
 def test_two_torchrun_nodes_with_c10d_rendezvous(tmp_path, spawn_reference):
     """Two agents (nodes) of 2 workers each meet in a c10d rendezvous on 127.0.0.1: world size 4."""
-    run_dir, port = tmp_path / "run", _free_port()
+    run_dir, port = tmp_path / "run", find_free_port()
     commands = [
         [
             *TORCHRUN,
@@ -217,7 +214,10 @@ def test_sbatch_script_with_two_srun_tasks_on_one_node(tmp_path, spawn_reference
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(FAKE_SRUN)
     (bin_dir / "srun").chmod(0o755)
-    (bin_dir / "python").symlink_to(sys.executable)
+    # the sbatch script's `python` is this interpreter, started by its own path: a link to it elsewhere
+    # would not find a virtualenv's pyvenv.cfg and would run without the venv's packages
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    (bin_dir / "python").chmod(0o755)
     job_id = _free_port_between(21000, 40000) - 20000
     env = _env(
         PATH=f"{bin_dir}:{os.environ['PATH']}",
@@ -238,7 +238,7 @@ def test_sbatch_script_with_two_srun_tasks_on_one_node(tmp_path, spawn_reference
 
 
 def test_launcher_two_nodes_of_two_ranks(tmp_path, spawn_reference):
-    run_dir, port = tmp_path / "run", _free_port()
+    run_dir, port = tmp_path / "run", find_free_port()
     commands = [
         [
             sys.executable,

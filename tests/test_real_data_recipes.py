@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vistrain.config import load_config
+from vistrain.config import ConfigError, load_config
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.jobs import check_values
 from vistrain.models.trunks.regnet import block_params_from_config
@@ -125,18 +125,20 @@ def test_swav_seer_recipe_trains_sharded_on_a_file_list(tmp_path):
 
 
 def test_recipes_pass_the_config_checks_once_their_data_exists(tmp_path):
-    items = _write_images(tmp_path / "imagenet" / "train", 4)
+    # at least one global batch (DROP_LAST): SimCLR 8 ranks x 64 images, SwAV 64 ranks x 16
+    items = _write_images(tmp_path / "imagenet" / "train", 512, size=4)
     _write_images(tmp_path / "imagenet" / "val", 2)
     file_list = tmp_path / "train_images.txt"
-    file_list.write_text("".join(f"{path} -1\n" for path, _ in items))
+    file_list.write_text("".join(f"{path} -1\n" for path, _ in items * 2))
     folder = f"[{tmp_path / 'imagenet'}]"
-    check_values(
-        load_config(
-            [
-                f"config={RECIPES['simclr']}",
-                f"config.DATA.TRAIN.DATA_PATHS={folder}",
-                f"config.DATA.TEST.DATA_PATHS={folder}",
-            ]
-        )
-    )
+    simclr = [
+        f"config={RECIPES['simclr']}",
+        f"config.DATA.TRAIN.DATA_PATHS={folder}",
+        f"config.DATA.TEST.DATA_PATHS={folder}",
+    ]
+    check_values(load_config(simclr))
+    with pytest.raises(
+        ConfigError, match=r"DATA.TRAIN has 511 samples, fewer than one global batch \(8 ranks"
+    ):
+        check_values(load_config([*simclr, "config.DATA.TRAIN.DATA_LIMIT=511"]))
     check_values(load_config([f"config={RECIPES['swav']}", f"config.DATA.TRAIN.DATA_PATHS=[{file_list}]"]))

@@ -40,11 +40,6 @@ def main(argv) -> int:
         out = plan(cfg, device).as_mib()
         if cfg.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP:  # inside the shard group / across groups / nodes
             out["sent_per_step_per_rank"] = traffic(cfg).as_mib()
-        if device == "cpu" and cfg.MACHINE.CPU_MMAP_THRESHOLD_MIB <= 0:
-            out["note"] = (
-                "planned for config.MACHINE.CPU_MMAP_THRESHOLD_MIB=1; with glibc's default heaps "
-                "the logged peak can be higher (up to 62% measured)"
-            )
         print(json.dumps(out, indent=2))
         return 0
     knobs, result = search(cfg, args.budget_mib, device, args.max_ranks)

@@ -4,8 +4,9 @@ Every outcome but a rank's own failure is one line on stderr, never a traceback:
 
     exit 0    done (or --help)
     exit 1    a rank failed: its traceback follows "run failed:"
-    exit 2    refused before anything started: no arguments, a bad config key or value, or a run
-              folder in use by another run; nothing was written
+    exit 2    the input is wrong (an InputError): no arguments, a bad config key or value, a run
+              folder in use or unusable, data or a model that cannot work; found before anything
+              started (nothing written) or by a rank (every rank stopped, the folder resumable)
     exit 130  interrupted (Ctrl-C): every rank stopped; names the last complete checkpoint
 
 Importing this module does not load torch: a typo is answered at once.
@@ -15,7 +16,7 @@ import os
 import sys
 from typing import List, Sequence
 
-from vistrain.config import ConfigError, available_configs, load_config
+from vistrain.config import InputError, available_configs, load_config
 from vistrain.config.checks import check_config
 
 COMMAND = "python tools/run_distributed.py"
@@ -54,8 +55,8 @@ def _main(argv: Sequence[str]) -> int:
     try:
         cfg = load_config(argv)
         check_config(cfg, _catalog)
-    except ConfigError as e:
-        return _refuse(f"config error: {e}")
+    except InputError as e:
+        return _refuse(e.line())
     from vistrain.jobs import get_job
 
     return run(get_job(cfg.ENGINE_NAME), cfg)
@@ -71,14 +72,11 @@ def _catalog():
 def run(job, cfg) -> int:
     """Launch ``job`` (a module-level function of cfg) on every rank; the exit code (docstring)."""
     from vistrain.distributed.launch import RankFailedError, launch
-    from vistrain.distributed.supervise import RunFolderBusyError
 
     try:
         launch(job, cfg)
-    except ConfigError as e:  # impossible distributed settings: nothing started
-        return _refuse(f"config error: {e}")
-    except RunFolderBusyError as e:
-        return _refuse(f"run folder busy: {e}")
+    except InputError as e:  # impossible settings, a busy folder, or bad input found by a rank
+        return _refuse(e.line())
     except RankFailedError as e:
         print(f"run failed: {e}", file=sys.stderr)
         return 1

@@ -6,6 +6,7 @@ that values are checked against (:func:`catalog`). (Three things are easy to con
 ``vistrain.fsdp``; a *job* is what one rank runs, chosen here; ``ENGINE_NAME`` is the config key.)
 """
 
+import os
 from typing import Callable, Dict, Optional
 
 import torch
@@ -13,17 +14,20 @@ import torch
 from vistrain.benchmarks import extract_features, knn, linear_eval
 from vistrain.checkpoint.files import CheckpointError
 from vistrain.checkpoint.pretrained import check_weights_file
-from vistrain.config import ConfigError
+from vistrain.config import ConfigError, InputError
 from vistrain.config.checks import Catalog, check_config
-from vistrain.data.datasets import SOURCES
+from vistrain.data.datasets import SOURCES, count_samples
 from vistrain.data.transforms import TRANSFORMS
+from vistrain.distributed.launch import planned_world_size
 from vistrain.losses import LOSSES
+from vistrain.models import build_meta_model
 from vistrain.models.heads import HEADS
 from vistrain.models.trunks import TRUNKS
 from vistrain.models.trunks.regnet import PUBLISHED_REGNETS, feature_names
 from vistrain.optim import OPTIMIZERS
 from vistrain.optim.schedulers import SCHEDULES
-from vistrain.runtime.sharding import BACKENDS, COMPUTE_DTYPES
+from vistrain.runtime.precision import AMP_DTYPES, DTYPES
+from vistrain.runtime.sharding import BACKENDS
 from vistrain.training import train
 
 # ENGINE_NAME -> function(cfg) run on every rank by vistrain.distributed.launch
@@ -55,12 +59,16 @@ def catalog() -> Catalog:
         "data sources": SOURCES,
         "transforms": TRANSFORMS,
         "sharding backends": BACKENDS,
-        "compute dtypes": COMPUTE_DTYPES,
+        "compute dtypes": DTYPES,
+        "amp dtypes": AMP_DTYPES,
     }
     return Catalog(
         names={key: sorted(names) for key, names in registries.items()},
         weights_problem=_weights_problem,
         trunk_features=lambda trunk_cfg: feature_names(trunk_cfg.REGNET),
+        model_problem=_model_problem,
+        num_samples=count_samples,
+        world_size=lambda cfg: planned_world_size(cfg.DISTRIBUTED, os.environ),
         cuda_available=torch.cuda.is_available(),
     )
 
@@ -75,6 +83,14 @@ def _weights_problem(path: str) -> Optional[str]:
         check_weights_file(path)
     except (CheckpointError, FileNotFoundError) as error:
         return f"cannot be loaded: {error}"
+    return None
+
+
+def _model_problem(model_cfg) -> Optional[str]:
+    try:
+        build_meta_model(model_cfg)
+    except InputError as error:
+        return str(error)
     return None
 
 

@@ -24,24 +24,18 @@ from vistrain.data import set_epoch
 from vistrain.distributed import comm
 from vistrain.models import build_model
 from vistrain.runtime.logger import logger
-from vistrain.runtime.parallel import parallelize
+from vistrain.runtime.sharding import shard_model
 
 # --------------------------------------------------------------------------------------------
 # the frozen trunk
 
 
 def trunk_model_config(cfg):
-    """``cfg.MODEL`` for a frozen feature extractor: identity head returning BENCHMARK.FEATURES.
-
-    Sync BatchNorm and activation checkpointing are switched off: in eval mode BatchNorm reads its
-    running statistics (nothing to synchronise) and nothing is back-propagated through the trunk.
-    """
+    """``cfg.MODEL`` for a frozen feature extractor: identity head returning BENCHMARK.FEATURES."""
     model_cfg = cfg.MODEL.clone()
     model_cfg.defrost()
     model_cfg.HEAD.NAME = "identity"
     model_cfg.TRUNK.OUT_FEATURES = list(cfg.BENCHMARK.FEATURES)
-    model_cfg.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN = False
-    model_cfg.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING = False
     model_cfg.freeze()
     return model_cfg
 
@@ -60,10 +54,11 @@ def build_frozen_trunk(cfg, device: torch.device) -> Tuple[nn.Module, Dict[str, 
     load_weights(model, cfg.MODEL.WEIGHTS_INIT)
     for param in model.parameters():
         param.requires_grad_(False)  # before sharding: the engine then builds gradient-free shards
+    model = model.to(device)
     if model_cfg.FSDP_CONFIG.AUTO_SETUP_FSDP:
-        model = parallelize(model, model_cfg, device)
-    else:
-        model = model.to(device)
+        # sharding only: in eval mode BatchNorm reads its running statistics (nothing to
+        # synchronise) and no backward recomputes activations
+        model = shard_model(model, model_cfg)
     return model.eval(), dims
 
 
@@ -94,13 +89,6 @@ def _first(keys: List[str], shown: int = 5) -> str:
     if not keys:
         return "none"
     return ", ".join(keys[:shown]) + (f", ... ({len(keys)} in all)" if len(keys) > shown else "")
-
-
-def amp_dtype(cfg):
-    """Autocast dtype of the trunk forward (None: fp32), from MODEL.AMP_PARAMS."""
-    amp_cfg = cfg.MODEL.AMP_PARAMS
-    # the name was checked before launch (vistrain.config.checks)
-    return getattr(torch, amp_cfg.AMP_DTYPE) if amp_cfg.USE_AMP else None
 
 
 @torch.no_grad()

@@ -21,6 +21,7 @@ from vistrain.benchmarks import common
 from vistrain.data import build_loader
 from vistrain.distributed import comm
 from vistrain.runtime.logger import logger
+from vistrain.runtime.precision import amp_dtype
 from vistrain.runtime.run_setup import record_config, start_run
 
 
@@ -34,7 +35,7 @@ def extract_features(cfg) -> None:
 
     trunk, dims = common.build_frozen_trunk(cfg, device)
     record_config(cfg)  # built and loaded: the job really starts
-    names, dtype = list(dims), common.amp_dtype(cfg)
+    names, dtype = list(dims), amp_dtype(cfg.MODEL)
     for split in splits:
         loader = build_loader(cfg.DATA, split, seed=cfg.SEED_VALUE, device=device)
         features, labels, indices = common.extract(

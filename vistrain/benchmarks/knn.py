@@ -27,6 +27,7 @@ from vistrain.benchmarks import common
 from vistrain.data import build_loader
 from vistrain.distributed import comm
 from vistrain.runtime.logger import logger
+from vistrain.runtime.precision import amp_dtype
 from vistrain.runtime.run_setup import record_config, start_run
 
 # --------------------------------------------------------------------------------------------
@@ -129,7 +130,7 @@ def knn(cfg) -> None:
     trunk, dims = common.build_frozen_trunk(cfg, device)
     record_config(cfg)  # built and loaded: the job really starts
     names = list(dims)
-    pool, dtype = bench.POOL_SIZE, common.amp_dtype(cfg)
+    pool, dtype = bench.POOL_SIZE, amp_dtype(cfg.MODEL)
     train_feats, train_labels, train_indices = common.extract(
         trunk, loaders["TRAIN"], names, pool, dtype, device
     )

@@ -27,12 +27,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from vistrain.benchmarks import common, lr_grid
+from vistrain.config import ConfigError
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed import comm
 from vistrain.fsdp import unwrap
 from vistrain.optim import build_lr_schedule, build_optimizer, set_lr
 from vistrain.runtime.logger import TrainingMeter, logger
 from vistrain.runtime.parallel import parallelize
+from vistrain.runtime.precision import amp_dtype
 from vistrain.runtime.run_setup import record_config, start_run
 
 
@@ -144,10 +146,10 @@ def linear_eval(cfg) -> None:
     test_loader = build_loader(cfg.DATA, "TEST", seed=cfg.SEED_VALUE, device=device)
     num_classes = common.num_classes(train_loader.dataset, test_loader.dataset)
     if len(train_loader) == 0:
-        raise ValueError("DATA.TRAIN yields no full batch per rank: add data or lower BATCHSIZE_PER_REPLICA")
+        raise ConfigError("DATA.TRAIN yields no full batch per rank: add data or lower BATCHSIZE_PER_REPLICA")
     trunk, dims = common.build_frozen_trunk(cfg, device)
     record_config(cfg)  # built and loaded: the job really starts
-    source = FrozenFeatures(trunk, list(dims), cfg.BENCHMARK.POOL_SIZE, common.amp_dtype(cfg), device)
+    source = FrozenFeatures(trunk, list(dims), cfg.BENCHMARK.POOL_SIZE, amp_dtype(cfg.MODEL), device)
     grid = [float(lr) for lr in cfg.BENCHMARK.LINEAR_LRS]
     train_source = source
     if cfg.DATA.TRAIN.TRANSFORMS.NAME == "eval" and not cfg.DATA.TRAIN.SKIP_CORRUPT:
@@ -169,7 +171,7 @@ def linear_eval(cfg) -> None:
         lrs, selection, iterations = select_learning_rates(
             cfg, (train_source, source), dims, num_classes, grid, meter
         )
-    heads = parallelize(LinearHeads(dims, num_classes, lrs=lrs), _heads_model_config(cfg), device)
+    heads = parallelize(LinearHeads(dims, num_classes, lrs=lrs), cfg.MODEL, device, shard=False)
     iterations = train_heads(train_source, heads, train_loader, cfg.OPTIMIZER, meter, iterations)
     train_seconds = time.perf_counter() - start
     results = evaluate(source, heads, test_loader)
@@ -241,10 +243,10 @@ def _fit_and_score(cfg, sources, grid_heads, split, meter: TrainingMeter, iterat
         holdout_cfg, "TRAIN", seed=cfg.SEED_VALUE, device=source.device, indices=holdout
     )
     if len(fit_loader) == 0:
-        raise ValueError(
+        raise ConfigError(
             "the fit part of DATA.TRAIN yields no full batch: lower LINEAR_HOLDOUT_FRACTION or LINEAR_LR_FOLDS"
         )
-    heads = parallelize(LinearHeads(*grid_heads), _heads_model_config(cfg), source.device)
+    heads = parallelize(LinearHeads(*grid_heads), cfg.MODEL, source.device, shard=False)
     iterations = train_heads(train_source, heads, fit_loader, cfg.OPTIMIZER, meter, iterations)
     return evaluate(source, heads, holdout_loader), iterations
 
@@ -349,13 +351,3 @@ def _holdout_data_config(data_cfg):
     holdout.TRAIN.SHUFFLE = holdout.TRAIN.DROP_LAST = False
     holdout.freeze()
     return holdout
-
-
-def _heads_model_config(cfg):
-    """MODEL section for the heads: always DDP (they are tiny), sync BN as configured."""
-    model_cfg = cfg.MODEL.clone()
-    model_cfg.defrost()
-    model_cfg.FSDP_CONFIG.AUTO_SETUP_FSDP = False
-    model_cfg.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING = False
-    model_cfg.freeze()
-    return model_cfg

@@ -9,6 +9,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from vistrain.config.errors import InputError
+
 FORMAT = "vistrain-sharded-checkpoint/1"
 METADATA = "metadata.json"
 TMP_SUFFIX = ".tmp"
@@ -17,8 +19,11 @@ _CORRUPT_SUFFIX = ".corrupt"  # an unreadable checkpoint a resuming run skipped 
 _NAME = re.compile(r"^checkpoint_(\d+)$")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that is incomplete, corrupt, unsafe, or does not match the model."""
+class CheckpointError(InputError):
+    """A checkpoint that is incomplete, corrupt, unsafe, does not match the model, or could not be
+    written (a full disk); one line naming the file."""
+
+    kind = "checkpoint error"
 
 
 def checkpoint_name(iteration: int) -> str:

@@ -139,7 +139,7 @@ def _optimizer_slices(layout: ModelLayout, optimizer) -> dict:
         for param in group["params"]:
             local = by_tensor.get(id(param))
             if local is None:
-                raise CheckpointError("the optimizer holds a tensor that is not a parameter of the model")
+                raise RuntimeError("the optimizer holds a tensor that is not a parameter of the model")
             for key, value in optimizer.state.get(param, {}).items():
                 if torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape:
                     flat = flat_view(value)

@@ -1,8 +1,8 @@
 """Config: every key with its default (defaults.py), recipes in configs/, typo-proof overrides (loader.py)."""
 
 from vistrain.config.defaults import get_defaults  # noqa: F401
+from vistrain.config.errors import ConfigError, DataError, InputError  # noqa: F401
 from vistrain.config.loader import (  # noqa: F401
-    ConfigError,
     available_configs,
     load_config,
     resolve_config_path,

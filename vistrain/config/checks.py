@@ -3,8 +3,9 @@
 ``load_config`` checks that keys exist and have the default's type; :func:`check_config` then
 checks every value against :data:`RULES` (one entry per key with limits) and
 :data:`CROSS_RULES` (limits that involve several keys, the engine, or the file system): names,
-dtypes, ranges, data paths that must exist, the run folder that must be writable, the weights
-file that must load. The first problem is a one-line :class:`ConfigError`; nothing is written.
+dtypes, ranges, data paths that must exist and hold at least one global batch, the run folder
+that must be writable, the weights file that must load, a head whose input matches the trunk.
+The first problem is a one-line :class:`ConfigError`; nothing is written.
 
 Registry names (optimizers, heads, data sources...) and the probes of files and models live in
 higher layers, which this lowest layer must not import (tests/test_layering.py). The table names
@@ -17,11 +18,12 @@ run folder or starts a rank.
 import dataclasses
 import functools
 import os
+import tempfile
 from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from fvcore.common.config import CfgNode
 
-from vistrain.config.loader import ConfigError
+from vistrain.config.errors import ConfigError, InputError
 
 # Names the launcher also checks when it is called directly from Python (not through the CLI).
 DEVICES = ("auto", "cpu", "cuda")
@@ -39,6 +41,9 @@ class Catalog:
     weights_problem: Callable[[str], Problem]  # WEIGHTS_INIT.PARAMS_FILE -> what keeps it from loading
     trunk_features: Callable[[CfgNode], Sequence[str]]  # MODEL.TRUNK -> its feature names
     # (ValueError for an impossible trunk)
+    model_problem: Callable[[CfgNode], Problem]  # MODEL -> what keeps it from being built (on meta)
+    num_samples: Callable[[CfgNode], int]  # DATA.<split> -> its samples (InputError when it has none)
+    world_size: Callable[[CfgNode], int]  # the whole config -> ranks of the job it starts or joins
     cuda_available: bool
 
 
@@ -83,7 +88,9 @@ def probability(value, _) -> Problem:
 
 
 def writable_folder(value: str, _) -> Problem:
-    """A folder that exists and is writable, or could be created (nearest existing parent writable)."""
+    """A folder that exists and is writable, or could be created: a folder made (and removed) in
+    the nearest existing one says so, where permission bits do not (root on a read-only mount,
+    ``/proc``)."""
     if not value:
         return "is empty; name the run folder"
     path = os.path.abspath(os.path.expanduser(value))
@@ -94,9 +101,11 @@ def writable_folder(value: str, _) -> Problem:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         return f"{value} cannot be created: {existing} is a file"
-    read_only = os.statvfs(existing).f_flag & os.ST_RDONLY  # root passes os.access even there
-    if read_only or not os.access(existing, os.W_OK | os.X_OK):
-        return f"{value} is not writable ({existing} does not allow this user to write)"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".vistrain-probe-", dir=existing))
+    except OSError as error:
+        verb = "written" if existing == path else "created"
+        return f"{value} cannot be {verb} ({existing}: {error.strerror}); choose another folder"
     return None
 
 
@@ -109,7 +118,6 @@ def loadable_weights(value: str, catalog: Catalog) -> Problem:
 # the table: dotted key -> rules its value must satisfy. "DATA.*" keys hold for DATA.TRAIN and
 # DATA.TEST; which of them a job reads is decided in _data_sources below.
 
-AMP_DTYPES = ("bfloat16", "float16")
 RUN_FOLDER_KEY = "CHECKPOINT.DIR"
 
 RULES = {
@@ -137,7 +145,7 @@ RULES = {
     "MODEL.FSDP_CONFIG.BACKEND": [one_of("sharding backends")],
     "MODEL.FSDP_CONFIG.compute_dtype": [one_of("compute dtypes")],
     "MODEL.FSDP_CONFIG.shard_group_size": [at_least(0)],
-    "MODEL.AMP_PARAMS.AMP_DTYPE": [one_of(AMP_DTYPES)],
+    "MODEL.AMP_PARAMS.AMP_DTYPE": [one_of("amp dtypes")],
     "MODEL.SYNC_BN_CONFIG.GROUP_SIZE": [at_least(0)],
     "MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY": [one_of(("block", "stage"))],
     "MODEL.WEIGHTS_INIT.PARAMS_FILE": [loadable_weights],
@@ -300,6 +308,32 @@ def _trunk_features(cfg: CfgNode, catalog: Catalog) -> Problem:
     return None
 
 
+def _head_fits_trunk(cfg: CfgNode, catalog: Catalog) -> Problem:
+    """Training builds MODEL as configured (benchmarks swap the head for an identity): the head's
+    input width must be the trunk's, found by building the model on the meta device."""
+    return catalog.model_problem(cfg.MODEL) if cfg.ENGINE_NAME == "train" else None
+
+
+def _one_global_batch(cfg: CfgNode, catalog: Catalog) -> Problem:
+    """Every split read has samples, and under DROP_LAST at least one batch for every rank."""
+    for split in _splits_read(cfg):
+        split_cfg, key = cfg.DATA[split], f"DATA.{split}"
+        try:
+            samples = catalog.num_samples(split_cfg)
+        except InputError as error:
+            return f"{key}: {error}"
+        batch = split_cfg.BATCHSIZE_PER_REPLICA
+        world = catalog.world_size(cfg)
+        if split_cfg.DROP_LAST and samples < batch * world:
+            fits = f"{key}.BATCHSIZE_PER_REPLICA<={samples // world}" if samples >= world else "more data"
+            return (
+                f"{key} has {samples} samples, fewer than one global batch ({world} ranks x "
+                f"BATCHSIZE_PER_REPLICA {batch} = {batch * world}) with DROP_LAST; use {fits} "
+                f"or {key}.DROP_LAST=False"
+            )
+    return None
+
+
 def _float16_needs_cuda(cfg: CfgNode, catalog: Catalog) -> Problem:
     amp, device = cfg.MODEL.AMP_PARAMS, cfg.MACHINE.DEVICE
     if not (amp.USE_AMP and amp.AMP_DTYPE == "float16"):
@@ -368,7 +402,9 @@ def _step_in_backward_is_exact(cfg: CfgNode, _: Catalog) -> Problem:
 
 CROSS_RULES = (
     _data_sources,
+    _one_global_batch,
     _trunk_features,
+    _head_fits_trunk,
     _float16_needs_cuda,
     _warmup_within_training,
     _feature_banks_complete,

@@ -21,6 +21,7 @@ import yaml
 from fvcore.common.config import CfgNode
 
 from vistrain.config.defaults import get_defaults
+from vistrain.config.errors import ConfigError
 
 
 def _configs_dir() -> Path:
@@ -39,10 +40,6 @@ def _configs_dir() -> Path:
 CONFIGS_DIR = _configs_dir()
 BASE_KEY = "_BASE_"
 _NO_RAW = object()  # marks values that did not come from command-line text
-
-
-class ConfigError(ValueError):
-    """Bad config input; the message is one line and names the offending key, value or file."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,7 +14,9 @@ Sources (``DATA.<split>.DATA_SOURCES``, one ``DATA_PATHS`` entry each; the entry
   read through ``disk_folder`` with ``SPLIT`` train (1,437) or val (360).
 
 Several sources are concatenated in order, labels kept as each source gives them; ``DATA_LIMIT``
-keeps the first N samples of the concatenation.
+keeps the first N samples of the concatenation. Input that cannot work (a missing or empty folder,
+a malformed file list, an unreadable image) is a one-line DataError or ConfigError naming the
+file and the key to change.
 """
 
 import bisect
@@ -25,11 +27,12 @@ from typing import Callable, Dict, List, Sequence, Tuple, Union
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from vistrain.data.demo_digits import ensure_demo_digits_on_every_node
+from vistrain.config.errors import ConfigError, DataError
+from vistrain.data.demo_digits import demo_split_size, ensure_demo_digits_on_every_node
 from vistrain.data.sampler import mix_seed
 from vistrain.data.transforms import build_transform
 
@@ -37,8 +40,8 @@ logger = logging.getLogger(__name__)
 MAX_CONSECUTIVE_BAD = 50  # give up when this many images in a row are unreadable
 
 
-class CorruptImageError(RuntimeError):
-    """An image file exists but cannot be decoded; the message names the file."""
+class CorruptImageError(DataError):
+    """An image file cannot be read (missing, truncated, not an image); the message names the file."""
 
 
 def read_image(path: str) -> Image.Image:
@@ -47,7 +50,9 @@ def read_image(path: str) -> Image.Image:
         with open(path, "rb") as handle:
             return Image.open(handle).convert("RGB")  # convert() forces the full decode
     except FileNotFoundError:
-        raise FileNotFoundError(f"image file not found: {path}") from None
+        raise CorruptImageError(f"image file not found: {path}") from None
+    except UnidentifiedImageError:  # its message names a file handle, not the file
+        raise CorruptImageError(f"cannot read image {path}: not an image format PIL knows") from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
         raise CorruptImageError(f"cannot read image {path}: {err}") from None
 
@@ -100,11 +105,11 @@ class SyntheticSource:
 
 def _pick_split_folder(path: str, split: str) -> str:
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"disk_folder: folder not found: {path}")
+        raise DataError(f"disk_folder: folder not found: {path}")
     subdirs = sorted(e.name for e in os.scandir(path) if e.is_dir())
     if "train" in subdirs and "val" in subdirs:
         if split not in subdirs:
-            raise ValueError(
+            raise ConfigError(
                 f"disk_folder: {path} has split folders {subdirs}; SPLIT {split!r} is not one of them"
             )
         return os.path.join(path, split)
@@ -115,7 +120,7 @@ def scan_image_folder(root: str) -> Tuple[List[str], List[int], List[str]]:
     """ImageFolder scan: (image paths, labels, class names), classes and files in sorted order."""
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
     if not classes:
-        raise ValueError(f"disk_folder: no class subfolders in {root}")
+        raise DataError(f"disk_folder: no class subfolders in {root}")
     paths, labels = [], []
     for label, name in enumerate(classes):
         for folder, dirs, files in os.walk(os.path.join(root, name), followlinks=True):
@@ -125,14 +130,14 @@ def scan_image_folder(root: str) -> Tuple[List[str], List[int], List[str]]:
                     paths.append(os.path.join(folder, file))
                     labels.append(label)
     if not paths:
-        raise ValueError(f"disk_folder: no images ({', '.join(IMG_EXTENSIONS)}) under {root}")
+        raise DataError(f"disk_folder: no images ({', '.join(IMG_EXTENSIONS)}) under {root}")
     return paths, labels, classes
 
 
 def read_filelist(list_path: str) -> Tuple[List[str], List[int]]:
     """Parse ``<path> <label>`` lines; relative paths are joined to the list file's folder."""
     if not os.path.isfile(list_path):
-        raise FileNotFoundError(f"disk_filelist: file list not found: {list_path}")
+        raise DataError(f"disk_filelist: file list not found: {list_path}")
     base = os.path.dirname(os.path.abspath(list_path))
     paths, labels = [], []
     with open(list_path) as handle:
@@ -142,24 +147,24 @@ def read_filelist(list_path: str) -> Tuple[List[str], List[int]]:
                 continue
             parts = line.rsplit(None, 1)  # the path itself may contain spaces
             if len(parts) != 2 or not parts[1].lstrip("-").isdigit():
-                raise ValueError(f"{list_path}:{lineno}: expected '<path> <integer label>', got {line!r}")
+                raise DataError(f"{list_path}:{lineno}: expected '<path> <integer label>', got {line!r}")
             paths.append(os.path.join(base, os.path.expanduser(parts[0])))
             labels.append(int(parts[1]))
     if not paths:
-        raise ValueError(f"disk_filelist: {list_path} lists no images")
+        raise DataError(f"disk_filelist: {list_path} lists no images")
     return paths, labels
 
 
 def _disk_folder(split_cfg, path: str, cache_dir: str) -> FileSource:
     if not path:
-        raise ValueError("disk_folder needs a folder in DATA_PATHS")
+        raise ConfigError("disk_folder needs a folder in DATA_PATHS")
     paths, labels, _ = scan_image_folder(_pick_split_folder(os.path.expanduser(path), split_cfg.SPLIT))
     return FileSource(paths, labels, "disk_folder")
 
 
 def _disk_filelist(split_cfg, path: str, cache_dir: str) -> FileSource:
     if not path:
-        raise ValueError("disk_filelist needs a text file in DATA_PATHS")
+        raise ConfigError("disk_filelist needs a text file in DATA_PATHS")
     paths, labels = read_filelist(os.path.expanduser(path))
     return FileSource(paths, labels, "disk_filelist")
 
@@ -171,9 +176,8 @@ def _synthetic(split_cfg, path: str, cache_dir: str) -> SyntheticSource:
 
 
 def _demo_digits(split_cfg, path: str, cache_dir: str) -> FileSource:
+    demo_split_size(split_cfg.SPLIT)  # a valid split
     root = ensure_demo_digits_on_every_node(cache_dir)
-    if split_cfg.SPLIT not in ("train", "val"):
-        raise ValueError(f"demo_digits: SPLIT must be 'train' or 'val', got {split_cfg.SPLIT!r}")
     paths, labels, _ = scan_image_folder(os.path.join(root, split_cfg.SPLIT))
     return FileSource(paths, labels, "demo_digits")
 
@@ -195,7 +199,8 @@ class SSLDataset(Dataset):
     depend only on (seed, epoch, index): not on the worker count, the rank or the world size.
     A plain int key means epoch 0.
 
-    Unreadable images (missing, truncated, not an image) raise an error naming the file, or with
+    Unreadable images (missing, truncated, not an image) raise a CorruptImageError naming the file
+    and the ``<key>.SKIP_CORRUPT`` switch (``key``: the split's config section), or with
     ``skip_corrupt`` are logged with their path and replaced by the next readable sample in index
     order; then ``"index"``/``"label"`` are the replacement's and ``"skipped"`` counts the images
     passed over. ``num_skipped`` totals them in *this* process only: with DataLoader workers, sum
@@ -209,14 +214,15 @@ class SSLDataset(Dataset):
         seed: int = 0,
         skip_corrupt: bool = False,
         limit: int = -1,
+        key: str = "DATA.TRAIN",
     ):
         self.sources = list(sources)
         self.offsets = np.cumsum([0] + [len(s) for s in self.sources]).tolist()
         total = self.offsets[-1]
         self.length = total if limit is None or limit < 0 else min(limit, total)
         if self.length == 0:
-            raise ValueError("the data set is empty (check DATA_SOURCES, DATA_PATHS and DATA_LIMIT)")
-        self.transform, self.seed, self.skip_corrupt = transform, seed, skip_corrupt
+            raise DataError(f"{key} is empty (check DATA_SOURCES, DATA_PATHS and DATA_LIMIT)")
+        self.transform, self.seed, self.skip_corrupt, self.key = transform, seed, skip_corrupt, key
         self.num_skipped = 0
         self._reported = set()
 
@@ -242,14 +248,16 @@ class SSLDataset(Dataset):
                 image, label = source.load(local)
                 self.num_skipped += skipped
                 return image, label, current, skipped
-            except (FileNotFoundError, CorruptImageError) as err:
+            except CorruptImageError as err:
                 if not self.skip_corrupt:
-                    raise
+                    raise CorruptImageError(
+                        f"{err}; set {self.key}.SKIP_CORRUPT=True to skip unreadable images"
+                    ) from None
                 if current not in self._reported:  # one warning per bad file per process
                     self._reported.add(current)
                     logger.warning("skipping unreadable image (SKIP_CORRUPT): %s", err)
         source, local = self._locate(index)
-        raise RuntimeError(
+        raise DataError(
             f"{min(self.length, MAX_CONSECUTIVE_BAD)} consecutive unreadable images starting at "
             f"{source.describe(local)}; is the data set broken?"
         )
@@ -293,18 +301,38 @@ class IndexSubset(Dataset):
         return self.dataset[(self.indices[index], epoch)]
 
 
-def build_dataset(split_cfg, cache_dir: str = "", seed: int = 0) -> SSLDataset:
-    """Dataset of one split from ``DATA.<split>`` (``cache_dir`` is ``DATA.CACHE_DIR``)."""
+def build_dataset(split_cfg, cache_dir: str = "", seed: int = 0, key: str = "DATA.TRAIN") -> SSLDataset:
+    """Dataset of one split from ``DATA.<split>`` (``cache_dir`` is ``DATA.CACHE_DIR``; ``key``
+    the split's section, named by errors)."""
+    sources = [SOURCES[name](split_cfg, path, cache_dir) for name, path in _named_paths(split_cfg)]
+    transform = build_transform(split_cfg.TRANSFORMS)
+    return SSLDataset(sources, transform, seed, split_cfg.SKIP_CORRUPT, split_cfg.DATA_LIMIT, key)
+
+
+def count_samples(split_cfg) -> int:
+    """Samples of ``DATA.<split>`` after DATA_LIMIT, as :func:`build_dataset` would hold them,
+    without reading an image or writing the demo cache; DataError when there are none."""
+    total = 0
+    for name, path in _named_paths(split_cfg):
+        if name == "demo_digits":
+            total += demo_split_size(split_cfg.SPLIT)
+        else:
+            total += len(SOURCES[name](split_cfg, path, ""))
+    limit = split_cfg.DATA_LIMIT
+    samples = total if limit < 0 else min(limit, total)
+    if samples == 0:
+        raise DataError("holds no samples (check DATA_SOURCES, DATA_PATHS and DATA_LIMIT)")
+    return samples
+
+
+def _named_paths(split_cfg) -> List[Tuple[str, str]]:
+    """(source name, its DATA_PATHS entry) of each source; sources that need no path may omit it."""
     names, paths = list(split_cfg.DATA_SOURCES), list(split_cfg.DATA_PATHS)
     if not names:
-        raise ValueError("DATA_SOURCES is empty; valid sources: " + ", ".join(sorted(SOURCES)))
+        raise ConfigError("DATA_SOURCES is empty; valid sources: " + ", ".join(sorted(SOURCES)))
     if len(paths) > len(names):
-        raise ValueError(f"DATA_PATHS has {len(paths)} entries for {len(names)} DATA_SOURCES")
-    paths += [""] * (len(names) - len(paths))  # sources that need no path may omit it
-    sources = []
-    for name, path in zip(names, paths):
-        if name not in SOURCES:
-            raise ValueError(f"unknown data source {name!r}; valid sources: {sorted(SOURCES)}")
-        sources.append(SOURCES[name](split_cfg, path, cache_dir))
-    transform = build_transform(split_cfg.TRANSFORMS)
-    return SSLDataset(sources, transform, seed, split_cfg.SKIP_CORRUPT, split_cfg.DATA_LIMIT)
+        raise ConfigError(f"DATA_PATHS has {len(paths)} entries for {len(names)} DATA_SOURCES")
+    unknown = [name for name in names if name not in SOURCES]
+    if unknown:
+        raise ConfigError(f"unknown data source {unknown[0]!r}; valid sources: {sorted(SOURCES)}")
+    return list(zip(names, paths + [""] * (len(names) - len(paths))))

@@ -19,6 +19,7 @@ Crash and concurrency safety:
 """
 
 import json
+import math
 import os
 import shutil
 import time
@@ -28,6 +29,7 @@ from contextlib import contextmanager
 import numpy as np
 from PIL import Image
 
+from vistrain.config.errors import ConfigError
 from vistrain.distributed import comm
 
 try:
@@ -50,6 +52,16 @@ def default_cache_dir(cache_dir: str = "") -> str:
 
 def demo_digits_root(cache_dir: str = "") -> str:
     return os.path.join(default_cache_dir(cache_dir), DEMO_NAME)
+
+
+def demo_split_size(split: str) -> int:
+    """Images of ``split`` ("train" 1,437 or "val" 360), known without writing the set:
+    ``train_test_split`` puts ceil(VAL_FRACTION x NUM_IMAGES) images in val."""
+    val = math.ceil(VAL_FRACTION * NUM_IMAGES)
+    sizes = {"train": NUM_IMAGES - val, "val": val}
+    if split not in sizes:
+        raise ConfigError(f"demo_digits: SPLIT must be 'train' or 'val', got {split!r}")
+    return sizes[split]
 
 
 def _is_complete(root: str) -> bool:

@@ -42,7 +42,7 @@ def build_loader(
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid splits: {list(SPLITS)}")
     split_cfg = data_cfg[split]
-    dataset = build_dataset(split_cfg, cache_dir=data_cfg.CACHE_DIR, seed=seed)
+    dataset = build_dataset(split_cfg, cache_dir=data_cfg.CACHE_DIR, seed=seed, key=f"DATA.{split}")
     if indices is not None:
         dataset = IndexSubset(dataset, indices)
     batch_size = split_cfg.BATCHSIZE_PER_REPLICA
@@ -55,9 +55,7 @@ def build_loader(
         rank=rank,
         world_size=world_size,
     )
-    workers = data_cfg.NUM_DATALOADER_WORKERS
-    if workers < 0:
-        raise ValueError(f"DATA.NUM_DATALOADER_WORKERS must be >= 0, got {workers}")
+    workers = data_cfg.NUM_DATALOADER_WORKERS  # >= 0: checked with the config (vistrain.config.checks)
     return DataLoader(
         dataset,
         batch_size=batch_size,

@@ -25,6 +25,7 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 from torch.utils.data import Sampler
 
+from vistrain.config.errors import ConfigError
 from vistrain.distributed import comm
 
 _MASK64 = (1 << 64) - 1
@@ -86,7 +87,7 @@ def _check_args(num_samples, world_size, rank, batch_size, drop_last) -> None:
     if world_size <= 0 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     if drop_last and num_samples < batch_size * world_size:
-        raise ValueError(
+        raise ConfigError(
             f"DROP_LAST with {num_samples} samples and {world_size} ranks x batch {batch_size} "
             "leaves no full batch; lower BATCHSIZE_PER_REPLICA or set DROP_LAST False"
         )

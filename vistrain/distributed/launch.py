@@ -4,13 +4,15 @@
 initialised process group (also for a single process), so the engine never special-cases
 "not distributed". When the launcher spawns the ranks itself it watches them: as soon as one rank
 exits non-zero (an exception, a SIGKILL, the OOM killer) the others are stopped and
-:class:`RankFailedError` carries the failing rank's traceback. A dead rank therefore never leaves
-its peers waiting in a collective until the timeout.
+:class:`RankFailedError` carries the failing rank's traceback; a rank that found the user's input
+wrong (:class:`~vistrain.config.InputError`, one line) has it raised again in the launcher instead.
+A dead rank therefore never leaves its peers waiting in a collective until the timeout.
 """
 
 import contextlib
 import dataclasses
 import datetime
+import json
 import multiprocessing.connection
 import os
 import shutil
@@ -28,7 +30,7 @@ import torch.multiprocessing as mp
 from fvcore.common.config import CfgNode
 
 from vistrain.config.checks import DEVICES, DIST_BACKENDS, INIT_METHODS, check_world_size
-from vistrain.config.loader import ConfigError
+from vistrain.config.errors import ConfigError, InputError
 from vistrain.distributed import supervise
 from vistrain.distributed.join import (  # noqa: F401  first_slurm_host: public here too
     attempt_store,
@@ -71,7 +73,8 @@ def launch(main_fn: Callable[[CfgNode], object], cfg: CfgNode) -> None:
 
     ``main_fn`` must be a module-level function (it is pickled for spawned processes).
     Raises ConfigError (before anything starts) for impossible settings, RunFolderBusyError when
-    another run holds ``CHECKPOINT.DIR``, and RankFailedError when a spawned rank fails.
+    another run holds ``CHECKPOINT.DIR``, the InputError of a rank that found the input wrong
+    (every rank stopped), and RankFailedError when a spawned rank fails otherwise.
     """
     plan = plan_launch(cfg.DISTRIBUTED, cfg.MACHINE, os.environ)
     check_world_size(cfg, plan.world_size)  # hybrid sharding's groups must tile the job
@@ -83,6 +86,12 @@ def launch(main_fn: Callable[[CfgNode], object], cfg: CfgNode) -> None:
             _start_rank(0, main_fn, cfg, plan)  # in-process: faster start, debuggers work
         else:
             _spawn_and_watch(main_fn, cfg, plan)
+
+
+def planned_world_size(dist_cfg: CfgNode, environ: Mapping[str, str]) -> int:
+    """Ranks of the job :func:`plan_launch` would start or join (without taking a port)."""
+    job = joined_job(dist_cfg, environ)
+    return job.world_size if job is not None else dist_cfg.NUM_NODES * dist_cfg.NUM_PROC_PER_NODE
 
 
 def resolve_device(machine_cfg: CfgNode) -> str:
@@ -196,7 +205,7 @@ def _init_method(dist_cfg: CfgNode, environ: Mapping[str, str], nodes: int) -> s
         return f"file://{os.path.abspath(path)}"
     if method == "env" and run_id == "auto" and "MASTER_ADDR" in environ and "MASTER_PORT" in environ:
         return "env://"
-    host, port = ("127.0.0.1", _free_port()) if run_id == "auto" else _host_port(run_id)
+    host, port = ("127.0.0.1", find_free_port()) if run_id == "auto" else _host_port(run_id)
     return f"tcp://{host}:{port}"
 
 
@@ -207,7 +216,8 @@ def _host_port(run_id: str):
     return host, int(port)
 
 
-def _free_port() -> int:
+def find_free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -218,11 +228,17 @@ def _free_port() -> int:
 
 
 def _run_rank(local_rank: int, main_fn, cfg: CfgNode, plan: LaunchPlan, error_dir: str) -> None:
-    """Body of every spawned rank: ``_start_rank``, its traceback written to ``error_dir`` on failure."""
+    """Body of every spawned rank: ``_start_rank``; on failure its InputError (kind and line) or
+    its traceback written to ``error_dir`` for the launcher."""
     try:
         _start_rank(local_rank, main_fn, cfg, plan)
+    except InputError as error:
+        _write_report(
+            error_dir, local_rank, INPUT_ERROR, json.dumps({"kind": error.kind, "message": str(error)})
+        )
+        raise
     except BaseException:
-        _write_traceback(error_dir, local_rank)
+        _write_report(error_dir, local_rank, TRACEBACK, traceback.format_exc())
         raise
 
 
@@ -259,7 +275,14 @@ def _run_folder_lock(cfg: CfgNode, plan: LaunchPlan):
 
 def _run_spawned_rank(local_rank: int, launcher_pid: int, main_fn, cfg, plan, error_dir: str) -> None:
     supervise.bind_to_launcher(launcher_pid)  # never outlive the launcher, leave Ctrl-C to it
-    _run_rank(local_rank, main_fn, cfg, plan, error_dir)
+    try:
+        _run_rank(local_rank, main_fn, cfg, plan, error_dir)
+    except BaseException:
+        # Reported in error_dir; leave at once: tearing down an interpreter whose process group's
+        # peers are gone can abort with C++ "terminate called" noise on the launcher's stderr.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def _spawn_and_watch(main_fn, cfg: CfgNode, plan: LaunchPlan) -> None:
@@ -284,7 +307,7 @@ def _spawn_and_watch(main_fn, cfg: CfgNode, plan: LaunchPlan) -> None:
             raise
         if failed:
             _stop(processes)
-            raise RankFailedError(_failure_report(failed, processes, error_dir, plan.first_rank))
+            raise _failure(failed, processes, error_dir, plan.first_rank)
     finally:
         shutil.rmtree(error_dir, ignore_errors=True)
 
@@ -317,36 +340,53 @@ def _terminate(processes, grace: float = STOP_GRACE_SECONDS) -> None:
     _stop(processes, grace, escalation=("terminate", "kill"))
 
 
-def _traceback_path(error_dir: str, local_rank: int) -> str:
-    return os.path.join(error_dir, f"rank{local_rank}.txt")
+INPUT_ERROR, TRACEBACK = "input.json", "traceback.txt"  # what a failing rank leaves in error_dir
 
 
-def _write_traceback(error_dir: str, local_rank: int) -> None:
-    """The failing rank's traceback as text, for the launcher to report (written, then renamed)."""
-    path = _traceback_path(error_dir, local_rank)
+def _report_path(error_dir: str, local_rank: int, what: str) -> str:
+    return os.path.join(error_dir, f"rank{local_rank}.{what}")
+
+
+def _write_report(error_dir: str, local_rank: int, what: str, text: str) -> None:
+    """A failing rank's report (``what``: INPUT_ERROR or TRACEBACK), written then renamed."""
+    path = _report_path(error_dir, local_rank, what)
     with open(f"{path}.tmp", "w") as f:
-        f.write(traceback.format_exc())
+        f.write(text)
     os.replace(f"{path}.tmp", path)
+
+
+def _read_reports(error_dir: str, ranks, what: str) -> Dict[int, Tuple[float, str]]:
+    """local rank -> (when written, text) of the reports ``what`` that ``ranks`` left."""
+    reports = {}
+    for i in ranks:
+        path = _report_path(error_dir, i, what)
+        if os.path.exists(path):
+            with open(path) as f:
+                reports[i] = (os.path.getmtime(path), f.read())
+    return reports
+
+
+def _failure(failed: List[int], processes, error_dir: str, first_rank: int) -> Exception:
+    """What to raise once every rank is stopped: the first InputError any rank reported (its peers
+    failing after it are consequences, whenever the launcher noticed them), else a RankFailedError."""
+    inputs = _read_reports(error_dir, range(len(processes)), INPUT_ERROR)
+    if inputs:
+        first = json.loads(min(inputs.values())[1])
+        return InputError(first["message"], kind=first["kind"])
+    return RankFailedError(_failure_report(failed, processes, error_dir, first_rank))
 
 
 def _failure_report(failed: List[int], processes, error_dir: str, first_rank: int) -> str:
     """Describe the rank that failed first: its traceback if it raised, its signal if it was killed."""
-    tracebacks: Dict[int, str] = {}
-    written: Dict[int, float] = {}
-    for i in failed:
-        path = _traceback_path(error_dir, i)
-        if os.path.exists(path):
-            written[i] = os.path.getmtime(path)
-            with open(path) as f:
-                tracebacks[i] = f.read()
+    tracebacks = _read_reports(error_dir, failed, TRACEBACK)
     # A rank without a traceback died from a signal or os._exit; its peers then fail in
     # collectives, so it is the likelier cause. Among tracebacks, the earliest written wins.
     silent = [i for i in failed if i not in tracebacks]
-    culprit = silent[0] if silent else min(written, key=written.get)
+    culprit = silent[0] if silent else min(tracebacks, key=lambda i: tracebacks[i][0])
     others = sorted(first_rank + i for i in failed if i != culprit)
     tail = f" (also failed: ranks {others})" if others else ""
     if culprit in tracebacks:
-        return f"rank {first_rank + culprit} failed{tail}:\n{tracebacks[culprit].rstrip()}"
+        return f"rank {first_rank + culprit} failed{tail}:\n{tracebacks[culprit][1].rstrip()}"
     return f"rank {first_rank + culprit} {_describe_exit(processes[culprit].exitcode)}{tail}"
 
 

@@ -3,7 +3,8 @@
 * :func:`lock_run_folder`: one run per ``CHECKPOINT.DIR``. The launcher (or rank 0 of a joined
   job) holds an exclusive ``flock`` on ``<dir>/.vistrain.lock`` for the job's life; the kernel drops
   it when the process dies, whatever the signal, so there is no stale lock to clean up. A second
-  run gets :class:`RunFolderBusyError` naming the holder (host, pid, since when).
+  run gets :class:`RunFolderBusyError` naming the holder (host, pid, since when); a folder that
+  cannot be created or opened is a one-line ConfigError.
 * :func:`bind_to_launcher`: a spawned rank never outlives its launcher. On Linux the kernel sends
   it SIGKILL when the launcher dies (``prctl(PR_SET_PDEATHSIG)``); elsewhere, and as a second line
   of defence, a thread exits the rank once its parent pid changes (it was re-parented).
@@ -24,24 +25,35 @@ import threading
 import time
 from typing import Iterator
 
+from vistrain.config.errors import ConfigError, InputError
+
 LOCK_NAME = ".vistrain.lock"
 PARENT_POLL_SECONDS = 1.0  # how often a rank checks that its launcher is still its parent
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-class RunFolderBusyError(RuntimeError):
+class RunFolderBusyError(InputError):
     """Another live run holds the run folder; the message (one line) names it."""
+
+    kind = "run folder busy"
 
 
 @contextlib.contextmanager
 def lock_run_folder(run_dir: str) -> Iterator[str]:
     """Hold the exclusive lock of ``run_dir`` (created if missing) for the ``with`` body.
 
-    Yields the lock file's path. Raises RunFolderBusyError at once if another process holds it.
+    Yields the lock file's path. Raises RunFolderBusyError at once if another process holds it,
+    ConfigError if the folder cannot be created or the lock file not opened (the config check
+    probes this before; the file system may change in between).
     """
-    os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, LOCK_NAME)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:
+        raise ConfigError(
+            f"CHECKPOINT.DIR {run_dir} cannot be used ({error.strerror}); choose another CHECKPOINT.DIR"
+        ) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

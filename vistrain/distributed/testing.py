@@ -2,7 +2,6 @@
 
 import contextlib
 import os
-import socket
 import tempfile
 import traceback
 
@@ -10,11 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def find_free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from vistrain.distributed.launch import find_free_port
 
 
 def _worker(rank, world_size, port, fn, args, result_dir, backend):

@@ -162,16 +162,11 @@ class FlatParamHandle:
         self.compute_device = compute_device
         requires_grad = params[0].requires_grad
 
-        flat = self._flatten(params, compute_device)
-        if sync_module_states and self.world_size > 1:
-            dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
-        lo, hi = shard_range(self.numel, self.world_size, self.rank)
-        shard = flat[lo:hi].clone()
+        shard = self._own_shard(params, compute_device, sync_module_states)
         if sync_module_states and self.replicas > 1:  # replicas start from the first one's shard
             dist.broadcast(shard, src=dist.get_global_rank(replica_group, 0), group=replica_group)
         self.shard = nn.Parameter(shard.to(shard_device), requires_grad=requires_grad)
         register_shard(self.shard, self)
-        del flat
 
         self.full = torch.empty(
             padded_size(self.numel, self.world_size), dtype=self.compute_dtype, device=compute_device
@@ -190,13 +185,24 @@ class FlatParamHandle:
         self.unsharded_grad_acc: Optional[torch.Tensor] = None  # summed full grads under no_sync
 
     # -- construction ---------------------------------------------------------------------
-    def _flatten(self, params, device) -> torch.Tensor:
-        flat = torch.zeros(padded_size(self.numel, self.world_size), dtype=self.param_dtype, device=device)
+    def _own_shard(self, params, device, sync: bool) -> torch.Tensor:
+        """(shard_numel,) this rank's slice of the flat vector, built one parameter at a time:
+        never the whole flat vector (a unit of a big model can be hundreds of MiB), at most one
+        parameter's full values (with ``sync`` broadcast from the group's first rank)."""
+        lo, hi = shard_range(self.numel, self.world_size, self.rank)
+        shard = torch.zeros(hi - lo, dtype=self.param_dtype, device=device)
+        src = dist.get_global_rank(self.group, 0)
         with torch.no_grad():
             for p, o in zip(params, self.origins):
                 # a parameter built on the meta device is created (and initialised) only now
-                flat[o.flat_offset : o.flat_offset + o.numel].copy_(materialize(p).reshape(-1))
-        return flat
+                value = materialize(p).reshape(-1).to(device)
+                if sync and self.world_size > 1:
+                    value = value.clone() if value.data_ptr() == p.data_ptr() else value  # not the user's
+                    dist.broadcast(value, src=src, group=self.group)
+                start, end = max(lo, o.flat_offset), min(hi, o.flat_offset + o.numel)
+                if start < end:
+                    shard[start - lo : end - lo].copy_(value[start - o.flat_offset : end - o.flat_offset])
+        return shard
 
     # -- gather / free ------------------------------------------------------------------------
     def _free_full(self) -> int:

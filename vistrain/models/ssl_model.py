@@ -5,6 +5,8 @@ from typing import List, Sequence, Union
 import torch
 from torch import nn
 
+from vistrain.config.errors import ConfigError
+
 Crops = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 
@@ -27,7 +29,7 @@ class SSLModel(nn.Module):
         self.head = head
         in_feature = getattr(head, "in_feature", None)
         if in_feature is not None and in_feature not in trunk.out_features:
-            raise ValueError(
+            raise ConfigError(
                 f"the head reads trunk feature {in_feature!r}: add it to MODEL.TRUNK.OUT_FEATURES "
                 f"(now {trunk.out_features})"
             )

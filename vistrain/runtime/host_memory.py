@@ -5,10 +5,10 @@ which case it gets its own mapping that ``free`` returns to the OS at once. The 
 at 128 KiB and, by default, grows to the size of every mapped block freed, up to 32 MiB: after the
 first few freed layers, every tensor of up to 32 MiB lives in the heaps, and a heap keeps the
 pages of freed blocks it cannot trim (any later block above them pins them). A sharded run frees
-and re-allocates full weights and gradients unit after unit, so the process grows by hundreds of
-MiB that no tensor holds (RegNetY-32GF on 4 CPU ranks: 2,395 MiB peak RSS by default, 1,468 MiB
-with a fixed 1 MiB threshold; ``dev/bench_big_model.py``). Fixing the threshold costs page faults
-(each large tensor is zero-filled by the kernel again); ``dev/bench_host_memory.py`` measures it.
+and re-allocates full weights and gradients unit after unit, so the process grows by memory that
+no tensor holds. Fixing the threshold costs page faults (each large tensor is zero-filled by the
+kernel again). Both sides are measured by ``dev/bench_big_model.py`` (peak RSS) and
+``dev/bench_host_memory.py`` (step time); their numbers: docs/memory.md.
 """
 
 import ctypes

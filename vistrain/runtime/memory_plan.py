@@ -5,11 +5,14 @@ modelled as the sum of, per rank (bytes; W ranks, a unit of n elements has shard
 ceil(n / W) elements, p = fp32 master bytes 4, c = compute bytes: 2 under mixed precision):
 
     params          sum_u ceil(n_u / W) * 4            (DDP: sum_u n_u * 4)
-    grads           the same                           (DDP: twice: .grad and its bucket)
     optimizer       k * params, k = 1 (SGD/LARS momentum), 2 (AdamW), 0 (SGD without momentum)
     gathered units  backward of unit k (execution order): c * (root + w_k + w_(k-1) prefetched)
-                    (ZeRO-2: c * all units) + reduce bytes * g_k, the worst k (see
-                    :func:`gathered_bytes` for why one gradient, not the three that can coexist)
+                    (ZeRO-2: c * all units) + ``GRADIENT_COPIES`` * reduce bytes * g_k
+    grads           the shard gradients alive then: of the units reduced before k; with the step
+                    inside backward, the shard being updated and one temporary (DDP: every
+                    gradient twice: .grad and its bucket); the worst k of gathered + grads
+                    (:func:`backward_peak_bytes`). The ordinary step after backward holds every
+                    shard gradient and no gathered weights: the plan is the larger of the two.
     activations     bytes autograd saves in one forward, measured on the meta device (scaled to
                     2 bytes under mixed precision / AMP); with activation checkpointing the
                     inputs of the checkpointed modules plus the largest one's own activations
@@ -17,10 +20,9 @@ ceil(n / W) elements, p = fp32 master bytes 4, c = compute bytes: 2 under mixed 
                     once per planner run) + ``CPU_ALLOWANCE_MIB`` for the process group, loader
                     and allocator; CUDA: 0 (the CUDA context is not allocated memory)
 
-On CPU the model assumes ``MACHINE.CPU_MMAP_THRESHOLD_MIB`` > 0 (freed tensors go back to the
-OS). With glibc's default heaps the logged peak was above the plan by up to 62% (RegNetY-32GF,
-4 ranks: 2,395 MiB measured, 1,477 MiB planned, 1,468 MiB measured with the threshold at 1 MiB),
-so on CPU :func:`search` always sets it (``CPU_THRESHOLD_MIB``).
+On CPU the plan is for glibc's default allocator: the engine gives freed heap pages back at unit
+boundaries (``vistrain/fsdp/heap.py``) and ``GRADIENT_COPIES`` holds what glibc keeps until the
+next trim. The measurements the terms were fitted to and checked against: docs/memory.md.
 
 ``move_params_to_cpu`` on CUDA moves params, grads and optimizer state out of GPU memory.
 The search in :func:`search` tries the knobs in order of expected speed (see ``speed_cost``).
@@ -33,29 +35,31 @@ import math
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torchvision.models.regnet import AnyStage, ResBottleneckBlock
 
 from vistrain.fsdp.flat_param import shard_size
-from vistrain.models import build_model
+from vistrain.models import build_meta_model
 from vistrain.runtime.sharding import wrap_policy
 from vistrain.torch_compat import storage_id
 
 MIB = 2**20
-# gloo threads and buffers, data loader, glibc arenas: the quick start's peak RSS (770 MiB, 2
-# ranks) minus the import baseline (676 MiB here) minus its model terms (about 20 MiB).
+# gloo threads and buffers, data loader, glibc arenas: what the quick start's peak RSS holds beyond
+# the import baseline and its model terms (docs/memory.md)
 CPU_ALLOWANCE_MIB = 75
 OPTIMIZER_STATES = {"sgd": 1, "lars": 1, "adamw": 2}
-# The CPU runs :func:`search` proposes fix glibc's mmap threshold at this (MiB); it cost 1.27x per
-# step on the quick start's model (dev/bench_host_memory.py), the same for every setting tried.
-CPU_THRESHOLD_MIB = 1.0
+# A fixed glibc mmap threshold (MACHINE.CPU_MMAP_THRESHOLD_MIB) costs this per step (page faults;
+# dev/bench_host_memory.py, docs/memory.md); the search leaves it to the user
 CPU_THRESHOLD_COST = 1.27
 # The optimizer step inside backward: the same work, steps run shard by shard (dev/bench_fsdp.py,
 # "step in bwd" row, within noise of the ordinary step); ranked just after it when both fit.
 IN_BACKWARD_COST = 1.01
+# A unit's full gradient at its backward peak: per parameter, concatenated, and half of it again
+# for what glibc keeps until the next trim (fitted at glibc's default, docs/memory.md).
+GRADIENT_COPIES = 2.5
 
 
 @dataclass
@@ -110,33 +114,30 @@ def sharded_state_bytes(
     return {"params": elements * 4, "grads": grads, "optimizer_state": states * elements * 4}
 
 
-def in_backward_grad_bytes(sizes: Sequence[int], world: int) -> int:
-    """Gradient bytes per rank with the optimizer step inside backward: a shard's gradient lives
-    only while its unit is updated, with one update temporary of the same size (weight decay,
-    LARS's scaled copy); the largest unit's shard sets the peak."""
-    return 2 * max(shard_size(n, world) for n in sizes) * 4
+def backward_peak_bytes(
+    sizes: Sequence[int], world: int, compute_bytes: int, reduce_bytes: int, reshard: bool, in_backward: bool
+) -> Tuple[int, int]:
+    """(gathered, gradients) bytes per rank at the worst unit of backward.
 
-
-def gathered_bytes(sizes: Sequence[int], compute_bytes: int, reduce_bytes: int, reshard: bool) -> int:
-    """Full weights and full gradients alive at the backward peak, per rank.
-
-    ``sizes``: units in execution order, root last. In the backward of unit k the root, unit k
-    and the prefetched unit k-1 are gathered (ZeRO-2: every unit) and unit k's full gradient
-    exists: max_k [root + w_k + w_(k-1)] * compute_bytes + g_k * reduce_bytes.
-
-    Autograd's split backward briefly holds g_k twice (per parameter and concatenated) while
-    unit k+1's gradient may still be reducing, but the logged peaks stay below that sum: fitted
-    on CPU with the mmap threshold at 1 MiB, 4 ranks, this term gives 3,123 vs 3,012 MiB measured
-    for RegNetY-128GF and 1,477 vs 1,468 MiB for RegNetY-32GF, where the three-gradient sum gave
-    3,373 and 1,616 MiB (``dev/bench_big_model.py``).
+    ``sizes``: units in execution order, root last; backward visits them last to first. In the
+    backward of unit k the root, unit k and the prefetched unit k-1 are gathered (ZeRO-2: every
+    unit), and unit k's gradient exists ``GRADIENT_COPIES`` times (autograd's split backward
+    holds it per parameter and concatenated; glibc keeps some of what the unit freed until the
+    next trim). Shard gradients alive then: those of the units already reduced (after k in
+    execution order); with the optimizer step inside backward only the shard being updated
+    (unit k+1's) and one update temporary of its size.
     """
     root, units = sizes[-1], list(sizes[:-1]) or [0]
-    worst = 0
+    shards = [shard_size(n, world) * 4 for n in units] + [0]
+    best = (0, 0)
     for k, size in enumerate(units):
         before = units[k - 1] if k > 0 else 0
         weights = root + (size + before if reshard else sum(units))
-        worst = max(worst, weights * compute_bytes + size * reduce_bytes)
-    return worst
+        gathered = int(weights * compute_bytes + GRADIENT_COPIES * size * reduce_bytes)
+        grads = 2 * shards[k + 1] if in_backward else sum(shards[k + 1 :])
+        if gathered + grads > sum(best):
+            best = (gathered, grads)
+    return best
 
 
 def checkpointed_activations(total: int, per_module: Sequence[int], inputs: Sequence[int]) -> int:
@@ -201,8 +202,7 @@ def plan(cfg, device: str = "cpu", cache: Optional[dict] = None) -> MemoryPlan:
     sharded = bool(fsdp.AUTO_SETUP_FSDP)
     low = bool(sharded and fsdp.mixed_precision or model_cfg.AMP_PARAMS.USE_AMP)
     if "model" not in cache:
-        with torch.device("meta"):
-            cache["model"] = build_model(model_cfg)
+        cache["model"] = build_meta_model(model_cfg)
     model = cache["model"]
     if sharded:
         policy = wrap_policy(fp32_batchnorm=low)
@@ -213,13 +213,17 @@ def plan(cfg, device: str = "cpu", cache: Optional[dict] = None) -> MemoryPlan:
     states = OPTIMIZER_STATES.get(cfg.OPTIMIZER.name, 1) if momentum else 0
     shard_ranks = fsdp.shard_group_size or world  # hybrid sharding: shards over a group of k ranks
     state = sharded_state_bytes(sizes, shard_ranks, states, sharded)
-    if sharded and cfg.OPTIMIZER.step_in_backward:
-        state["grads"] = in_backward_grad_bytes(sizes, shard_ranks)
+    all_grads = state["grads"]
     if device == "cuda" and sharded and fsdp.move_params_to_cpu:
         state = dict.fromkeys(state, 0)
     compute = 2 if sharded and fsdp.mixed_precision else 4
     reduce = 4 if not (sharded and fsdp.mixed_precision) or fsdp.fp32_reduce_scatter else 2
-    gathered = gathered_bytes(sizes, compute, reduce, fsdp.reshard_after_forward) if sharded else 0
+    gathered = 0
+    if sharded:
+        in_backward = bool(cfg.OPTIMIZER.step_in_backward)
+        gathered, state["grads"] = backward_peak_bytes(
+            sizes, shard_ranks, compute, reduce, fsdp.reshard_after_forward, in_backward
+        )
     checkpointing = model_cfg.ACTIVATION_CHECKPOINTING
     granularity = checkpointing.GRANULARITY if checkpointing.USE_ACTIVATION_CHECKPOINTING else None
     crops = _meta_crops(cfg.DATA.TRAIN, cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA)
@@ -230,7 +234,17 @@ def plan(cfg, device: str = "cpu", cache: Optional[dict] = None) -> MemoryPlan:
     activations = checkpointed_activations(total, per_module, inputs) * (0.5 if low else 1.0)
     activations += sum(c.numel() * 4 for c in crops)  # the batch itself
     runtime = (import_baseline_mib() + CPU_ALLOWANCE_MIB) * MIB if device == "cpu" else 0
-    return MemoryPlan(gathered_units=gathered, activations=activations, runtime_overhead=runtime, **state)
+    backward_peak = MemoryPlan(
+        gathered_units=gathered, activations=activations, runtime_overhead=runtime, **state
+    )
+    if not sharded or cfg.OPTIMIZER.step_in_backward:
+        return backward_peak
+    # the ordinary step, after backward: every shard gradient, one update temporary, no weights
+    # gathered and the activations freed
+    temporary = max(shard_size(n, shard_ranks) for n in sizes) * 4
+    step_peak = MemoryPlan(**{**state, "grads": all_grads + temporary}, gathered_units=0,
+                           activations=0, runtime_overhead=runtime)  # fmt: skip
+    return max(backward_peak, step_peak, key=lambda plan: plan.peak)
 
 
 @functools.lru_cache(maxsize=1)
@@ -246,9 +260,10 @@ def import_baseline_mib() -> float:
 
 
 def speed_cost(knobs: Dict[str, object], device: str) -> float:
-    """Relative time per image of a knob setting (lower is faster), from bench_fsdp and common
-    practice: ZeRO-3 gathers twice (1.23x ZeRO-2 here), checkpointing re-runs the forward
-    (1.33x), mixed precision halves GPU time (no gain on CPU), CPU offload costs 1.5x."""
+    """Relative time per image of a knob setting (lower is faster): ZeRO-3 gathers twice,
+    checkpointing re-runs the forward, mixed precision speeds up GPUs only, CPU offload and the
+    fixed mmap threshold cost transfers and page faults. Each factor and its source
+    (``dev/bench_fsdp.py``, ``dev/bench_host_memory.py`` or common practice): docs/memory.md."""
     cost = 1.23 if knobs["reshard_after_forward"] else 1.0
     cost *= 1.33 if knobs["activation_checkpointing"] else 1.0
     # bf16 on CPU computes no faster here and changes the numbers: tried after the exact knobs
@@ -303,8 +318,6 @@ def search(cfg, budget_mib: float, device: str = "cpu", max_ranks: Optional[int]
             knobs = dict(reshard_after_forward=reshard, mixed_precision=mixed, activation_checkpointing=ckpt,
                          move_params_to_cpu=cpu, step_in_backward=in_backward, batch_per_replica=b,
                          ranks=r)  # fmt: skip
-            if device == "cpu":  # the plan assumes it (module docstring)
-                knobs["cpu_mmap_threshold_mib"] = CPU_THRESHOLD_MIB
             settings.append(knobs)
         for knobs in sorted(settings, key=lambda k: speed_cost(k, device)):
             result = plan(_with_knobs(cfg, knobs), device, cache)

@@ -18,14 +18,19 @@ from vistrain.runtime.sharding import apply_activation_checkpointing, shard_mode
 
 
 def parallelize(
-    model: nn.Module, model_cfg, device: torch.device, param_group_fn: Optional[Callable] = None
+    model: nn.Module,
+    model_cfg,
+    device: torch.device,
+    param_group_fn: Optional[Callable] = None,
+    shard: Optional[bool] = None,
 ) -> nn.Module:
     """``model`` on ``device``, with sync BN and activation checkpointing if configured, wrapped
     for data parallelism: DDP, or the sharded engine with ``MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP``.
 
     Needs an initialised process group (``vistrain.distributed.launch`` always creates one, also
     for a single process). ``model_cfg`` is the ``MODEL`` section. ``param_group_fn(fqn, module,
-    param) -> key`` keeps optimizer parameter groups apart in flat shards.
+    param) -> key`` keeps optimizer parameter groups apart in flat shards. ``shard`` overrides
+    AUTO_SETUP_FSDP (linear-eval heads are tiny: always DDP).
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -38,7 +43,7 @@ def parallelize(
     checkpointing = model_cfg.ACTIVATION_CHECKPOINTING
     if checkpointing.USE_ACTIVATION_CHECKPOINTING:
         apply_activation_checkpointing(model, checkpointing.GRANULARITY)
-    if model_cfg.FSDP_CONFIG.AUTO_SETUP_FSDP:
+    if model_cfg.FSDP_CONFIG.AUTO_SETUP_FSDP if shard is None else shard:
         return shard_model(model, model_cfg, param_group_fn)
     return _wrap_ddp(model, device, sync_bn=model_cfg.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN)
 

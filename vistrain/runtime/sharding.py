@@ -19,10 +19,10 @@ from vistrain.fsdp import TorchShardedModel, auto_wrap, by_class, hybrid_groups
 from vistrain.fsdp.deferred_init import build_on_meta
 from vistrain.models.heads.mlp import MLP
 from vistrain.models.heads.swav import SwAVPrototypes
+from vistrain.runtime.precision import compute_dtype
 from vistrain.torch_compat import BatchNormBase
 
 BACKENDS = ("builtin", "torch")
-COMPUTE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def unit_classes(fp32_batchnorm: bool) -> dict:
@@ -103,7 +103,7 @@ def shard_model(model: nn.Module, model_cfg, param_group_fn: Optional[Callable] 
     classes = unit_classes(fp32_batchnorm=low_precision)
     if fsdp_cfg.BACKEND == "torch":
         return torch_fully_shard(model, fsdp_cfg, classes)
-    mixed = fsdp_cfg.mixed_precision and COMPUTE_DTYPES[fsdp_cfg.compute_dtype] != torch.float32
+    dtype = compute_dtype(fsdp_cfg)
     # hybrid sharding: shards within groups of shard_group_size ranks, replicas across them
     shard_group, replica_group = hybrid_groups(fsdp_cfg.shard_group_size)
     return auto_wrap(
@@ -112,10 +112,10 @@ def shard_model(model: nn.Module, model_cfg, param_group_fn: Optional[Callable] 
         process_group=shard_group,
         replica_group=replica_group,
         reshard_after_forward=fsdp_cfg.reshard_after_forward,
-        mixed_precision=mixed,
+        mixed_precision=dtype is not None,
         fp32_reduce_scatter=fsdp_cfg.fp32_reduce_scatter,
         flatten_parameters=fsdp_cfg.flatten_parameters,
-        compute_dtype=COMPUTE_DTYPES[fsdp_cfg.compute_dtype] if mixed else None,
+        compute_dtype=dtype,
         move_params_to_cpu=fsdp_cfg.move_params_to_cpu,
         param_group_fn=param_group_fn,
         # as the DDP path: synced BN keeps statistics equal, else rank 0's are broadcast
@@ -141,9 +141,8 @@ def torch_fully_shard(model: nn.Module, fsdp_cfg, classes: dict) -> nn.Module:
 
     device = next(model.parameters()).device
     mesh = torch_mesh(device.type, fsdp_cfg.shard_group_size)
-    mixed = fsdp_cfg.mixed_precision and COMPUTE_DTYPES[fsdp_cfg.compute_dtype] != torch.float32
     low = MixedPrecisionPolicy(
-        param_dtype=COMPUTE_DTYPES[fsdp_cfg.compute_dtype] if mixed else None,
+        param_dtype=compute_dtype(fsdp_cfg),
         reduce_dtype=torch.float32 if fsdp_cfg.fp32_reduce_scatter else None,
     )
     full = MixedPrecisionPolicy()

@@ -8,11 +8,9 @@ The communication side of the planner (``vistrain/runtime/memory_plan.py`` is th
 from dataclasses import asdict, dataclass
 from typing import Dict, Optional, Sequence
 
-import torch
-
 from vistrain.fsdp.flat_param import shard_size
 from vistrain.fsdp.hybrid import replica_group_ranks, shard_group_ranks
-from vistrain.models import build_model
+from vistrain.models import build_meta_model
 from vistrain.runtime.memory_plan import MIB, unit_sizes
 from vistrain.runtime.sharding import wrap_policy
 
@@ -67,8 +65,7 @@ def traffic(cfg, cache: Optional[dict] = None) -> Traffic:
     fsdp = cfg.MODEL.FSDP_CONFIG
     per_node = cfg.DISTRIBUTED.NUM_PROC_PER_NODE
     if "model" not in cache:
-        with torch.device("meta"):
-            cache["model"] = build_model(cfg.MODEL)
+        cache["model"] = build_meta_model(cfg.MODEL)
     low = bool(fsdp.mixed_precision or cfg.MODEL.AMP_PARAMS.USE_AMP)
     policy = wrap_policy(fp32_batchnorm=low)
     sizes = unit_sizes(cache["model"], lambda m: policy(m) is not None)

@@ -30,6 +30,7 @@ from vistrain.checkpoint import (
     save_sharded_checkpoint,
     set_aside,
 )
+from vistrain.config import ConfigError
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed import comm
 from vistrain.fsdp import (
@@ -42,6 +43,7 @@ from vistrain.fsdp import (
 from vistrain.losses import build_loss
 from vistrain.models import build_model
 from vistrain.optim import build_lr_schedule, build_optimizer, param_group_key, set_lr
+from vistrain.runtime import precision
 from vistrain.runtime.logger import NonFiniteLossError, TrainingMeter, logger
 from vistrain.runtime.parallel import parallelize
 from vistrain.runtime.run_setup import record_config, start_run
@@ -69,7 +71,7 @@ def train(cfg) -> None:
     loader = build_loader(cfg.DATA, "TRAIN", seed=cfg.SEED_VALUE, device=device)
     iters_per_epoch = len(loader)
     if iters_per_epoch == 0:
-        raise ValueError("DATA.TRAIN yields no full batch per rank: add data or lower BATCHSIZE_PER_REPLICA")
+        raise ConfigError("DATA.TRAIN yields no full batch per rank: add data or lower BATCHSIZE_PER_REPLICA")
     group_key = functools.partial(param_group_key, opt_cfg=cfg.OPTIMIZER)
     model = build_for_run(build_model, cfg.MODEL)  # on the meta device for the sharded engine
     if cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE:
@@ -195,10 +197,7 @@ def _optimizer_step(model: nn.Module, criterion, optimizer, s: StepSettings, ite
 
 
 def _step_settings(cfg, model: nn.Module, optimizer, device: torch.device) -> StepSettings:
-    amp_cfg = cfg.MODEL.AMP_PARAMS
-    amp_dtype = None
-    if amp_cfg.USE_AMP:  # name and device were checked before launch (vistrain.config.checks)
-        amp_dtype = getattr(torch, amp_cfg.AMP_DTYPE)
+    amp_dtype = precision.amp_dtype(cfg.MODEL)  # name and device were checked before launch
     update_freq = cfg.OPTIMIZER.update_freq
     scaler = _grad_scaler(model) if amp_dtype == torch.float16 else None
     # checked before launch: the built-in engine, no clipping, no fp16 scaler
