@@ -11,6 +11,7 @@ import test_multinode as mn
 import torch
 
 from vistrain import cli
+from vistrain.distributed.launch import find_free_port
 
 HYBRID = ["config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True", "config.MODEL.FSDP_CONFIG.shard_group_size=2"]
 
@@ -33,7 +34,7 @@ def test_two_nodes_with_a_shard_group_each_equal_the_single_node_run(tmp_path):
     )
     torch.testing.assert_close(_losses(single), _losses(ddp), rtol=1e-5, atol=0)
 
-    launcher, port = tmp_path / "launcher", mn._free_port()
+    launcher, port = tmp_path / "launcher", find_free_port()
     nodes = [
         [
             sys.executable,
@@ -49,7 +50,7 @@ def test_two_nodes_with_a_shard_group_each_equal_the_single_node_run(tmp_path):
     mn._assert_same_losses(launcher, mn._losses(single), iterations=4)
     mn._assert_rank0_side_effects(launcher, iterations=4)
 
-    torchrun, port = tmp_path / "torchrun", mn._free_port()
+    torchrun, port = tmp_path / "torchrun", find_free_port()
     agents = [
         [
             *mn.TORCHRUN,
