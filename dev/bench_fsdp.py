@@ -1,14 +1,18 @@
 """DDP vs vistrain's sharded engine vs PyTorch's fully_shard, side by side in the same processes.
 
     python dev/bench_fsdp.py [--world 2] [--steps 12] [--batch 8] [--size 64] [--model regnet_y_400mf]
+                             [--shard-group-size K]
 
 Each rank builds the models from the same seed and, step after step, runs one training step of
 each in turn on the same data, so machine noise hits all alike. Ours and fully_shard run with
 reshard_after_forward on (ZeRO-3, the default) and off ("keep": ZeRO-2, one gather per step).
 Prints the median step time of each as a ratio to DDP's, per-rank persistent storage bytes
 (parameters + gradients + buffers + SGD momentum + the engine's own buffers, counted by
-``untyped_storage().nbytes()`` once per storage) next to DDP's / world size, and the peak bytes of gathered (full)
-parameters next to the two largest units. On CPU it uses gloo; with CUDA, NCCL.
+``untyped_storage().nbytes()`` once per storage) next to DDP's / N (N: the ranks sharing the shards),
+and the peak bytes of gathered (full) parameters next to the two largest units. On CPU it uses gloo;
+with CUDA, NCCL. ``--shard-group-size K`` compares hybrid sharding side by side: ours with shard
+groups of K consecutive ranks and replicas across them, fully_shard on a 2-D (replicate, shard)
+mesh of the same layout.
 """
 
 import argparse
@@ -16,15 +20,15 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 import torchvision
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torchvision.models.regnet import ResBottleneckBlock, SimpleStemIN
 
 from vistrain.distributed.testing import run_on_ranks
-from vistrain.fsdp import auto_wrap, by_class, heap
+from vistrain.fsdp import auto_wrap, by_class, heap, hybrid_groups
 from vistrain.fsdp.memory import held_tensors, peak_rss_mib, storage_bytes
+from vistrain.runtime.sharding import torch_mesh
 
 UNIT_CLASSES = (ResBottleneckBlock, SimpleStemIN, nn.Linear)  # blocks, stem, classifier
 
@@ -39,18 +43,28 @@ def make_engines(args, device):
     ours also without giving freed heap pages back (``release_host_memory=False``, the engine
     before it trimmed) and with the optimizer step inside backward."""
     engines = {"ddp": DDP(build(args.model).to(device))}
+    shard_group, replica_group = hybrid_groups(args.shard_group_size)  # WORLD, None when 0
     for reshard, suffix in ((True, ""), (False, " (keep)")):
         engines["vistrain" + suffix] = auto_wrap(
-            build(args.model).to(device), by_class(UNIT_CLASSES), reshard_after_forward=reshard
+            build(args.model).to(device),
+            by_class(UNIT_CLASSES),
+            reshard_after_forward=reshard,
+            process_group=shard_group,
+            replica_group=replica_group,
         )
         try:
-            engines["fully_shard" + suffix] = torch_fully_shard(build(args.model).to(device), reshard)
+            engines["fully_shard" + suffix] = torch_fully_shard(
+                build(args.model).to(device), reshard, args.shard_group_size
+            )
         except (ImportError, RuntimeError) as error:  # older torch: compare what we can
             print(f"fully_shard unavailable: {error}")
+    groups = dict(process_group=shard_group, replica_group=replica_group)
     engines["vistrain (no trim)"] = auto_wrap(
-        build(args.model).to(device), by_class(UNIT_CLASSES), release_host_memory=False
+        build(args.model).to(device), by_class(UNIT_CLASSES), release_host_memory=False, **groups
     )
-    engines["vistrain (step in bwd)"] = auto_wrap(build(args.model).to(device), by_class(UNIT_CLASSES))
+    engines["vistrain (step in bwd)"] = auto_wrap(
+        build(args.model).to(device), by_class(UNIT_CLASSES), **groups
+    )
     out = {
         name: (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
         for name, model in engines.items()
@@ -60,11 +74,10 @@ def make_engines(args, device):
     return out
 
 
-def torch_fully_shard(model, reshard):
-    from torch.distributed.device_mesh import init_device_mesh
+def torch_fully_shard(model, reshard, shard_group_size):
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+    mesh = torch_mesh(next(model.parameters()).device.type, shard_group_size)  # 2-D when hybrid
     for module in model.modules():
         if isinstance(module, UNIT_CLASSES):
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
@@ -139,6 +152,7 @@ def main():
         default=None,
         help="heap trims after this many MiB freed (engine default 256)",
     )
+    parser.add_argument("--shard-group-size", type=int, default=0, help="hybrid: ranks per shard group")
     args = parser.parse_args()
     if args.trim_after_mib is not None:  # the ranks are forked from here and inherit it
         heap.TRIM_AFTER_BYTES = int(args.trim_after_mib * 2**20)
@@ -147,15 +161,17 @@ def main():
     r0 = results[0]
     ddp_time = max(r["median_s"]["ddp"] for r in results)
     ddp_bytes = r0["bytes"]["ddp"]
+    sharing = args.shard_group_size or args.world
+    layout = f", shard groups of {sharing}" if sharing < args.world else ""
     print(
-        f"{args.model}, {args.size}x{args.size}, batch {args.batch}/rank, {args.world} ranks, "
+        f"{args.model}, {args.size}x{args.size}, batch {args.batch}/rank, {args.world} ranks{layout}, "
         f"{'cuda/nccl' if torch.cuda.is_available() else 'cpu/gloo'}, median of {args.steps} steps"
     )
-    print(f"{'engine':<20} {'step s':>8} {'vs DDP':>7} {'MB/rank':>9} {'vs DDP/N':>9}")
+    print(f"{'engine':<20} {'step s':>8} {'vs DDP':>7} {'MB/rank':>9} {'vs DDP/' + str(sharing):>9}")
     for name in r0["median_s"]:
         t = max(r["median_s"][name] for r in results)  # the slowest rank sets the pace
         b = max(r["bytes"][name] for r in results)
-        print(f"{name:<20} {t:8.3f} {t / ddp_time:7.2f} {b / 2**20:9.2f} {b / (ddp_bytes / args.world):9.3f}")
+        print(f"{name:<20} {t:8.3f} {t / ddp_time:7.2f} {b / 2**20:9.2f} {b / (ddp_bytes / sharing):9.3f}")
     print(
         f"vistrain peak gathered parameters: {r0['peak_gathered'] / 2**20:.2f} MB; two largest units: "
         f"{r0['two_largest_units'] / 2**20:.2f} MB"

@@ -7,7 +7,9 @@
 Takes the same arguments as tools/run_distributed.py. Prints JSON: ``peak_mib_per_rank`` (what
 the run logs as ``mem``: peak RSS on CPU, peak allocated memory on CUDA) and its breakdown; with
 ``--budget-mib`` the fastest knob setting that fits and its ``config.X=Y`` overrides, or one
-line saying that nothing fits, with the smallest peak reached. See vistrain/runtime/memory_plan.py.
+line saying that nothing fits, with the smallest peak reached. A sharded run's plan also gives the
+bytes each rank sends per step inside its shard group, across groups (hybrid sharding,
+``MODEL.FSDP_CONFIG.shard_group_size``) and across nodes. See vistrain/runtime/memory_plan.py.
 """
 
 import argparse
@@ -15,6 +17,7 @@ import json
 import sys
 
 from vistrain.config import ConfigError, load_config
+from vistrain.config.checks import check_world_size
 
 
 def main(argv) -> int:
@@ -25,14 +28,18 @@ def main(argv) -> int:
     args, config_args = parser.parse_known_args(argv)
     try:
         cfg = load_config(config_args)
+        check_world_size(cfg, cfg.DISTRIBUTED.NUM_NODES * cfg.DISTRIBUTED.NUM_PROC_PER_NODE)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     from vistrain.runtime.memory_plan import overrides, plan, search
+    from vistrain.runtime.traffic_plan import traffic
 
     device = args.device or ("cpu" if cfg.MACHINE.DEVICE == "cpu" else "cuda")
     if args.budget_mib is None:
         out = plan(cfg, device).as_mib()
+        if cfg.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP:  # inside the shard group / across groups / nodes
+            out["sent_per_step_per_rank"] = traffic(cfg).as_mib()
         print(json.dumps(out, indent=2))
         return 0
     knobs, result = search(cfg, args.budget_mib, device, args.max_ranks)

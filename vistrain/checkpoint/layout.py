@@ -7,6 +7,8 @@ not depend on the world size or on the wrapper:
 * sharded engine (``vistrain.fsdp``): every ``model.parameters()`` entry is a flat 1-D shard;
   ``shard_slices`` says which range of which original parameter each part of it holds (the
   padding at the end of the last rank's shard belongs to none);
+  with hybrid sharding (shard groups smaller than the world, replicated across groups) only the
+  ranks of the first replica write their shards, so each shard is on disk once;
 * DDP or a plain module: every parameter is whole and replicated; rank 0 alone writes it.
 """
 
@@ -71,17 +73,19 @@ def model_layout(model: nn.Module) -> ModelLayout:
 
 
 def _sharded_layout(model: FullyShardedDataParallel) -> ModelLayout:
-    params, infos = [], {}
+    params, infos, first_replica = [], {}, True
     world = comm.get_world_size()
     for shard in model.parameters():
         handle = shard_handle(shard)
         if handle is None:
             raise TypeError("a parameter of the sharded model is not a flat shard; wrap the whole model")
-        if handle.world_size != world:
+        if handle.world_size * handle.replicas != world:
             raise NotImplementedError(
-                f"shards over a process group of {handle.world_size} of {world} ranks (replicated "
-                "shard groups) cannot be checkpointed by vistrain.checkpoint"
+                f"shards over {handle.world_size} ranks with {handle.replicas} replica(s) do not "
+                f"cover the {world} ranks of the job; vistrain.checkpoint needs shard groups that "
+                "tile the world (full or hybrid sharding)"
             )
+        first_replica = first_replica and handle.replica_rank == 0
         origins = handle.origins
         segments = [
             Segment(origins[i].fqn, offset, start, length)
@@ -94,7 +98,8 @@ def _sharded_layout(model: FullyShardedDataParallel) -> ModelLayout:
                 "dtype": dtype_name(shard.dtype),
                 "requires_grad": shard.requires_grad,
             }
-    return ModelLayout(params, infos, persistent_buffers(model), writes_params=True, sharded=True)
+    # hybrid: the other replicas hold the same shards; one copy on disk
+    return ModelLayout(params, infos, persistent_buffers(model), writes_params=first_replica, sharded=True)
 
 
 def _replicated_layout(module: nn.Module) -> ModelLayout:

@@ -144,6 +144,7 @@ RULES = {
     "MODEL.HEAD.NAME": [one_of("heads")],
     "MODEL.FSDP_CONFIG.BACKEND": [one_of("sharding backends")],
     "MODEL.FSDP_CONFIG.compute_dtype": [one_of("compute dtypes")],
+    "MODEL.FSDP_CONFIG.shard_group_size": [at_least(0)],
     "MODEL.AMP_PARAMS.AMP_DTYPE": [one_of("amp dtypes")],
     "MODEL.SYNC_BN_CONFIG.GROUP_SIZE": [at_least(0)],
     "MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY": [one_of(("block", "stage"))],
@@ -192,6 +193,17 @@ def check_config(cfg: CfgNode, catalog: Union[Catalog, Callable[[], Catalog]]) -
         catalog = catalog() if callable(catalog) else catalog
         for check in deferred:
             _raise_problem(check(catalog))
+
+
+def check_world_size(cfg: CfgNode, world_size: int) -> None:
+    """ConfigError (one line) for a value that must divide the job's world size, which only the
+    launcher knows (torchrun and SLURM decide it): called once it has planned the job."""
+    k = cfg.MODEL.FSDP_CONFIG.shard_group_size
+    if cfg.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP and k > 0 and world_size % k != 0:
+        raise ConfigError(
+            f"MODEL.FSDP_CONFIG.shard_group_size ({k}) must divide the world size ({world_size}); "
+            "use the ranks per node or another divisor, or 0 to shard over all ranks"
+        )
 
 
 class _NeedsCatalog(Exception):

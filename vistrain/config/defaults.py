@@ -114,6 +114,9 @@ _C.MODEL.FSDP_CONFIG.fp32_reduce_scatter = True  # reduce gradients in fp32 unde
 _C.MODEL.FSDP_CONFIG.flatten_parameters = True  # one flat tensor per unit (per param group)
 _C.MODEL.FSDP_CONFIG.compute_dtype = "bfloat16"  # float16 | bfloat16 (with mixed_precision)
 _C.MODEL.FSDP_CONFIG.move_params_to_cpu = False  # keep shards and optimizer state in CPU memory
+# hybrid sharding: 0 shards over all ranks; k > 0: groups of k consecutive ranks (a node) share the
+# shards and the groups are replicas (one all-reduce of shard gradients across them); k | world size
+_C.MODEL.FSDP_CONFIG.shard_group_size = 0
 
 _C.MODEL.AMP_PARAMS = CN()
 _C.MODEL.AMP_PARAMS.USE_AMP = False  # autocast the forward and the loss

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from fvcore.common.config import CfgNode
 
-from vistrain.config.checks import DEVICES, DIST_BACKENDS, INIT_METHODS
+from vistrain.config.checks import DEVICES, DIST_BACKENDS, INIT_METHODS, check_world_size
 from vistrain.config.errors import ConfigError, InputError
 from vistrain.distributed import supervise
 from vistrain.distributed.join import (  # noqa: F401  first_slurm_host: public here too
@@ -77,6 +77,7 @@ def launch(main_fn: Callable[[CfgNode], object], cfg: CfgNode) -> None:
     (every rank stopped), and RankFailedError when a spawned rank fails otherwise.
     """
     plan = plan_launch(cfg.DISTRIBUTED, cfg.MACHINE, os.environ)
+    check_world_size(cfg, plan.world_size)  # hybrid sharding's groups must tile the job
     _print_notes(plan)
     with _run_folder_lock(cfg, plan):
         if not plan.spawn:

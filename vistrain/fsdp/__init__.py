@@ -8,6 +8,7 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.1)   # holds only this rank
 from vistrain.fsdp.deferred_init import build_on_meta, materialize  # noqa: F401
 from vistrain.fsdp.fully_sharded import FullyShardedDataParallel  # noqa: F401
 from vistrain.fsdp.grad import SegmentValues, origin_sq_norms, origin_sq_sums  # noqa: F401
+from vistrain.fsdp.hybrid import hybrid_groups, replica_group_ranks, shard_group_ranks  # noqa: F401
 from vistrain.fsdp.mixed_precision import ShardedGradScaler  # noqa: F401
 from vistrain.fsdp.optim_in_backward import OptimizerInBackward, apply_optimizer_in_backward  # noqa: F401
 from vistrain.fsdp.query import Backend, backend_of, shard_handle, shard_origins, unwrap  # noqa: F401

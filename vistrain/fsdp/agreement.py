@@ -10,11 +10,14 @@ forward; so is the start of each unit's backward and the end of backward, unless
 raises the same error on every rank, naming what each rank ran, before the mismatched
 collective is issued.
 
+With hybrid sharding the check runs over the shard group and then over the replica group, so
+it covers every rank of the world (replicas exchange gradients in issue order too).
+
 The execution order recorded in the first step also tells prefetches which unit runs next.
 """
 
 import datetime
-from typing import Callable, List
+from typing import Callable, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,12 +30,13 @@ END = -1  # announced when a root forward returns / a backward ends
 class UnitOrder:
     """The order in which one wrapped model's units run, and the first step's check of it.
 
-    ``names[i]`` is the path of unit ``i`` (outermost first, the canonical order).
+    ``names[i]`` is the path of unit ``i`` (outermost first, the canonical order); ``groups``
+    the process groups that must agree (the shard group, and the replica group when hybrid).
     """
 
-    def __init__(self, names: List[str], group, device: torch.device, timeout: datetime.timedelta):
+    def __init__(self, names: List[str], groups: Sequence, device: torch.device, timeout: datetime.timedelta):
         self.names = names
-        self.group = group
+        self.groups = list(groups)
         self.device = device
         self.timeout = timeout
         self.execution: List[int] = []  # unit indices in first-forward-call order
@@ -82,21 +86,25 @@ class UnitOrder:
     def _check(self, index: int, backward: bool) -> None:
         """Announce this rank's next unit call (or ``END``); raise on every rank when the ranks
         disagree. First step only."""
-        world = dist.get_world_size(self.group)
-        if self.checked or world == 1:
+        if self.checked:
             return
         calls = self.backward_calls if backward else self.forward_calls
-        mine = torch.tensor([calls, index], dtype=torch.long, device=self.device)
-        gathered = [torch.empty_like(mine) for _ in range(world)]
-        work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
-        wait_within(work, self.timeout, "the first step's unit-order check", self.device)
         if backward:
             self.backward_calls += 1
         else:
             self.forward_calls += 1
-        seen = [int(t[1]) for t in gathered]
-        if len(set(seen)) > 1:
-            raise RuntimeError(_disagreement(seen, calls, backward, self._describe))
+        for group in self.groups:
+            world = dist.get_world_size(group)
+            if world == 1:
+                continue
+            mine = torch.tensor([calls, index], dtype=torch.long, device=self.device)
+            gathered = [torch.empty_like(mine) for _ in range(world)]
+            work = dist.all_gather(gathered, mine, group=group, async_op=True)
+            wait_within(work, self.timeout, "the first step's unit-order check", self.device)
+            seen = [int(t[1]) for t in gathered]
+            if len(set(seen)) > 1:
+                ranks = dist.get_process_group_ranks(group)
+                raise RuntimeError(_disagreement(ranks, seen, calls, backward, self._describe))
 
     def _describe(self, index: int, backward: bool) -> str:
         if index == END:
@@ -108,8 +116,8 @@ class UnitOrder:
         return f"'{self.names[index]}'"
 
 
-def _disagreement(seen: List[int], calls: int, backward: bool, describe: Callable) -> str:
-    ran = ", ".join(f"rank {r} ran {describe(i, backward)}" for r, i in enumerate(seen))
+def _disagreement(ranks: List[int], seen: List[int], calls: int, backward: bool, describe: Callable) -> str:
+    ran = ", ".join(f"rank {r} ran {describe(i, backward)}" for r, i in zip(ranks, seen))
     what = "the backward of different units" if backward else "different units"
     hint = (
         "an output that reaches the loss on some ranks only needs find_unused_parameters=True"

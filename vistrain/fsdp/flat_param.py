@@ -7,6 +7,10 @@ chunk r as ``shard`` (the ``nn.Parameter`` the optimizer sees). Before compute, 
 all-gathered into ``full`` (padded_numel elements, compute dtype) and the original parameters
 become views of it; afterwards the storage of ``full`` is released but the tensor object is kept,
 so the autograd graph and its saved views see the data again after the next gather.
+
+With hybrid sharding (``replica_group``, see ``hybrid.py``) the ranks of the replica group hold
+the same shard; a gradient is reduce-scattered inside ``group`` and its shard then all-reduced
+over ``replica_group``, each rank's contribution divided by ``world_size * replicas`` first.
 """
 
 import datetime
@@ -139,9 +143,14 @@ class FlatParamHandle:
         shard_device: torch.device,
         sync_module_states: bool,
         timeout: datetime.timedelta,
+        replica_group=None,
     ):
         self.origins = origins
         self.group = group
+        # ranks holding this same shard in the other shard groups (hybrid sharding), or None
+        self.replica_group = replica_group
+        self.replicas = dist.get_world_size(replica_group) if replica_group is not None else 1
+        self.replica_rank = dist.get_rank(replica_group) if replica_group is not None else 0
         self.timeout = timeout  # of every collective this handle waits for
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -154,6 +163,8 @@ class FlatParamHandle:
         requires_grad = params[0].requires_grad
 
         shard = self._own_shard(params, compute_device, sync_module_states)
+        if sync_module_states and self.replicas > 1:  # replicas start from the first one's shard
+            dist.broadcast(shard, src=dist.get_global_rank(replica_group, 0), group=replica_group)
         self.shard = nn.Parameter(shard.to(shard_device), requires_grad=requires_grad)
         register_shard(self.shard, self)
 
@@ -299,18 +310,28 @@ class FlatParamHandle:
         return grad
 
     def start_reduce_scatter(self, grad: torch.Tensor, reduce_group):
-        """Average ``grad`` (padded_numel,) over ranks on ``reduce_group`` (the same ranks as
-        ``group``, its own queue); returns (work, output shard, kept input)."""
+        """Sum ``grad`` (padded_numel,) / (world_size * replicas) over ranks on ``reduce_group``
+        (the same ranks as ``group``, its own queue); returns (work, output shard, kept input).
+        Without replicas the output is the average; with them, :meth:`start_replica_all_reduce`
+        completes it."""
         if self.unsharded_grad_acc is not None:
             grad = self.unsharded_grad_acc.add_(grad)
             self.unsharded_grad_acc = None
         grad = grad.to(self.reduce_dtype)
-        if self.world_size > 1:
+        if self.world_size * self.replicas > 1:
             # Dividing before the sum keeps fp16 sums in range; DDP divides after. Same maths.
-            grad.div_(self.world_size)
+            grad.div_(self.world_size * self.replicas)
         lo, hi = shard_range(self.numel, self.world_size, self.rank)
         work, out = reduce_scatter_into(grad, lo, hi, reduce_group)
         return work, out, grad
+
+    def start_replica_all_reduce(self, reduced: torch.Tensor, reduce_group):
+        """Sum a finished reduce-scatter's shard (shard_numel,) over the replicas on
+        ``reduce_group`` (the ranks of ``replica_group``, its own queue); returns (work, tensor):
+        the world's average once ``work`` is waited. The shard is copied out first, so gloo's
+        full-size buffer (``reduced`` is a view of it) dies now."""
+        shard = own_shard_grad(reduced, reduced.device, reduced.dtype)
+        return dist.all_reduce(shard, group=reduce_group, async_op=True), shard
 
     def accumulate_shard_grad(self, reduced: torch.Tensor) -> None:
         """Add a finished reduction to ``shard.grad`` (created as its own shard-sized tensor)."""

@@ -70,6 +70,12 @@ class FullyShardedDataParallel(nn.Module):
         release_host_memory: on CPU, give free heap pages back to the OS once this unit is built
             and (the root's setting) at unit boundaries once enough gathered weights and
             gradients were freed (glibc ``malloc_trim``, see ``heap.py``).
+        replica_group: hybrid sharding (FSDP's HYBRID_SHARD): the ranks holding the same shards
+            as this one in the other shard groups (``process_group`` is then this rank's shard
+            group, e.g. its node). Each shard gradient is all-reduced over it after the
+            reduce-scatter, so gradients are averaged over the whole world; buffers and the
+            first step's check go over both groups. ``vistrain.fsdp.hybrid_groups(k)`` makes
+            both. Every unit of a model takes the same one.
     """
 
     is_sharded_unit = True
@@ -93,10 +99,14 @@ class FullyShardedDataParallel(nn.Module):
         find_unused_parameters: bool = False,
         collective_timeout=DEFAULT_COLLECTIVE_TIMEOUT,
         release_host_memory: bool = True,
+        replica_group=None,
     ):
         check_wrappable(module)
         super().__init__()
         self.process_group = process_group if process_group is not None else dist.group.WORLD
+        if replica_group is not None and dist.get_rank(replica_group) < 0:
+            raise ValueError("replica_group must contain this rank (the ranks holding its shards)")
+        self.replica_group = replica_group
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
         self.reshard_after_forward = reshard_after_forward
@@ -155,6 +165,7 @@ class FullyShardedDataParallel(nn.Module):
                     shard_device,
                     sync,
                     self.collective_timeout,
+                    self.replica_group,
                 )
             )
             for param, origin in zip(params, origins):
@@ -170,10 +181,10 @@ class FullyShardedDataParallel(nn.Module):
                 buf = materialize(buf).to(self.compute_device)
                 if buffer_dtype is not None and buf.is_floating_point():
                     buf = buf.to(buffer_dtype)
-                if sync and self.world_size > 1:
-                    dist.broadcast(
-                        buf, src=dist.get_global_rank(self.process_group, 0), group=self.process_group
-                    )
+                if sync:
+                    for group in (self.process_group, self.replica_group):
+                        if group is not None and dist.get_world_size(group) > 1:
+                            dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
                 buffers[name] = buf
 
     def _assign_root_names(self) -> None:
@@ -228,6 +239,7 @@ class FullyShardedDataParallel(nn.Module):
                 self.find_unused_parameters,
                 self.collective_timeout,
                 self.release_host_memory,
+                self.replica_group,
             )
             ModelState(
                 options,
@@ -323,7 +335,10 @@ class FullyShardedDataParallel(nn.Module):
             return self.load_state_dict(state_dict, strict)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the global gradient norm over every shard on every rank; returns the norm."""
+        """Clip the global gradient norm over every shard on every rank; returns the norm.
+
+        Reduced over the shard group only: with hybrid sharding every replica holds the same
+        (already world-averaged) shard gradients, so one replica's shards are the whole model."""
         return clip_grad_norm_(
             list(self.parameters()), max_norm, norm_type, self.process_group, self.compute_device
         )

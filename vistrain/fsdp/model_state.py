@@ -49,6 +49,13 @@ class RootOptions:
     find_unused_parameters: bool
     collective_timeout: datetime.timedelta
     release_host_memory: bool  # CPU: trim glibc's heaps at unit boundaries (heap.py)
+    replica_group: object = None  # hybrid sharding: the ranks holding the same shards, or None
+
+    def data_parallel_groups(self) -> list:
+        """The shard group, then the replica group: buffers, checks and flags that must agree
+        over the whole world go through both (the replica group's first rank belongs to the
+        first shard group, so two broadcasts carry the world's first rank's values)."""
+        return [self.process_group] + ([self.replica_group] if self.replica_group is not None else [])
 
 
 class ModelState:
@@ -62,14 +69,12 @@ class ModelState:
         self.modules = modules
         self.phase = Phase.IDLE
         self.require_grad_sync = True
-        self.order = UnitOrder(
-            names, options.process_group, options.compute_device, options.collective_timeout
-        )
+        groups = options.data_parallel_groups()
+        self.order = UnitOrder(names, groups, options.compute_device, options.collective_timeout)
         self.heap = HeapRelease(options.release_host_memory and options.compute_device.type == "cpu")
-        groups = [h.group for unit in units for h in unit.handles]
-        self.reductions = ReductionQueue(
-            create_reduction_groups(groups or [options.process_group]), self.heap
-        )
+        handle_groups = [g for unit in units for h in unit.handles for g in (h.group, h.replica_group)]
+        handle_groups = [g for g in handle_groups if g is not None]
+        self.reductions = ReductionQueue(create_reduction_groups(handle_groups or groups), self.heap)
         self.gathered = GatheredBytes()
         # id(handle.full) -> unit: the tensors whose views the modules compute with.
         self.full_owners = {id(h.full): unit for unit in units for h in unit.handles}
@@ -97,7 +102,8 @@ class ModelState:
         self._enter(Phase.FORWARD)
         self.order.begin_forward()
         if self.options.broadcast_buffers and self.require_grad_sync:
-            broadcast_buffers(self.modules, self.options.process_group, self.options.collective_timeout)
+            for group in self.options.data_parallel_groups():
+                broadcast_buffers(self.modules, group, self.options.collective_timeout)
 
     def end_forward(self) -> None:
         self.order.end_forward()
@@ -133,7 +139,7 @@ class ModelState:
         """Autograd's final callback, once per backward: finish reductions, free everything."""
         self.order.end_backward(announce=self._announces_backward())
         if self.reductions.deferred or (self.options.find_unused_parameters and self.require_grad_sync):
-            self.reductions.reduce_deferred(self.handles(), self.options.process_group)
+            self.reductions.reduce_deferred(self.handles(), self.options.data_parallel_groups())
         self.reductions.finish_all()
         for unit in self.units:
             unit.end_backward()

@@ -8,6 +8,11 @@ the same ranks (their own gloo threads, or their own NCCL communicator and strea
 members or not. Ranks that shard over different groups (a group per node, or the subgroups of
 the engine-state tests) each know only their own, so :func:`create_reduction_groups` first
 all-gathers every rank's list over the world and then creates every group in one sorted order.
+Hybrid sharding's replica groups get their second group the same way.
+
+With replica groups a reduction has two stages, each on its own group, each overlapping the next
+unit's backward: the reduce-scatter inside the shard group, then the all-reduce of the shard over
+the replica group. A handle's ``shard.grad`` is final (``on_shard_grad_ready``) only after both.
 """
 
 import functools
@@ -68,15 +73,17 @@ class ReductionQueue:
         # called with each handle whose shard gradient is final for this backward (the optimizer
         # step in backward); None: gradients wait in ``shard.grad`` for ``optimizer.step()``
         self.on_shard_grad_ready: Optional[Callable[[FlatParamHandle], None]] = None
-        self.pending: List[PendingReduction] = []
+        self.pending: List[PendingReduction] = []  # reduce-scatters in flight
+        self.across: List[PendingReduction] = []  # cross-replica all-reduces in flight (hybrid)
         # find_unused_parameters: full gradients kept until the end of backward, by handle.
         self.deferred: Dict[FlatParamHandle, torch.Tensor] = {}
 
     def start(self, handle: FlatParamHandle, grad: torch.Tensor) -> None:
-        # The previous reduction had this handle's whole backward to overlap with; finishing it now
+        # The previous reduction had this handle's whole backward to overlap with; moving it on now
         # bounds the full-size gradient buffers alive at any time to this one's and one in flight
-        # (gloo reduces the full vector in place: its buffer lives until the reduction is finished).
-        self.finish_all()
+        # (gloo reduces the full vector in place: its buffer lives until the reduce-scatter is
+        # waited); a cross-replica all-reduce holds only a shard.
+        self._advance()
         group = self.reduction_groups[group_ranks(handle.group)]
         work, reduced, source = handle.start_reduce_scatter(grad, group)
         self.pending.append(PendingReduction(handle, work, reduced, source))
@@ -86,23 +93,47 @@ class ReductionQueue:
 
     def finish_all(self) -> None:
         """Wait for every in-flight reduction and add its result to the shard's gradient."""
+        self._advance()
+        self._advance()  # the cross-replica all-reduces the first pass started
+
+    def _advance(self) -> None:
+        """Move every reduction in flight one stage on: cross-replica all-reduces finish;
+        reduce-scatters finish, or start their all-reduce over the replica group (hybrid)."""
+        across, self.across = self.across, []
+        for reduction in across:
+            self._wait(reduction, _replica_description)
+            self._finish(reduction)
         pending, self.pending = self.pending, []
         for reduction in pending:
-            wait_within(
-                reduction.work,
-                reduction.handle.timeout,
-                functools.partial(_reduction_description, reduction.handle),
-                reduction.source.device,
-            )
-            reduction.handle.accumulate_shard_grad(reduction.reduced)
-            self.heap.freed(reduction.source.untyped_storage().nbytes())
-            if self.on_shard_grad_ready is not None:
-                self.on_shard_grad_ready(reduction.handle)
+            self._wait(reduction, _reduction_description)
+            self.heap.freed(reduction.source.untyped_storage().nbytes())  # the full gradient, now dropped
+            handle = reduction.handle
+            if handle.replica_group is None:
+                self._finish(reduction)
+                continue
+            group = self.reduction_groups[group_ranks(handle.replica_group)]
+            work, shard = handle.start_replica_all_reduce(reduction.reduced, group)
+            self.across.append(PendingReduction(handle, work, shard, shard))
+
+    @staticmethod
+    def _wait(reduction: PendingReduction, describe: Callable[[FlatParamHandle], str]) -> None:
+        wait_within(
+            reduction.work,
+            reduction.handle.timeout,
+            functools.partial(describe, reduction.handle),
+            reduction.source.device,
+        )
+
+    def _finish(self, reduction: PendingReduction) -> None:
+        """The shard gradient is averaged over the whole world: add it, announce it."""
+        reduction.handle.accumulate_shard_grad(reduction.reduced)
+        if self.on_shard_grad_ready is not None:
+            self.on_shard_grad_ready(reduction.handle)
 
     def discard(self) -> None:
         """After an interrupted step: wait for what was issued (so every rank can reset on its
         own) and drop the results."""
-        for reduction in self.pending:
+        for reduction in self.pending + self.across:
             wait_within(
                 reduction.work,
                 reduction.handle.timeout,
@@ -110,20 +141,24 @@ class ReductionQueue:
                 reduction.source.device,
             )
         self.pending.clear()
+        self.across.clear()
         self.deferred.clear()
 
-    def reduce_deferred(self, handles: List[FlatParamHandle], group) -> None:
+    def reduce_deferred(self, handles: List[FlatParamHandle], groups: Sequence) -> None:
         """find_unused_parameters: reduce, in the canonical unit order, every handle some rank used.
 
-        A MAX all-reduce of per-handle "has a gradient here" flags tells every rank which handles
-        to reduce; a rank that did not use one contributes zeros. Handles no rank used keep
-        ``.grad`` as it was, as DDP leaves globally unused parameters.
+        A MAX all-reduce of per-handle "has a gradient here" flags (over the shard group, then
+        the replica group: ``groups``) tells every rank which handles to reduce; a rank that did
+        not use one contributes zeros. Handles no rank used keep ``.grad`` as it was, as DDP
+        leaves globally unused parameters.
         """
         handles = [h for h in handles if h.shard.requires_grad]
         local = [h in self.deferred or h.unsharded_grad_acc is not None for h in handles]
         device = handles[0].compute_device if handles else torch.device("cpu")
         flags = torch.tensor(local, dtype=torch.uint8, device=device)
-        if handles and dist.get_world_size(group) > 1:
+        for group in groups:
+            if not handles or dist.get_world_size(group) == 1:
+                continue
             work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
             wait_within(
                 work, handles[0].timeout, "the used-parameter flags of find_unused_parameters", flags.device
@@ -138,7 +173,7 @@ class ReductionQueue:
 
     def tensors(self):
         """Every tensor the queue keeps alive (memory accounting)."""
-        for reduction in self.pending:
+        for reduction in self.pending + self.across:
             yield reduction.reduced
             yield reduction.source
         yield from self.deferred.values()
@@ -146,3 +181,7 @@ class ReductionQueue:
 
 def _reduction_description(handle: FlatParamHandle) -> str:
     return f"the gradient reduction of {handle.describe()}"
+
+
+def _replica_description(handle: FlatParamHandle) -> str:
+    return f"the cross-replica gradient all-reduce of {handle.describe()}"

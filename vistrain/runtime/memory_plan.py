@@ -211,7 +211,8 @@ def plan(cfg, device: str = "cpu", cache: Optional[dict] = None) -> MemoryPlan:
         sizes = [sum(p.numel() for p in model.parameters())]
     momentum = cfg.OPTIMIZER.momentum > 0 or cfg.OPTIMIZER.name == "adamw"
     states = OPTIMIZER_STATES.get(cfg.OPTIMIZER.name, 1) if momentum else 0
-    state = sharded_state_bytes(sizes, world, states, sharded)
+    shard_ranks = fsdp.shard_group_size or world  # hybrid sharding: shards over a group of k ranks
+    state = sharded_state_bytes(sizes, shard_ranks, states, sharded)
     all_grads = state["grads"]
     if device == "cuda" and sharded and fsdp.move_params_to_cpu:
         state = dict.fromkeys(state, 0)
@@ -221,7 +222,7 @@ def plan(cfg, device: str = "cpu", cache: Optional[dict] = None) -> MemoryPlan:
     if sharded:
         in_backward = bool(cfg.OPTIMIZER.step_in_backward)
         gathered, state["grads"] = backward_peak_bytes(
-            sizes, world, compute, reduce, fsdp.reshard_after_forward, in_backward
+            sizes, shard_ranks, compute, reduce, fsdp.reshard_after_forward, in_backward
         )
     checkpointing = model_cfg.ACTIVATION_CHECKPOINTING
     granularity = checkpointing.GRANULARITY if checkpointing.USE_ACTIVATION_CHECKPOINTING else None
@@ -240,7 +241,7 @@ def plan(cfg, device: str = "cpu", cache: Optional[dict] = None) -> MemoryPlan:
         return backward_peak
     # the ordinary step, after backward: every shard gradient, one update temporary, no weights
     # gathered and the activations freed
-    temporary = max(shard_size(n, world) for n in sizes) * 4
+    temporary = max(shard_size(n, shard_ranks) for n in sizes) * 4
     step_peak = MemoryPlan(**{**state, "grads": all_grads + temporary}, gathered_units=0,
                            activations=0, runtime_overhead=runtime)  # fmt: skip
     return max(backward_peak, step_peak, key=lambda plan: plan.peak)

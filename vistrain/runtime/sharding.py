@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torchvision.models.regnet import AnyStage, ResBottleneckBlock, SimpleStemIN
 
-from vistrain.fsdp import TorchShardedModel, auto_wrap, by_class
+from vistrain.fsdp import TorchShardedModel, auto_wrap, by_class, hybrid_groups
 from vistrain.fsdp.deferred_init import build_on_meta
 from vistrain.models.heads.mlp import MLP
 from vistrain.models.heads.swav import SwAVPrototypes
@@ -104,9 +104,13 @@ def shard_model(model: nn.Module, model_cfg, param_group_fn: Optional[Callable] 
     if fsdp_cfg.BACKEND == "torch":
         return torch_fully_shard(model, fsdp_cfg, classes)
     dtype = compute_dtype(fsdp_cfg)
+    # hybrid sharding: shards within groups of shard_group_size ranks, replicas across them
+    shard_group, replica_group = hybrid_groups(fsdp_cfg.shard_group_size)
     return auto_wrap(
         model,
         wrap_policy(fp32_batchnorm=low_precision),
+        process_group=shard_group,
+        replica_group=replica_group,
         reshard_after_forward=fsdp_cfg.reshard_after_forward,
         mixed_precision=dtype is not None,
         fp32_reduce_scatter=fsdp_cfg.fp32_reduce_scatter,
@@ -119,13 +123,24 @@ def shard_model(model: nn.Module, model_cfg, param_group_fn: Optional[Callable] 
     )
 
 
+def torch_mesh(device_type: str, shard_group_size: int):
+    """FSDP2's device mesh: 1-D over all ranks, or 2-D ``(replicate, shard)`` for hybrid
+    sharding (HSDP), rows of ``shard_group_size`` consecutive ranks as our shard groups."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    k = shard_group_size or world
+    if k == world:
+        return init_device_mesh(device_type, (world,))
+    return init_device_mesh(device_type, (world // k, k), mesh_dim_names=("replicate", "shard"))
+
+
 def torch_fully_shard(model: nn.Module, fsdp_cfg, classes: dict) -> nn.Module:
     """The same wrap policy through PyTorch's ``fully_shard`` (FSDP2), for comparison."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device = next(model.parameters()).device
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = torch_mesh(device.type, fsdp_cfg.shard_group_size)
     low = MixedPrecisionPolicy(
         param_dtype=compute_dtype(fsdp_cfg),
         reduce_dtype=torch.float32 if fsdp_cfg.fp32_reduce_scatter else None,

@@ -1,0 +1,57 @@
+"""Full vs hybrid sharding for SEER RegNetY-10B on 64 nodes x 8 GPUs, by the planner (no GPU).
+
+    python dev/plan_hybrid.py [--nodes 64] [--per-node 8]
+
+The README's SEER-10B recipe (SwAV, head [28280, 8192, 256], 16000 prototypes, 2x224 + 4x96
+crops, 8 images per GPU, LARS, bf16 with fp32 reductions, activation checkpointing) planned with
+``MODEL.FSDP_CONFIG.shard_group_size`` 0 (shards over all GPUs) and the GPUs of one node (and
+two), ZeRO-3 and ZeRO-2: per-GPU memory (``vistrain.runtime.memory_plan.plan``, CUDA) and the
+bytes each GPU sends per step inside its shard group, across groups and across nodes
+(``vistrain.runtime.traffic_plan.traffic``; ring accounting, a group spanning nodes counts
+whole). Built on the meta device.
+"""
+
+import argparse
+
+from vistrain.config import load_config
+from vistrain.runtime.memory_plan import plan
+from vistrain.runtime.traffic_plan import traffic
+
+SEER_10B = [
+    "config=pretrain/swav_regnet_y_256gf_seer",
+    "config.MODEL.TRUNK.REGNET.NAME=regnet_y_10b",
+    "config.MODEL.HEAD.DIMS=[28280,8192,256]",
+    "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
+]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=64)
+    parser.add_argument("--per-node", type=int, default=8)
+    args = parser.parse_args()
+    world = args.nodes * args.per_node
+    cache = {}
+    print(f"SEER RegNetY-10B, {args.nodes} nodes x {args.per_node} GPUs, bf16, per GPU and step (GB = 1e9 B)")
+    header = ("shard_group_size", "ZeRO", "memory GB", "in group GB", "across groups GB", "across nodes GB")
+    print(" | ".join(header))
+    for k in (0, 2 * args.per_node, args.per_node):
+        for reshard in (True, False):
+            cfg = load_config(
+                SEER_10B
+                + [
+                    f"config.DISTRIBUTED.NUM_NODES={args.nodes}",
+                    f"config.DISTRIBUTED.NUM_PROC_PER_NODE={args.per_node}",
+                    f"config.MODEL.FSDP_CONFIG.shard_group_size={k}",
+                    f"config.MODEL.FSDP_CONFIG.reshard_after_forward={reshard}",
+                ]
+            )
+            memory = plan(cfg, "cuda", cache).peak
+            sent = traffic(cfg, cache)
+            row = [f"{k} ({k or world} GPUs)", "3" if reshard else "2"]
+            row += [f"{b / 1e9:.1f}" for b in (memory, sent.shard_group, sent.replica_group, sent.cross_node)]
+            print(" | ".join(row))
+
+
+if __name__ == "__main__":
+    main()
