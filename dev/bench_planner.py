@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_big_model import HEAD_INPUT, MARGIN_MIB, mem_available_mib, run_job
+from bench_big_model import HEAD_INPUT, MARGIN_MIB, mem_available_mib, planned_mib, run_job
 
 
 def big(model: str, *extra: str, ranks: int = 4):
@@ -50,20 +50,13 @@ CASES = {
 }
 
 
-def planned_mib(cfg_args: list) -> float:
-    from vistrain.config import load_config
-    from vistrain.runtime.memory_plan import plan
-
-    return plan(load_config(cfg_args), "cpu").peak / 2**20
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     args = parser.parse_args()
     for name in args.cases:
         cfg_args = CASES[name]
-        plan = planned_mib(cfg_args)
+        plan = planned_mib(cfg_args, "builtin")
         ranks = next((int(a.split("=")[1]) for a in cfg_args if "NUM_PROC_PER_NODE" in a), 2)
         if plan * ranks + MARGIN_MIB > mem_available_mib():
             print(

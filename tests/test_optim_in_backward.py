@@ -207,3 +207,11 @@ def test_a_run_resumes_with_the_step_in_backward_switched_on_or_off(tmp_path):
         got = consolidated_state_dict(str(tmp_path / name / "checkpoint_8"))
         for key in ref:
             torch.testing.assert_close(got[key], ref[key], rtol=0, atol=0, msg=f"{name}: {key}")
+
+
+def test_binding_a_model_the_engine_did_not_wrap_is_an_error():
+    plain = nn.Linear(2, 2)
+    with pytest.raises(
+        TypeError, match="needs the root FullyShardedDataParallel of the model \\(got Linear\\)"
+    ):
+        apply_optimizer_in_backward(plain, torch.optim.SGD(plain.parameters(), lr=0.1))

@@ -15,19 +15,18 @@ every free, at the price of a page fault storm on every large allocation.
 """
 
 import ctypes
-import ctypes.util
 import platform
 from typing import Optional
 
-# Freed since the last trim. 32 MiB cost 9-15% of the quick start's step (dev/bench_fsdp.py,
-# "no trim" row); 256 MiB trims the quick start every few steps (no measurable cost).
+# Freed since the last trim: the quick start's model is trimmed every few steps, a big model's
+# every unit or two (step-time A/B in docs/memory.md).
 TRIM_AFTER_BYTES = 256 * 2**20
 
 
 def _glibc() -> Optional[ctypes.CDLL]:
     if platform.libc_ver()[0] != "glibc":
         return None
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    return ctypes.CDLL("libc.so.6")  # glibc's soname; find_library would spawn ldconfig per call
 
 
 def release_free_pages() -> None:

@@ -134,12 +134,7 @@ class ReductionQueue:
         """After an interrupted step: wait for what was issued (so every rank can reset on its
         own) and drop the results."""
         for reduction in self.pending + self.across:
-            wait_within(
-                reduction.work,
-                reduction.handle.timeout,
-                "a discarded gradient reduction",
-                reduction.source.device,
-            )
+            self._wait(reduction, _discarded_description)
         self.pending.clear()
         self.across.clear()
         self.deferred.clear()
@@ -181,6 +176,10 @@ class ReductionQueue:
 
 def _reduction_description(handle: FlatParamHandle) -> str:
     return f"the gradient reduction of {handle.describe()}"
+
+
+def _discarded_description(handle: FlatParamHandle) -> str:
+    return f"a discarded gradient reduction of {handle.describe()}"
 
 
 def _replica_description(handle: FlatParamHandle) -> str:
