@@ -46,6 +46,7 @@ def config_args(backend: str, args) -> list:
         f"config.MODEL.TRUNK.REGNET.NAME={args.model}",
         f"config.MODEL.HEAD.DIMS=[{HEAD_INPUT[args.model]},512,128]",
         "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True",
+        "config.MODEL.FSDP_CONFIG.AUTO_TUNE=False",  # the knobs as given: ours vs fully_shard alike
         f"config.MODEL.FSDP_CONFIG.BACKEND={backend}",
         f"config.DISTRIBUTED.NUM_PROC_PER_NODE={args.ranks}",
         "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=2",
@@ -64,7 +65,12 @@ def planned_mib(cfg_args: list, backend: str) -> float:
     from vistrain.config import load_config
     from vistrain.runtime.memory_plan import plan
 
-    result = plan(load_config(cfg_args), "cpu")
+    cfg = load_config(cfg_args)
+    if cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:  # plan what the run will choose
+        from vistrain.runtime.auto_tune import tune_run
+
+        cfg = tune_run(cfg, cfg_args)[0]
+    result = plan(cfg, "cpu")
     if backend == "torch":
         return max(result.peak, whole_model_bytes(cfg_args) + result.runtime_overhead) / 2**20
     return result.peak / 2**20

@@ -1,36 +1,45 @@
-"""DDP vs vistrain's sharded engine vs PyTorch's fully_shard, side by side in the same processes.
+"""Every exact knob setting of the sharded engine next to DDP and PyTorch's fully_shard, in the same processes.
 
     python dev/bench_fsdp.py [--world 2] [--steps 12] [--batch 8] [--size 64] [--model regnet_y_400mf]
-                             [--shard-group-size K]
+                             [--shard-group-size K] [--trim-after-mib N]
 
-Each rank builds the models from the same seed and, step after step, runs one training step of
-each in turn on the same data, so machine noise hits all alike. Ours and fully_shard run with
-reshard_after_forward on (ZeRO-3, the default) and off ("keep": ZeRO-2, one gather per step).
-Prints the median step time of each as a ratio to DDP's, per-rank persistent storage bytes
-(parameters + gradients + buffers + SGD momentum + the engine's own buffers, counted by
-``untyped_storage().nbytes()`` once per storage) next to DDP's / N (N: the ranks sharing the shards),
-and the peak bytes of gathered (full) parameters next to the two largest units. On CPU it uses gloo;
-with CUDA, NCCL. ``--shard-group-size K`` compares hybrid sharding side by side: ours with shard
-groups of K consecutive ranks and replicas across them, fully_shard on a 2-D (replicate, shard)
-mesh of the same layout.
+Each rank gets the threads ``tools/run_distributed.py`` would give it (cores / ranks), builds every
+engine from the same seed and, step after step, runs one training step of each in turn (the order
+rotated every step) on the same data, so machine noise hits all alike. Ours runs with every wrap
+granularity (block, stage, model) with reshard_after_forward on (ZeRO-3) and off (ZeRO-2), each
+also with activation checkpointing per block and per stage, with prefetch depth 0 and 2, and
+with the optimizer step inside backward; fully_shard per block with ZeRO-3 and ZeRO-2.
+
+Per setting it prints the median step time as a ratio to DDP's, and its communication floor: the
+same all-gathers and reduce-scatters (DDP: all-reduces of its buckets) timed alone in the same
+processes, so the distance from the floor shows. Then the factors ``vistrain/runtime/knob_search.py``
+uses, as measured here, and how often the planner's speed order (``speed_cost``) agrees with the
+measured one. Also persistent storage bytes per rank (``untyped_storage().nbytes()``, each storage
+once) next to DDP's / N. CPU: gloo; CUDA: NCCL. ``--shard-group-size K``: hybrid sharding (ours
+with shard groups of K ranks, fully_shard on a 2-D mesh).
 """
 
 import argparse
+import itertools
+import os
 import statistics
 import time
 
 import torch
+import torch.distributed as dist
 import torchvision
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torchvision.models.regnet import ResBottleneckBlock, SimpleStemIN
 
 from vistrain.distributed.testing import run_on_ranks
-from vistrain.fsdp import auto_wrap, by_class, heap, hybrid_groups
-from vistrain.fsdp.memory import held_tensors, peak_rss_mib, storage_bytes
-from vistrain.runtime.sharding import torch_mesh
+from vistrain.fsdp import auto_wrap, heap, hybrid_groups
+from vistrain.fsdp.flat_param import gather_into, reduce_scatter_into
+from vistrain.fsdp.memory import held_tensors, storage_bytes
+from vistrain.runtime.knob_search import speed_cost
+from vistrain.runtime.sharding import apply_activation_checkpointing, torch_mesh, unit_classes, wrap_policy
 
-UNIT_CLASSES = (ResBottleneckBlock, SimpleStemIN, nn.Linear)  # blocks, stem, classifier
+GRANULARITIES = ("block", "stage", "model")
+DDP_BUCKET_MIB, DDP_FIRST_BUCKET_MIB = 25, 1  # DDP's defaults
 
 
 def build(name):
@@ -38,39 +47,55 @@ def build(name):
     return getattr(torchvision.models, name)(num_classes=10)
 
 
+def settings():
+    """(row name, knobs) of every sharded setting measured; knobs as knob_search names them."""
+    out = []
+    for granularity, reshard in itertools.product(GRANULARITIES, (True, False)):
+        base = dict(wrap_granularity=granularity, reshard_after_forward=reshard)
+        name = f"{granularity} {'zero3' if reshard else 'zero2'}"
+        out.append((name, base))
+        for ckpt in ("block", "stage"):
+            out.append(
+                (
+                    f"{name} ckpt {ckpt}",
+                    {**base, "activation_checkpointing": True, "checkpointing_granularity": ckpt},
+                )
+            )
+        out.append((f"{name} step in bwd", {**base, "step_in_backward": True}))
+        if reshard and granularity != "model":
+            out += [(f"{name} prefetch {d}", {**base, "prefetch_depth": d}) for d in (0, 2)]
+    return out
+
+
 def make_engines(args, device):
-    """DDP, then ours and fully_shard with reshard_after_forward on (ZeRO-3) and off (ZeRO-2);
-    ours also without giving freed heap pages back (``release_host_memory=False``, the engine
-    before it trimmed) and with the optimizer step inside backward."""
-    engines = {"ddp": DDP(build(args.model).to(device))}
+    """name -> (model, optimizer, knobs or None)."""
+    engines = {"ddp": (DDP(build(args.model).to(device)), None)}
     shard_group, replica_group = hybrid_groups(args.shard_group_size)  # WORLD, None when 0
-    for reshard, suffix in ((True, ""), (False, " (keep)")):
-        engines["vistrain" + suffix] = auto_wrap(
-            build(args.model).to(device),
-            by_class(UNIT_CLASSES),
-            reshard_after_forward=reshard,
+    for name, knobs in settings():
+        model = build(args.model).to(device)
+        if knobs.get("activation_checkpointing"):
+            apply_activation_checkpointing(model, knobs["checkpointing_granularity"])
+        wrapped = auto_wrap(
+            model,
+            wrap_policy(False, knobs["wrap_granularity"]),
+            reshard_after_forward=knobs["reshard_after_forward"],
+            prefetch_depth=knobs.get("prefetch_depth", 1),
             process_group=shard_group,
             replica_group=replica_group,
         )
+        engines[name] = (wrapped, knobs)
+    for reshard in (True, False):
         try:
-            engines["fully_shard" + suffix] = torch_fully_shard(
-                build(args.model).to(device), reshard, args.shard_group_size
-            )
+            model = torch_fully_shard(build(args.model).to(device), reshard, args.shard_group_size)
+            engines[f"fully_shard {'zero3' if reshard else 'zero2'}"] = (model, None)
         except (ImportError, RuntimeError) as error:  # older torch: compare what we can
             print(f"fully_shard unavailable: {error}")
-    groups = dict(process_group=shard_group, replica_group=replica_group)
-    engines["vistrain (no trim)"] = auto_wrap(
-        build(args.model).to(device), by_class(UNIT_CLASSES), release_host_memory=False, **groups
-    )
-    engines["vistrain (step in bwd)"] = auto_wrap(
-        build(args.model).to(device), by_class(UNIT_CLASSES), **groups
-    )
-    out = {
-        name: (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
-        for name, model in engines.items()
-    }
-    model, optimizer = out["vistrain (step in bwd)"]
-    model.apply_optimizer_in_backward(optimizer)
+    out = {}
+    for name, (model, knobs) in engines.items():
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        if knobs and knobs.get("step_in_backward"):
+            model.apply_optimizer_in_backward(optimizer)
+        out[name] = (model, optimizer, knobs)
     return out
 
 
@@ -78,8 +103,9 @@ def torch_fully_shard(model, reshard, shard_group_size):
     from torch.distributed.fsdp import fully_shard
 
     mesh = torch_mesh(next(model.parameters()).device.type, shard_group_size)  # 2-D when hybrid
+    classes = tuple(unit_classes(False, "block"))
     for module in model.modules():
-        if isinstance(module, UNIT_CLASSES):
+        if isinstance(module, classes):
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
     return fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
 
@@ -98,44 +124,123 @@ def step(model, optimizer, x, y, device, in_backward=False):
     return time.perf_counter() - start
 
 
-def persistent_bytes(model, optimizer):
-    """Storage bytes (whole storages, each once) of parameters, gradients, buffers, optimizer
-    state and, for ours, the engine's own buffers: a view into a larger buffer counts it all."""
-    return storage_bytes(held_tensors(model, optimizer))
+def collectives(model, knobs):
+    """The gradient and weight collectives one step of this engine issues:
+    [(op, numel, shard numel, group)]."""
+    world = dist.group.WORLD
+    if knobs is None:  # DDP: all-reduce of its gradient buckets
+        total = sum(p.numel() for p in model.parameters())
+        first, cap = min(total, DDP_FIRST_BUCKET_MIB * 2**18), DDP_BUCKET_MIB * 2**18  # fp32 elements
+        sizes = [first] + [min(cap, total - start) for start in range(first, total, cap)]
+        return [("all_reduce", n, n, world) for n in sizes]
+    ops = []
+    for unit in model.units():
+        gathers = 1 if (not knobs["reshard_after_forward"] or unit is model) else 2
+        for handle in unit.unit_state.handles:
+            full, shard, group = handle.full.numel(), handle.shard.numel(), unit.process_group
+            ops += [("all_gather", full, shard, group)] * gathers + [("reduce_scatter", full, shard, group)]
+            if unit.replica_group is not None:  # hybrid: the shard gradient across the groups
+                ops.append(("all_reduce", shard, shard, unit.replica_group))
+    return ops
+
+
+def time_collectives(ops, device, repeats):
+    """Median seconds of issuing ``ops`` back to back (what one step's communication costs alone),
+    through the engine's own collective helpers (on gloo: list all-gather, in-place all-reduce)."""
+    buffers = {n: torch.zeros(n, device=device) for _, full, shard, _ in ops for n in (full, shard)}
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        for op, full, shard, group in ops:
+            if op == "all_reduce":
+                dist.all_reduce(buffers[full], group=group)
+            elif op == "all_gather":
+                gather_into(buffers[full], buffers[shard], group, async_op=False)
+            else:
+                reduce_scatter_into(buffers[full], 0, shard, group)[0].wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def worker(rank, world, args):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as the launcher does
     device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
     engines = make_engines(args, device)
     times = {name: [] for name in engines}
     gen = torch.Generator().manual_seed(rank)
-    peak = 0
+    names = list(engines)
     for i in range(args.steps + args.warmup):
         x = torch.randn(args.batch, 3, args.size, args.size, generator=gen).to(device)
         y = torch.randint(0, 10, (args.batch,), generator=gen).to(device)
-        names = list(engines)
         for name in names[i % len(names) :] + names[: i % len(names)]:  # rotate: no engine always first
-            model, optimizer = engines[name]
-            gathered = model.model_state.gathered if name == "vistrain" and model.model_state else None
-            if gathered is not None:  # peak over its step alone
-                gathered.reset_peak()
-            elapsed = step(model, optimizer, x, y, device, in_backward="step in bwd" in name)
-            if name == "vistrain":
-                peak = max(peak, model.model_state.gathered.peak)
+            model, optimizer, knobs = engines[name]
+            elapsed = step(
+                model, optimizer, x, y, device, in_backward=bool(knobs and knobs.get("step_in_backward"))
+            )
             if i >= args.warmup:
                 times[name].append(elapsed)
-    ours = engines["vistrain"][0]
-    units = sorted(
-        (sum(h.full.numel() * h.full.element_size() for h in u.unit_state.handles) for u in ours.units()),
-        reverse=True,
-    )
+    floors = {}
+    for name, (model, _, knobs) in engines.items():
+        if name.startswith("fully_shard"):
+            continue
+        ops = collectives(model, knobs)
+        key = tuple(ops)
+        floors[name] = floors.get(key) or time_collectives(ops, device, args.steps)
+        floors[key] = floors[name]
     return {
         "median_s": {name: statistics.median(t) for name, t in times.items()},
-        "bytes": {name: persistent_bytes(*engines[name]) for name in engines},
-        "peak_gathered": peak,
-        "two_largest_units": sum(units[:2]),
-        "peak_rss_mib": peak_rss_mib(),
+        "floor_s": {k: v for k, v in floors.items() if isinstance(k, str)},
+        "bytes": {name: storage_bytes(held_tensors(*engines[name][:2])) for name in engines},
+        "knobs": {name: knobs for name, (_, _, knobs) in engines.items()},
     }
+
+
+def measured_factors(ratio, knobs_of):
+    """The knob_search factors as this run measured them."""
+    base = {
+        (k["wrap_granularity"], k["reshard_after_forward"]): ratio[n]
+        for n, k in knobs_of.items()
+        if k and len(k) == 2
+    }
+
+    def relative(select, key, added=False):  # median over the settings of the ratio (or the difference)
+        out = {}
+        for name, k in knobs_of.items():
+            if k and select(k):
+                reference = base[(k["wrap_granularity"], k["reshard_after_forward"])]
+                out.setdefault(key(k), []).append(
+                    ratio[name] - reference if added else ratio[name] / reference
+                )
+        return {key: statistics.median(v) for key, v in out.items()}
+
+    return {
+        "STEP_VS_DDP": base,
+        "CHECKPOINTING_EXTRA": relative(
+            lambda k: k.get("activation_checkpointing"), lambda k: k["checkpointing_granularity"], added=True
+        ),
+        "PREFETCH_COST": relative(lambda k: "prefetch_depth" in k, lambda k: k["prefetch_depth"]),
+        "IN_BACKWARD_COST": relative(lambda k: k.get("step_in_backward"), lambda k: True),
+    }
+
+
+def order_agreement(ratio, knobs_of, device, tolerance=0.05):
+    """(pairs the planner orders as measured, pairs compared, disagreements), over the pairs of
+    settings whose measured step times differ by more than ``tolerance``."""
+    names = [n for n, k in knobs_of.items() if k]
+    agree, pairs, wrong = 0, 0, []
+    for a, b in itertools.combinations(names, 2):
+        if abs(ratio[a] / ratio[b] - 1) <= tolerance:
+            continue
+        pairs += 1
+        planned = speed_cost(knobs_of[a], device) - speed_cost(knobs_of[b], device)
+        if planned * (ratio[a] - ratio[b]) > 0:
+            agree += 1
+        else:
+            wrong.append(f"{a} vs {b}")
+    return agree, pairs, wrong
 
 
 def main():
@@ -147,37 +252,57 @@ def main():
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--model", default="regnet_y_400mf")
     parser.add_argument(
-        "--trim-after-mib",
-        type=float,
-        default=None,
-        help="heap trims after this many MiB freed (engine default 256)",
+        "--trim-after-mib", type=float, default=None, help="heap trims after this many MiB freed"
     )
     parser.add_argument("--shard-group-size", type=int, default=0, help="hybrid: ranks per shard group")
     args = parser.parse_args()
     if args.trim_after_mib is not None:  # the ranks are forked from here and inherit it
         heap.TRIM_AFTER_BYTES = int(args.trim_after_mib * 2**20)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     results = run_on_ranks(worker, args.world, args, backend=backend)
     r0 = results[0]
-    ddp_time = max(r["median_s"]["ddp"] for r in results)
-    ddp_bytes = r0["bytes"]["ddp"]
+
+    def slowest(key, name):  # the slowest rank sets the pace
+        return max(r[key][name] for r in results)
+
+    ddp_time = slowest("median_s", "ddp")
     sharing = args.shard_group_size or args.world
-    layout = f", shard groups of {sharing}" if sharing < args.world else ""
+    threads = max(1, (os.cpu_count() or 1) // args.world)
     print(
-        f"{args.model}, {args.size}x{args.size}, batch {args.batch}/rank, {args.world} ranks{layout}, "
-        f"{'cuda/nccl' if torch.cuda.is_available() else 'cpu/gloo'}, median of {args.steps} steps"
+        f"{args.model}, {args.size}x{args.size}, batch {args.batch}/rank, {args.world} ranks x {threads} threads"
+        f"{f', shard groups of {sharing}' if sharing < args.world else ''}, {device}/{backend}, "
+        f"median of {args.steps} steps"
     )
-    print(f"{'engine':<20} {'step s':>8} {'vs DDP':>7} {'MB/rank':>9} {'vs DDP/' + str(sharing):>9}")
+    print(
+        f"{'setting':<26} {'step s':>7} {'vs DDP':>7} {'floor':>7} {'planner':>8} {'MB/rank':>8} {'vs DDP/' + str(sharing):>8}"
+    )
+    ratio = {}
     for name in r0["median_s"]:
-        t = max(r["median_s"][name] for r in results)  # the slowest rank sets the pace
-        b = max(r["bytes"][name] for r in results)
-        print(f"{name:<20} {t:8.3f} {t / ddp_time:7.2f} {b / 2**20:9.2f} {b / (ddp_bytes / sharing):9.3f}")
+        t = slowest("median_s", name)
+        ratio[name] = t / ddp_time
+        floor = f"{slowest('floor_s', name) / ddp_time:7.2f}" if name in r0["floor_s"] else f"{'-':>7}"
+        knobs = r0["knobs"][name]
+        cost = (
+            f"{speed_cost(knobs, device):8.2f}"
+            if knobs
+            else (f"{1.0:8.2f}" if name == "ddp" else f"{'-':>8}")
+        )
+        b = slowest("bytes", name)
+        print(
+            f"{name:<26} {t:7.3f} {ratio[name]:7.2f} {floor} {cost} {b / 2**20:8.2f} {b / (r0['bytes']['ddp'] / sharing):8.3f}"
+        )
+    print("floor: the step's gathers and reductions (DDP: bucket all-reduces) timed alone, / DDP's step")
+    knobs_of = r0["knobs"]
+    print("factors measured here (vistrain/runtime/knob_search.py):")
+    for table, values in measured_factors(ratio, knobs_of).items():
+        print(f"  {table}: " + ", ".join(f"{k}: {v:.2f}" for k, v in values.items()))
+    agree, pairs, wrong = order_agreement(ratio, knobs_of, device)
     print(
-        f"vistrain peak gathered parameters: {r0['peak_gathered'] / 2**20:.2f} MB; two largest units: "
-        f"{r0['two_largest_units'] / 2**20:.2f} MB"
+        f"planner's speed order agrees with the measured one on {agree} of {pairs} pairs that differ by > 5%"
     )
-    rss = max(r["peak_rss_mib"] for r in results)
-    print(f"peak RSS per rank (all engines share each process): {rss:.0f} MiB")
+    for pair in wrong:
+        print(f"  disagrees: {pair}")
 
 
 if __name__ == "__main__":

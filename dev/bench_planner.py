@@ -4,8 +4,9 @@ planned peak per rank next to the logged ``mem`` (CPU: peak RSS of the busiest r
     python dev/bench_planner.py [--cases quick_start 3_2gf_adamw_ckpt 8gf_zero2 ...]
 
 Cases (4 ranks, batch 2 per rank, 28 px crops, 16 images, SimCLR head, unless said otherwise):
-the quick start as shipped (2 ranks, 1,280 digits); RegNetY-3.2GF with AdamW and activation
-checkpointing; RegNetY-8GF ZeRO-2; RegNetY-32GF; RegNetY-128GF with LARS (with and without the
+the quick start as shipped (2 ranks, 1,280 digits, auto-tuned: planned as the run tunes it); RegNetY-3.2GF with AdamW and activation
+checkpointing; RegNetY-8GF ZeRO-2, with one unit per stage, and as one unit (wrap granularity
+"model") with ZeRO-2; RegNetY-32GF; RegNetY-128GF with LARS (with and without the
 step in backward); RegNetY-256GF with LARS and the step in backward. Runs one after the other;
 a case whose plan does not fit the machine is not started. A benchmark, not a test.
 """
@@ -24,6 +25,7 @@ def big(model: str, *extra: str, ranks: int = 4):
         f"config.MODEL.TRUNK.REGNET.NAME={model}",
         f"config.MODEL.HEAD.DIMS=[{HEAD_INPUT[model]},512,128]",
         "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True",
+        "config.MODEL.FSDP_CONFIG.AUTO_TUNE=False",  # the settings each case names
         f"config.DISTRIBUTED.NUM_PROC_PER_NODE={ranks}",
         "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=2",
         "config.DATA.TRAIN.DATA_LIMIT=16",
@@ -43,6 +45,12 @@ CASES = {
         "config.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING=True",
     ),
     "8gf_zero2": big("regnet_y_8gf", "config.MODEL.FSDP_CONFIG.reshard_after_forward=False"),
+    "8gf_stage_units": big("regnet_y_8gf", "config.MODEL.FSDP_CONFIG.wrap_granularity=stage"),
+    "8gf_one_unit_zero2": big(
+        "regnet_y_8gf",
+        "config.MODEL.FSDP_CONFIG.wrap_granularity=model",
+        "config.MODEL.FSDP_CONFIG.reshard_after_forward=False",
+    ),
     "32gf": big("regnet_y_32gf"),
     "128gf_lars": big("regnet_y_128gf", LARS),
     "128gf_lars_in_backward": big("regnet_y_128gf", LARS, IN_BACKWARD),

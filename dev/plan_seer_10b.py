@@ -9,7 +9,8 @@ Planner numbers only: not run on GPUs.
 """
 
 from vistrain.config import load_config
-from vistrain.runtime.memory_plan import MIB, search
+from vistrain.runtime.knob_search import search
+from vistrain.runtime.memory_plan import MIB
 
 ARGS = [
     "config=pretrain/swav_regnet_y_256gf_seer",

@@ -112,6 +112,40 @@ def test_auto_setup_equals_ddp(method, case):
     assert losses[-1] < losses[0]
 
 
+# Knobs the auto-tuner may set: the sharded run with them equals DDP with none of them, weights,
+# BatchNorm statistics and batch counts included (checkpointing recomputes without moving them).
+EXACT_KNOB_CASES = {
+    "stage_units_zero2_prefetch_2": [
+        "config.MODEL.FSDP_CONFIG.wrap_granularity=stage",
+        "config.MODEL.FSDP_CONFIG.reshard_after_forward=False",
+        "config.MODEL.FSDP_CONFIG.prefetch_depth=2",
+    ],
+    "one_unit_stage_checkpointing": [
+        "config.MODEL.FSDP_CONFIG.wrap_granularity=model",
+        "config.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING=True",
+        "config.MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY=stage",
+    ],
+    "block_checkpointing_no_prefetch": [
+        "config.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING=True",
+        "config.MODEL.FSDP_CONFIG.prefetch_depth=0",
+    ],
+}
+
+
+def _exact_knobs_worker(rank, world, method, overrides):
+    base = ("config.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN=True", PARITY_LR)
+    ref_losses, ref_state, _ = run(recipe(method, *base), False, rank, world)
+    losses, state, _ = run(recipe(method, *base, *overrides), True, rank, world)
+    return max_rel_diff(losses, ref_losses), max_rel_diff(state, ref_state)
+
+
+@pytest.mark.parametrize("method", ["simclr", "swav"])
+@pytest.mark.parametrize("case", sorted(EXACT_KNOB_CASES))
+def test_exact_knobs_equal_ddp_without_them(method, case):
+    loss_diff, state_diff = run_on_ranks(_exact_knobs_worker, 2, method, EXACT_KNOB_CASES[case])[0]
+    assert loss_diff < 1e-5 and state_diff < 1e-5, (loss_diff, state_diff)
+
+
 def _perturbed_ddp_worker(rank, world, relative):
     """DDP's final weights with its initial weights scaled by (1 + relative)."""
     cfg = recipe(

@@ -12,14 +12,14 @@ import torch
 from torch import nn
 
 from vistrain.config import load_config
-from vistrain.runtime import memory_plan
+from vistrain.runtime import knob_search, memory_plan
+from vistrain.runtime.knob_search import search
 from vistrain.runtime.memory_plan import (
     MIB,
     backward_peak_bytes,
     checkpointed_activations,
     measure_activations,
     plan,
-    search,
     sharded_state_bytes,
     unit_sizes,
 )
@@ -71,6 +71,12 @@ def test_backward_peak_bytes(monkeypatch):
     # ZeRO-2: every unit stays gathered (19 * 4); the worst is the 5's backward, when the shard
     # gradients of the 9 and the 3 exist: 76 + 2 * 5 * 4 + 48 = 164 (the 9's: 76 + 72 + 12 = 160)
     assert backward_peak_bytes([5, 9, 3, 2], 1, 4, 4, reshard=False, in_backward=False) == (76 + 40, 48)
+    # no prefetch: the 9's backward holds root + 9 only: 11 * 2 + 72 + 12 = 106
+    assert backward_peak_bytes([5, 9, 3, 2], 1, 2, 4, True, False, prefetch_depth=0) == (94, 12)
+    # depth 2: the 3's backward also holds the 9 and the 5 (19 * 2 + 24 = 62), still below the 9's
+    assert backward_peak_bytes([5, 9, 3, 2], 1, 2, 4, True, False, prefetch_depth=2) == (104, 12)
+    # one unit (wrap granularity "model"): the root's own gradient at the end of backward
+    assert backward_peak_bytes([20], 1, 4, 4, True, False) == (20 * 4 + 2 * 20 * 4, 0)
 
 
 def test_the_step_in_backward_changes_only_the_gradient_term_and_the_search_may_choose_it(fixed_baseline):
@@ -88,7 +94,7 @@ def test_the_step_in_backward_changes_only_the_gradient_term_and_the_search_may_
     budget = (in_backward.peak + ordinary.peak) / 2 / MIB
     knobs, result = search(load_config(args), budget)
     assert knobs is not None and knobs["step_in_backward"] and result.peak <= budget * MIB
-    assert "config.OPTIMIZER.step_in_backward=True" in memory_plan.overrides(knobs)
+    assert "config.OPTIMIZER.step_in_backward=True" in knob_search.overrides(knobs)
     # never chosen when the run clips the global norm (it needs every gradient first)
     knobs, _ = search(load_config([*args, "config.OPTIMIZER.clip_grad_norm=1.0"]), 1e9)
     assert knobs["step_in_backward"] is False
@@ -129,9 +135,10 @@ def test_search_picks_a_setting_that_fits_or_says_none_does(fixed_baseline):
     knobs, result = search(cfg, base * 1.5)
     assert knobs is not None and result.peak <= base * 1.5 * MIB
     assert knobs["reshard_after_forward"] is False and knobs["activation_checkpointing"] is False
-    # the plan holds at glibc's default (the engine trims its heaps): no allocator knob proposed
-    assert "cpu_mmap_threshold_mib" not in knobs
-    assert not any("CPU_MMAP_THRESHOLD_MIB" in o for o in memory_plan.overrides(knobs))
+    # the plan holds at glibc's default (the engine trims its heaps): the slower allocator
+    # setting only where nothing else fits
+    assert knobs["cpu_mmap_threshold_mib"] == 0.0
+    assert "config.MACHINE.CPU_MMAP_THRESHOLD_MIB=0.0" in knob_search.overrides(knobs)
     knobs, smallest = search(cfg, 1.0)  # 1 MiB: the runtime alone is larger
     assert knobs is None and smallest.peak > MIB
 

@@ -7,7 +7,9 @@
 Takes the same arguments as tools/run_distributed.py. Prints JSON: ``peak_mib_per_rank`` (what
 the run logs as ``mem``: peak RSS on CPU, peak allocated memory on CUDA) and its breakdown; with
 ``--budget-mib`` the fastest knob setting that fits and its ``config.X=Y`` overrides, or one
-line saying that nothing fits, with the smallest peak reached. A sharded run's plan also gives the
+line saying that nothing fits, with the smallest peak reached. With ``MODEL.FSDP_CONFIG.AUTO_TUNE``
+on (the shipped recipes) and no ``--budget-mib``, it plans what the run would choose and prints
+its ``auto_tune`` line. A sharded run's plan also gives the
 bytes each rank sends per step inside its shard group, across groups (hybrid sharding,
 ``MODEL.FSDP_CONFIG.shard_group_size``) and across nodes. See vistrain/runtime/memory_plan.py.
 """
@@ -32,12 +34,22 @@ def main(argv) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    from vistrain.runtime.memory_plan import overrides, plan, search
+    from vistrain.runtime.knob_search import overrides, search
+    from vistrain.runtime.memory_plan import plan
     from vistrain.runtime.traffic_plan import traffic
 
     device = args.device or ("cpu" if cfg.MACHINE.DEVICE == "cpu" else "cuda")
     if args.budget_mib is None:
-        out = plan(cfg, device).as_mib()
+        tuned = {}
+        if cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:  # plan what the run would run
+            from vistrain.runtime.auto_tune import tune_run
+
+            try:
+                cfg, tuned["auto_tune"] = tune_run(cfg, config_args)
+            except ConfigError as e:
+                print(f"config error: {e}", file=sys.stderr)
+                return 2
+        out = {**tuned, **plan(cfg, device).as_mib()}
         if cfg.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP:  # inside the shard group / across groups / nodes
             out["sent_per_step_per_rank"] = traffic(cfg).as_mib()
         print(json.dumps(out, indent=2))

@@ -12,6 +12,7 @@ Every outcome but a rank's own failure is one line on stderr, never a traceback:
 Importing this module does not load torch: a typo is answered at once.
 """
 
+import functools
 import os
 import sys
 from typing import List, Sequence
@@ -55,11 +56,22 @@ def _main(argv: Sequence[str]) -> int:
     try:
         cfg = load_config(argv)
         check_config(cfg, _catalog)
+        from vistrain.jobs import get_job
+
+        job = get_job(cfg.ENGINE_NAME)
+        if cfg.ENGINE_NAME == "train" and cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:
+            cfg, job = _auto_tuned(cfg, job, argv)
     except InputError as e:
         return _refuse(e.line())
-    from vistrain.jobs import get_job
+    return run(job, cfg)
 
-    return run(get_job(cfg.ENGINE_NAME), cfg)
+
+def _auto_tuned(cfg, job, argv):
+    """``cfg`` with the knobs ``vistrain.runtime.auto_tune`` chose, and the job logging its line."""
+    from vistrain.runtime.auto_tune import tune_run
+
+    cfg, line = tune_run(cfg, argv)
+    return cfg, functools.partial(job, notes=(line,))
 
 
 def _catalog():

@@ -4,6 +4,7 @@ from vistrain.config.defaults import get_defaults  # noqa: F401
 from vistrain.config.errors import ConfigError, DataError, InputError  # noqa: F401
 from vistrain.config.loader import (  # noqa: F401
     available_configs,
+    explicit_keys,
     load_config,
     resolve_config_path,
     save_config,

@@ -20,6 +20,10 @@ _C.MACHINE.DEVICE = "auto"  # auto (cuda when available) | cpu | cuda
 # when freed (0: glibc's default, whose heaps keep freed blocks of up to 32 MiB). Lower peak RSS
 # for sharded runs of big models, slower steps (vistrain/runtime/host_memory.py has the numbers).
 _C.MACHINE.CPU_MMAP_THRESHOLD_MIB = 0.0
+# Memory per rank the auto-tuner (MODEL.FSDP_CONFIG.AUTO_TUNE) plans for, in MiB. 0: what the machine
+# has: on CPU the memory available at start shared by this node's ranks, on CUDA the device's
+# memory, each less a margin (vistrain/runtime/auto_tune.py)
+_C.MACHINE.MEMORY_BUDGET_MIB = 0.0
 
 # ---------------------------------------------------------------------------------------------
 _C.DISTRIBUTED = CN()
@@ -117,6 +121,16 @@ _C.MODEL.FSDP_CONFIG.move_params_to_cpu = False  # keep shards and optimizer sta
 # hybrid sharding: 0 shards over all ranks; k > 0: groups of k consecutive ranks (a node) share the
 # shards and the groups are replicas (one all-reduce of shard gradients across them); k | world size
 _C.MODEL.FSDP_CONFIG.shard_group_size = 0
+# Units: block (every RegNet block, the stem, each head MLP) | stage (every RegNet stage instead of
+# its blocks) | model (none: one gather, one reduction per step). Fewer units: fewer collectives,
+# more weights gathered at once; the same numbers.
+_C.MODEL.FSDP_CONFIG.wrap_granularity = "block"
+_C.MODEL.FSDP_CONFIG.prefetch_depth = 1  # next units whose gather starts early (each: one more gathered)
+# Before building the model, choose the fastest setting of the knobs that do not change the
+# numbers (wrap_granularity, reshard_after_forward, prefetch_depth, activation checkpointing, the
+# step in backward, MACHINE.CPU_MMAP_THRESHOLD_MIB) whose planned peak fits MACHINE.MEMORY_BUDGET_MIB.
+# Keys the recipe or the command line set are kept as set; config.yaml records what was chosen.
+_C.MODEL.FSDP_CONFIG.AUTO_TUNE = False
 
 _C.MODEL.AMP_PARAMS = CN()
 _C.MODEL.AMP_PARAMS.USE_AMP = False  # autocast the forward and the loss

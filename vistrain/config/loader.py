@@ -15,7 +15,7 @@ import difflib
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Set, Tuple
 
 import yaml
 from fvcore.common.config import CfgNode
@@ -62,6 +62,33 @@ def load_config(argv: Sequence[str]) -> CfgNode:
         _set_key(cfg, key, _parse_literal(key, text), raw=text, where="command line")
     cfg.freeze()
     return cfg
+
+
+def explicit_keys(argv: Sequence[str]) -> Set[str]:
+    """Dotted keys that ``argv`` sets: in the recipe, its ``_BASE_`` chain, or an override (what
+    the auto-tuner keeps as set). Call after :func:`load_config` accepted ``argv``."""
+    name, overrides = _parse_argv(argv)
+    keys = {key for key, _ in overrides}
+    if name is not None:
+        keys |= _keys_in_file(resolve_config_path(name))
+    return keys
+
+
+def _keys_in_file(path: Path) -> Set[str]:
+    data = _read_yaml(path.resolve())
+    bases = data.pop(BASE_KEY, [])
+    keys = set(_dotted(data))
+    for base in bases if isinstance(bases, list) else [bases]:
+        keys |= _keys_in_file(_resolve_base(path.resolve(), base))
+    return keys
+
+
+def _dotted(data: dict, prefix: str = "") -> Iterator[str]:
+    for key, value in data.items():
+        if isinstance(value, dict):
+            yield from _dotted(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
 
 
 def save_config(cfg: CfgNode, path: str) -> None:

@@ -84,7 +84,7 @@ def _is_gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-def _gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool):
+def gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool):
     """All-gather equal shards into ``output`` (world_size * shard.numel(),)."""
     if _is_gloo(group):
         # gloo's list all-gather into views of ``output`` is ~1.5x faster than its
@@ -220,7 +220,7 @@ class FlatParamHandle:
         nbytes = self.full.numel() * self.full.element_size()
         self.full.untyped_storage().resize_(nbytes)
         src = self.shard.detach().to(self.compute_device, self.compute_dtype, non_blocking=True)
-        self.gather = InFlightGather(_gather_into(self._full_data, src, self.group, async_op=True), src)
+        self.gather = InFlightGather(gather_into(self._full_data, src, self.group, async_op=True), src)
         return nbytes
 
     def _finish_gather(self) -> None:
@@ -296,7 +296,7 @@ class FlatParamHandle:
         """A fresh (padded_numel,) tensor with the full values, in the master dtype by default."""
         dtype = dtype or self.param_dtype
         out = torch.empty(padded_size(self.numel, self.world_size), dtype=dtype, device=self.compute_device)
-        _gather_into(out, self.shard.detach().to(self.compute_device, dtype), self.group, False)
+        gather_into(out, self.shard.detach().to(self.compute_device, dtype), self.group, False)
         return out
 
     def write_back(self, full_copy: torch.Tensor) -> None:

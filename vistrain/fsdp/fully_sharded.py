@@ -76,10 +76,12 @@ class FullyShardedDataParallel(nn.Module):
             reduce-scatter, so gradients are averaged over the whole world; buffers and the
             first step's check go over both groups. ``vistrain.fsdp.hybrid_groups(k)`` makes
             both. Every unit of a model takes the same one.
+        prefetch_depth: how many of the next units (in the first step's execution order) this
+            unit starts gathering when it runs, forward and backward: 0 gathers each unit only
+            when it runs; each step of depth keeps one more unit's full weights alive.
     """
 
     is_sharded_unit = True
-    prefetch_depth = 1  # units whose gather starts ahead (memory: 1 + depth units gathered)
 
     def __init__(
         self,
@@ -100,6 +102,7 @@ class FullyShardedDataParallel(nn.Module):
         collective_timeout=DEFAULT_COLLECTIVE_TIMEOUT,
         release_host_memory: bool = True,
         replica_group=None,
+        prefetch_depth: int = 1,
     ):
         check_wrappable(module)
         super().__init__()
@@ -129,7 +132,10 @@ class FullyShardedDataParallel(nn.Module):
         for i, handle in enumerate(handles):
             self.register_parameter(f"{FLAT_PARAM_PREFIX}{i}", handle.shard)
         keep_gathered = not reshard_after_forward or find_unused_parameters
-        self._unit = UnitState(handles, keep_gathered, self.prefetch_depth)
+        if prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth must be >= 0, got {prefetch_depth}")
+        self.prefetch_depth = prefetch_depth
+        self._unit = UnitState(handles, keep_gathered, prefetch_depth)
         self._prepare_buffers(buffer_dtype if not keep_fp32 else None, sync_module_states)
         for sub in owned_modules(module):
             registry.set_owner(sub, self)

@@ -25,13 +25,10 @@ boundaries (``vistrain/fsdp/heap.py``) and ``GRADIENT_COPIES`` holds what glibc 
 next trim. The measurements the terms were fitted to and checked against: docs/memory.md.
 
 ``move_params_to_cpu`` on CUDA moves params, grads and optimizer state out of GPU memory.
-The search in :func:`search` tries the knobs in order of expected speed (see ``speed_cost``).
+Which knobs fit a budget and which of them is fastest: ``knob_search.py`` and ``auto_tune.py``.
 """
 
-import copy
 import functools
-import itertools
-import math
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -51,15 +48,11 @@ MIB = 2**20
 # the import baseline and its model terms (docs/memory.md)
 CPU_ALLOWANCE_MIB = 75
 OPTIMIZER_STATES = {"sgd": 1, "lars": 1, "adamw": 2}
-# A fixed glibc mmap threshold (MACHINE.CPU_MMAP_THRESHOLD_MIB) costs this per step (page faults;
-# dev/bench_host_memory.py, docs/memory.md); the search leaves it to the user
-CPU_THRESHOLD_COST = 1.27
-# The optimizer step inside backward: the same work, steps run shard by shard (dev/bench_fsdp.py,
-# "step in bwd" row, within noise of the ordinary step); ranked just after it when both fit.
-IN_BACKWARD_COST = 1.01
 # A unit's full gradient at its backward peak: per parameter, concatenated, and half of it again
 # for what glibc keeps until the next trim (fitted at glibc's default, docs/memory.md).
 GRADIENT_COPIES = 2.5
+# With MACHINE.CPU_MMAP_THRESHOLD_MIB set glibc keeps nothing freed: the two copies autograd holds
+GRADIENT_COPIES_MMAPPED = 2.0
 
 
 @dataclass
@@ -115,29 +108,43 @@ def sharded_state_bytes(
 
 
 def backward_peak_bytes(
-    sizes: Sequence[int], world: int, compute_bytes: int, reduce_bytes: int, reshard: bool, in_backward: bool
+    sizes: Sequence[int],
+    world: int,
+    compute_bytes: int,
+    reduce_bytes: int,
+    reshard: bool,
+    in_backward: bool,
+    prefetch_depth: int = 1,
+    gradient_copies: float = None,
 ) -> Tuple[int, int]:
     """(gathered, gradients) bytes per rank at the worst unit of backward.
 
     ``sizes``: units in execution order, root last; backward visits them last to first. In the
-    backward of unit k the root, unit k and the prefetched unit k-1 are gathered (ZeRO-2: every
-    unit), and unit k's gradient exists ``GRADIENT_COPIES`` times (autograd's split backward
-    holds it per parameter and concatenated; glibc keeps some of what the unit freed until the
-    next trim). Shard gradients alive then: those of the units already reduced (after k in
-    execution order); with the optimizer step inside backward only the shard being updated
-    (unit k+1's) and one update temporary of its size.
+    backward of unit k the root, unit k and the ``prefetch_depth`` units prefetched before it
+    (k-1, k-2, ...) are gathered (ZeRO-2: every unit), and unit k's gradient exists
+    ``gradient_copies`` times (default ``GRADIENT_COPIES``: autograd's split backward holds it
+    per parameter and concatenated; glibc keeps some of what the unit freed until the next trim).
+    Shard gradients alive then: those of the units already reduced (after k in execution order);
+    with the optimizer step inside backward only the shard being updated (unit k+1's) and one
+    update temporary of its size. The root's gradient completes last: the root gathered, its
+    gradient ``gradient_copies`` times, every unit's shard gradient (the step in backward: one).
     """
+    copies = GRADIENT_COPIES if gradient_copies is None else gradient_copies
     root, units = sizes[-1], list(sizes[:-1]) or [0]
     shards = [shard_size(n, world) * 4 for n in units] + [0]
     best = (0, 0)
     for k, size in enumerate(units):
-        before = units[k - 1] if k > 0 else 0
-        weights = root + (size + before if reshard else sum(units))
-        gathered = int(weights * compute_bytes + GRADIENT_COPIES * size * reduce_bytes)
+        prefetched = sum(units[max(k - prefetch_depth, 0) : k])
+        weights = root + (size + prefetched if reshard else sum(units))
+        gathered = int(weights * compute_bytes + copies * size * reduce_bytes)
         grads = 2 * shards[k + 1] if in_backward else sum(shards[k + 1 :])
         if gathered + grads > sum(best):
             best = (gathered, grads)
-    return best
+    # the root's own gradient completes last, every other unit freed and reduced by then
+    reduced = [shard_size(n, world) * 4 for n in sizes[:-1]]
+    gathered = int(root * compute_bytes + copies * root * reduce_bytes)
+    grads = 2 * max(reduced, default=0) if in_backward else sum(reduced)
+    return max(best, (gathered, grads), key=sum)
 
 
 def checkpointed_activations(total: int, per_module: Sequence[int], inputs: Sequence[int]) -> int:
@@ -204,11 +211,11 @@ def plan(cfg, device: str = "cpu", cache: Optional[dict] = None) -> MemoryPlan:
     if "model" not in cache:
         cache["model"] = build_meta_model(model_cfg)
     model = cache["model"]
-    if sharded:
-        policy = wrap_policy(fp32_batchnorm=low)
-        sizes = unit_sizes(model, lambda m: policy(m) is not None)
-    else:
-        sizes = [sum(p.numel() for p in model.parameters())]
+    sizes_key = ("sizes", sharded, low, fsdp.wrap_granularity)
+    if sharded and sizes_key not in cache:
+        policy = wrap_policy(low, fsdp.wrap_granularity)
+        cache[sizes_key] = unit_sizes(model, lambda m: policy(m) is not None)
+    sizes = cache[sizes_key] if sharded else [sum(p.numel() for p in model.parameters())]
     momentum = cfg.OPTIMIZER.momentum > 0 or cfg.OPTIMIZER.name == "adamw"
     states = OPTIMIZER_STATES.get(cfg.OPTIMIZER.name, 1) if momentum else 0
     shard_ranks = fsdp.shard_group_size or world  # hybrid sharding: shards over a group of k ranks
@@ -221,9 +228,12 @@ def plan(cfg, device: str = "cpu", cache: Optional[dict] = None) -> MemoryPlan:
     gathered = 0
     if sharded:
         in_backward = bool(cfg.OPTIMIZER.step_in_backward)
+        mmapped = device == "cpu" and cfg.MACHINE.CPU_MMAP_THRESHOLD_MIB > 0
+        copies = GRADIENT_COPIES_MMAPPED if mmapped else GRADIENT_COPIES
         gathered, state["grads"] = backward_peak_bytes(
-            sizes, shard_ranks, compute, reduce, fsdp.reshard_after_forward, in_backward
-        )
+            sizes, shard_ranks, compute, reduce, fsdp.reshard_after_forward, in_backward,
+            fsdp.prefetch_depth, copies,
+        )  # fmt: skip
     checkpointing = model_cfg.ACTIVATION_CHECKPOINTING
     granularity = checkpointing.GRANULARITY if checkpointing.USE_ACTIVATION_CHECKPOINTING else None
     crops = _meta_crops(cfg.DATA.TRAIN, cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA)
@@ -257,99 +267,3 @@ def import_baseline_mib() -> float:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
-
-
-def speed_cost(knobs: Dict[str, object], device: str) -> float:
-    """Relative time per image of a knob setting (lower is faster): ZeRO-3 gathers twice,
-    checkpointing re-runs the forward, mixed precision speeds up GPUs only, CPU offload and the
-    fixed mmap threshold cost transfers and page faults. Each factor and its source
-    (``dev/bench_fsdp.py``, ``dev/bench_host_memory.py`` or common practice): docs/memory.md."""
-    cost = 1.23 if knobs["reshard_after_forward"] else 1.0
-    cost *= 1.33 if knobs["activation_checkpointing"] else 1.0
-    # bf16 on CPU computes no faster here and changes the numbers: tried after the exact knobs
-    cost *= (0.6 if device == "cuda" else 1.05) if knobs["mixed_precision"] else 1.0
-    cost *= 1.5 if knobs.get("move_params_to_cpu") else 1.0
-    cost *= CPU_THRESHOLD_COST if knobs.get("cpu_mmap_threshold_mib") else 1.0
-    cost *= IN_BACKWARD_COST if knobs.get("step_in_backward") else 1.0
-    return cost / knobs["ranks"]
-
-
-def _with_knobs(cfg, knobs: Dict[str, object]):
-    out = copy.deepcopy(cfg)
-    out.defrost()
-    fsdp = out.MODEL.FSDP_CONFIG
-    fsdp.AUTO_SETUP_FSDP = True
-    fsdp.reshard_after_forward = knobs["reshard_after_forward"]
-    fsdp.mixed_precision = knobs["mixed_precision"]
-    fsdp.move_params_to_cpu = knobs.get("move_params_to_cpu", False)
-    if "cpu_mmap_threshold_mib" in knobs:
-        out.MACHINE.CPU_MMAP_THRESHOLD_MIB = knobs["cpu_mmap_threshold_mib"]
-    out.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING = knobs["activation_checkpointing"]
-    out.OPTIMIZER.step_in_backward = knobs.get("step_in_backward", False)
-    out.DATA.TRAIN.BATCHSIZE_PER_REPLICA = knobs["batch_per_replica"]
-    out.DISTRIBUTED.NUM_PROC_PER_NODE = knobs["ranks"] // out.DISTRIBUTED.NUM_NODES
-    return out
-
-
-def in_backward_choices(cfg, step_in_backward: Optional[bool] = None) -> tuple:
-    """The step inside backward is exact, so the search may switch it on, unless the run needs
-    every gradient first (global clipping, fp16 loss scaling); ``step_in_backward`` fixes it."""
-    amp = cfg.MODEL.AMP_PARAMS
-    if cfg.OPTIMIZER.clip_grad_norm > 0 or (amp.USE_AMP and amp.AMP_DTYPE == "float16"):
-        return (bool(cfg.OPTIMIZER.step_in_backward),)
-    return (False, True) if step_in_backward is None else (step_in_backward,)
-
-
-def search(
-    cfg,
-    budget_mib: float,
-    device: str = "cpu",
-    max_ranks: Optional[int] = None,
-    step_in_backward: Optional[bool] = None,
-):
-    """The fastest knob setting whose plan fits ``budget_mib``: (knobs, plan), or (None, the
-    smallest plan reached). Fewer ranks and a larger batch per replica are tried first;
-    ``step_in_backward`` True/False fixes that knob (None: the search may choose it)."""
-    world = cfg.DISTRIBUTED.NUM_NODES * cfg.DISTRIBUTED.NUM_PROC_PER_NODE
-    max_ranks = max_ranks or world
-    ranks = [world * 2**i for i in range(8) if world * 2**i <= max_ranks]
-    batch = cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA
-    batches = [b for b in (batch, batch // 2, batch // 4) if b >= 1]
-    offload = (False, True) if device == "cuda" else (False,)
-    best, smallest, cache = None, None, {}
-    for r, b in itertools.product(ranks, batches):
-        settings = []
-        for reshard, mixed, ckpt, cpu, in_backward in itertools.product(
-            (False, True), (False, True), (False, True), offload, in_backward_choices(cfg, step_in_backward)
-        ):
-            knobs = dict(reshard_after_forward=reshard, mixed_precision=mixed, activation_checkpointing=ckpt,
-                         move_params_to_cpu=cpu, step_in_backward=in_backward, batch_per_replica=b,
-                         ranks=r)  # fmt: skip
-            settings.append(knobs)
-        for knobs in sorted(settings, key=lambda k: speed_cost(k, device)):
-            result = plan(_with_knobs(cfg, knobs), device, cache)
-            if smallest is None or result.peak < smallest[1].peak:
-                smallest = (knobs, result)
-            if result.peak <= budget_mib * MIB:
-                best = (knobs, result)
-                break
-        if best is not None:
-            return best
-    return None, smallest[1]
-
-
-def overrides(knobs: Dict[str, object], nodes: int = 1) -> List[str]:
-    """``config.X=Y`` arguments applying ``knobs``."""
-    machine = []
-    if "cpu_mmap_threshold_mib" in knobs:
-        machine = [f"config.MACHINE.CPU_MMAP_THRESHOLD_MIB={knobs['cpu_mmap_threshold_mib']}"]
-    return machine + [
-        "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True",
-        f"config.MODEL.FSDP_CONFIG.reshard_after_forward={knobs['reshard_after_forward']}",
-        f"config.MODEL.FSDP_CONFIG.mixed_precision={knobs['mixed_precision']}",
-        f"config.MODEL.FSDP_CONFIG.move_params_to_cpu={knobs['move_params_to_cpu']}",
-        f"config.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING={knobs['activation_checkpointing']}",
-        f"config.OPTIMIZER.step_in_backward={knobs.get('step_in_backward', False)}",
-        f"config.DATA.TRAIN.BATCHSIZE_PER_REPLICA={knobs['batch_per_replica']}",
-        f"config.DISTRIBUTED.NUM_PROC_PER_NODE={math.ceil(knobs['ranks'] / nodes)}",
-    ]

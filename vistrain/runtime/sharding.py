@@ -6,6 +6,7 @@ the whole model as root. Under AMP or the engine's mixed precision every BatchNo
 its own fp32 unit (parameters, buffers and arithmetic), so statistics never see bf16/fp16.
 """
 
+import contextlib
 import functools
 from typing import Callable, Optional
 
@@ -25,9 +26,23 @@ from vistrain.torch_compat import BatchNormBase
 BACKENDS = ("builtin", "torch")
 
 
-def unit_classes(fp32_batchnorm: bool) -> dict:
-    """Module class -> unit options of the RegNet SSL wrap policy."""
-    classes = {ResBottleneckBlock: {}, SimpleStemIN: {}, MLP: {}, SwAVPrototypes: {"keep_fp32": True}}
+GRANULARITIES = ("block", "stage", "model")
+
+
+def unit_classes(fp32_batchnorm: bool, granularity: str = "block") -> dict:
+    """Module class -> unit options of the RegNet SSL wrap policy.
+
+    ``granularity`` (``MODEL.FSDP_CONFIG.wrap_granularity``): "block" makes every RegNet block,
+    the stem and each head MLP a unit; "stage" every stage instead of its blocks; "model" none of
+    them (the root holds them: one gather and one reduction per step). Fewer, larger units mean
+    fewer collectives and more weights gathered at once; the numbers are the same. The fp32 units
+    (SwAV prototypes; BatchNorm under low precision) stay units at every granularity.
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"wrap granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    structure = {"block": (ResBottleneckBlock, SimpleStemIN, MLP), "stage": (AnyStage, SimpleStemIN, MLP)}
+    classes = {cls: {} for cls in structure.get(granularity, ())}
+    classes[SwAVPrototypes] = {"keep_fp32": True}
     if fp32_batchnorm:
         classes[BatchNormBase] = {"keep_fp32": True}
     return classes
@@ -39,9 +54,9 @@ def unit_classes(fp32_batchnorm: bool) -> dict:
 LARGE_LAYER_PARAMS = 2**24
 
 
-def wrap_policy(fp32_batchnorm: bool) -> Callable[[nn.Module], Optional[dict]]:
+def wrap_policy(fp32_batchnorm: bool, granularity: str = "block") -> Callable[[nn.Module], Optional[dict]]:
     """The builtin backend's units: :func:`unit_classes` plus every large layer."""
-    by_type = by_class(unit_classes(fp32_batchnorm))
+    by_type = by_class(unit_classes(fp32_batchnorm, granularity))
 
     def policy(module: nn.Module) -> Optional[dict]:
         overrides = by_type(module)
@@ -59,7 +74,11 @@ def is_large_layer(module: nn.Module) -> bool:
 
 def apply_activation_checkpointing(model: nn.Module, granularity: str) -> nn.Module:
     """Recompute each RegNet block ("block") or stage ("stage") in backward instead of storing
-    its activations. Patches ``forward`` in place, so parameter names do not change."""
+    its activations. Patches ``forward`` in place, so parameter names do not change.
+
+    Exact: the recomputation sees the same inputs and weights, and its BatchNorms use the batch
+    statistics without moving the running ones a second time (torch's checkpoint alone would
+    apply the momentum twice per step)."""
     targets = {"block": ResBottleneckBlock, "stage": AnyStage}
     if granularity not in targets:
         raise ValueError(
@@ -68,12 +87,35 @@ def apply_activation_checkpointing(model: nn.Module, granularity: str) -> nn.Mod
         )
     for module in model.modules():
         if isinstance(module, targets[granularity]):
-            module.forward = functools.partial(_checkpointed, module.forward)
+            contexts = functools.partial(_recompute_contexts, module)
+            module.forward = functools.partial(_checkpointed, module.forward, contexts)
     return model
 
 
-def _checkpointed(forward: Callable, *args, **kwargs):
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+def _checkpointed(forward: Callable, contexts: Callable, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+
+def _recompute_contexts(module: nn.Module):
+    """(context of the first forward, context of the recomputation in backward)."""
+    return contextlib.nullcontext(), _running_stats_frozen(module)
+
+
+@contextlib.contextmanager
+def _running_stats_frozen(module: nn.Module):
+    """BatchNorms recompute with momentum 0: the same batch statistics and saved tensors as the
+    first forward, running mean and variance updated by ``(1 - 0) * r + 0 * batch = r``; the batch
+    count they advance is put back."""
+    norms = [m for m in module.modules() if isinstance(m, BatchNormBase) and m.track_running_stats]
+    saved = [(norm.momentum, norm.num_batches_tracked.clone()) for norm in norms]
+    for norm in norms:
+        norm.momentum = 0.0
+    try:
+        yield
+    finally:
+        for norm, (momentum, count) in zip(norms, saved):
+            norm.momentum = momentum
+            norm.num_batches_tracked.copy_(count)
 
 
 def initialises_per_unit(model_cfg) -> bool:
@@ -100,7 +142,7 @@ def shard_model(model: nn.Module, model_cfg, param_group_fn: Optional[Callable] 
     fsdp_cfg = model_cfg.FSDP_CONFIG
     # BACKEND and compute_dtype were checked before launch (vistrain.config.checks)
     low_precision = fsdp_cfg.mixed_precision or model_cfg.AMP_PARAMS.USE_AMP
-    classes = unit_classes(fp32_batchnorm=low_precision)
+    classes = unit_classes(low_precision, fsdp_cfg.wrap_granularity)
     if fsdp_cfg.BACKEND == "torch":
         return torch_fully_shard(model, fsdp_cfg, classes)
     dtype = compute_dtype(fsdp_cfg)
@@ -108,7 +150,7 @@ def shard_model(model: nn.Module, model_cfg, param_group_fn: Optional[Callable] 
     shard_group, replica_group = hybrid_groups(fsdp_cfg.shard_group_size)
     return auto_wrap(
         model,
-        wrap_policy(fp32_batchnorm=low_precision),
+        wrap_policy(low_precision, fsdp_cfg.wrap_granularity),
         process_group=shard_group,
         replica_group=replica_group,
         reshard_after_forward=fsdp_cfg.reshard_after_forward,
@@ -117,6 +159,7 @@ def shard_model(model: nn.Module, model_cfg, param_group_fn: Optional[Callable] 
         flatten_parameters=fsdp_cfg.flatten_parameters,
         compute_dtype=dtype,
         move_params_to_cpu=fsdp_cfg.move_params_to_cpu,
+        prefetch_depth=fsdp_cfg.prefetch_depth,
         param_group_fn=param_group_fn,
         # as the DDP path: synced BN keeps statistics equal, else rank 0's are broadcast
         broadcast_buffers=not model_cfg.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN,

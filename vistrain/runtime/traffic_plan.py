@@ -67,7 +67,7 @@ def traffic(cfg, cache: Optional[dict] = None) -> Traffic:
     if "model" not in cache:
         cache["model"] = build_meta_model(cfg.MODEL)
     low = bool(fsdp.mixed_precision or cfg.MODEL.AMP_PARAMS.USE_AMP)
-    policy = wrap_policy(fp32_batchnorm=low)
+    policy = wrap_policy(low, cfg.MODEL.FSDP_CONFIG.wrap_granularity)
     sizes = unit_sizes(cache["model"], lambda m: policy(m) is not None)
     compute = 2 if fsdp.mixed_precision else 4
     reduce = 4 if not fsdp.mixed_precision or fsdp.fp32_reduce_scatter else 2

@@ -15,7 +15,7 @@ number of completed iterations.
 import contextlib
 import dataclasses
 import functools
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -44,6 +44,7 @@ from vistrain.losses import build_loss
 from vistrain.models import build_model
 from vistrain.optim import build_lr_schedule, build_optimizer, param_group_key, set_lr
 from vistrain.runtime import precision
+from vistrain.runtime.auto_tune import check_same_knobs, exact_knobs_of
 from vistrain.runtime.logger import NonFiniteLossError, TrainingMeter, logger
 from vistrain.runtime.parallel import parallelize
 from vistrain.runtime.run_setup import record_config, start_run
@@ -62,10 +63,15 @@ class StepSettings:
     in_backward: Optional[OptimizerInBackward]  # the step runs inside backward (sharded engine)
 
 
-def train(cfg) -> None:
-    """Pre-train ``cfg.MODEL`` with ``cfg.LOSS`` on ``cfg.DATA.TRAIN``; call on every rank (see launch)."""
+def train(cfg, notes: Sequence[str] = ()) -> None:
+    """Pre-train ``cfg.MODEL`` with ``cfg.LOSS`` on ``cfg.DATA.TRAIN``; call on every rank (see
+    launch). ``notes``: lines rank 0 logs first (what the auto-tuner chose)."""
     run_dir = cfg.CHECKPOINT.DIR
     device = start_run(cfg)
+    for note in notes:
+        logger.info(note)
+    if cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:  # nodes that planned for different budgets would disagree
+        check_same_knobs(comm.all_gather_object(exact_knobs_of(cfg)))
 
     # ---- build
     loader = build_loader(cfg.DATA, "TRAIN", seed=cfg.SEED_VALUE, device=device)

@@ -1,0 +1,243 @@
+"""MODEL.FSDP_CONFIG.AUTO_TUNE: the choice over exact knobs, the refusal, real runs and resume."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vistrain.config import ConfigError, explicit_keys, load_config
+from vistrain.runtime import auto_tune, knob_search, memory_plan
+from vistrain.runtime.auto_tune import Budget, choose, planned_settings, tune
+from vistrain.runtime.knob_search import EXACT_KNOBS, RESULT_KNOBS, exact_settings, speed_cost, with_knobs
+from vistrain.runtime.memory_plan import MIB, plan
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARDED = ["config=test/simclr_tiny", "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True"]
+
+
+@pytest.fixture
+def fixed_baseline(monkeypatch):
+    """The choice, not the import baseline (a subprocess), is under test."""
+    monkeypatch.setattr(memory_plan, "import_baseline_mib", lambda: 700.0)
+
+
+# --------------------------------------------------------------------------------------------
+# the choice on synthetic plans
+
+
+def _setting(granularity="block", reshard=True, ckpt=False):
+    return dict(wrap_granularity=granularity, reshard_after_forward=reshard, activation_checkpointing=ckpt)
+
+
+def test_choose_takes_the_fastest_setting_that_fits():
+    settings = [_setting("model", False), _setting("block", True), _setting("block", True, ckpt=True)]
+    peaks = [900, 500, 300]
+    choice = choose(settings, peaks, budget_bytes=600, device="cpu")
+    assert choice.knobs == settings[1] and choice.peak == 500
+    assert choice.faster_rejected == (settings[0], 900)  # the faster one, named with its peak
+    assert choice.runner_up == (settings[2], 300)
+    choice = choose(settings, peaks, budget_bytes=1000, device="cpu")
+    assert choice.knobs == settings[0] and choice.faster_rejected is None
+
+
+def test_choose_breaks_ties_by_peak_then_by_preference():
+    same_speed = [_setting("block", True), {**_setting("block", True), "prefetch_depth": 2}]
+    assert speed_cost(same_speed[0], "cpu") == speed_cost(same_speed[1], "cpu")
+    assert choose(same_speed, [500, 400], 1000, "cpu").knobs == same_speed[1]  # smaller peak
+    assert choose(same_speed, [400, 400], 1000, "cpu").knobs == same_speed[0]  # listed first
+
+
+def test_choose_when_nothing_fits_names_the_smallest_peak():
+    settings = [_setting("model", False), _setting("block", True, ckpt=True)]
+    choice = choose(settings, [900, 300], budget_bytes=100, device="cpu")
+    assert choice.knobs is None and choice.peak == 300 and choice.smallest == settings[1]
+
+
+def test_settings_hold_exact_knobs_only_and_keep_explicit_ones(fixed_baseline):
+    cfg = load_config([*SHARDED, "config.MODEL.FSDP_CONFIG.reshard_after_forward=True"])
+    settings = exact_settings(cfg, "cpu", fixed=["reshard_after_forward"])
+    assert all(set(s) <= set(EXACT_KNOBS) for s in settings)
+    assert not any(set(s) & set(RESULT_KNOBS) for s in settings)  # precision, batch, ranks: never
+    assert {s["reshard_after_forward"] for s in settings} == {True}
+    assert {s["wrap_granularity"] for s in settings} == {"block", "stage", "model"}
+    # checkpointing granularity varies only where checkpointing is on
+    assert len({(s["activation_checkpointing"], s["checkpointing_granularity"]) for s in settings}) == 3
+    clipped = load_config([*SHARDED, "config.OPTIMIZER.clip_grad_norm=1.0"])
+    assert {s["step_in_backward"] for s in exact_settings(clipped, "cpu")} == {False}
+    ddp = load_config(["config=test/simclr_tiny"])  # DDP: only checkpointing is a knob
+    assert {frozenset(s) for s in exact_settings(ddp, "cpu")} == {
+        frozenset({"activation_checkpointing", "checkpointing_granularity"})
+    }
+
+
+def test_explicit_keys_come_from_the_recipe_chain_and_the_command_line():
+    keys = explicit_keys(["config=regnet_fsdp", "config.MODEL.FSDP_CONFIG.reshard_after_forward=False"])
+    assert "MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP" in keys and "OPTIMIZER.lars_eta" in keys
+    assert "MODEL.FSDP_CONFIG.reshard_after_forward" in keys
+    assert "MODEL.FSDP_CONFIG.wrap_granularity" not in keys
+
+
+# --------------------------------------------------------------------------------------------
+# tune() on the planner
+
+
+def test_tune_keeps_explicit_knobs_and_a_large_budget_picks_zero2_with_one_unit(fixed_baseline):
+    cfg = load_config(SHARDED)
+    tuned, line = tune(cfg, explicit_keys(SHARDED), 2, Budget(1e6, "test"), "cpu")
+    fsdp = tuned.MODEL.FSDP_CONFIG
+    assert (fsdp.wrap_granularity, fsdp.reshard_after_forward) == ("model", False)
+    assert not tuned.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING
+    assert line.startswith("auto-tune: chose ") and "budget 1,000,000 MiB" in line
+    args = [*SHARDED, "config.MODEL.FSDP_CONFIG.wrap_granularity=block"]
+    tuned, line = tune(load_config(args), explicit_keys(args), 2, Budget(1e6, "test"), "cpu")
+    assert tuned.MODEL.FSDP_CONFIG.wrap_granularity == "block" and "kept as set: wrap_granularity" in line
+    # result knobs are never touched
+    assert tuned.DATA.TRAIN.BATCHSIZE_PER_REPLICA == cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA
+    assert tuned.MODEL.FSDP_CONFIG.mixed_precision is False
+
+
+def test_nothing_fits_is_one_line_with_the_smallest_peak_and_the_levers(fixed_baseline):
+    args = [*SHARDED, "config.MODEL.TRUNK.REGNET.NAME=regnet_y_8gf", "config.MODEL.HEAD.DIMS=[2016,512,128]"]
+    cfg = load_config(args)
+    smallest = min(planned_settings(cfg, "cpu")[1]) / MIB
+    with pytest.raises(ConfigError) as caught:
+        tune(cfg, explicit_keys(args), 2, Budget(smallest - 50, "test"), "cpu")
+    message = str(caught.value)
+    assert "\n" not in message and f"smallest reachable peak is {smallest:,.0f} MiB" in message
+    assert "it fits with 4 ranks" in message  # 8GF's state halves on twice the ranks
+    with pytest.raises(ConfigError, match="no single lever"):
+        tune(cfg, explicit_keys(args), 2, Budget(1, "test"), "cpu")
+
+
+def test_a_resumed_run_keeps_its_knobs_while_they_fit(tmp_path, monkeypatch, fixed_baseline):
+    args = [*SHARDED, f"config.CHECKPOINT.DIR={tmp_path}"]
+    cfg = load_config(args)
+    recorded = with_knobs(cfg, {"wrap_granularity": "block", "reshard_after_forward": True})
+    (tmp_path / "config.yaml").write_text(recorded.dump())
+    monkeypatch.setattr("vistrain.checkpoint.find_latest_checkpoint", lambda run_dir: str(tmp_path / "ckpt"))
+    tuned, line = tune(cfg, explicit_keys(args), 2, Budget(1e6, "test"), "cpu")
+    assert line.startswith("auto-tune: kept the resumed run's")
+    assert (tuned.MODEL.FSDP_CONFIG.wrap_granularity, tuned.MODEL.FSDP_CONFIG.reshard_after_forward) == (
+        "block",
+        True,
+    )
+    # a budget the recorded setting no longer fits: chosen again, and said why
+    kept_peak = plan(with_knobs(cfg, auto_tune.exact_knobs_of(recorded))).peak / MIB
+    smallest = min(planned_settings(cfg, "cpu")[1]) / MIB
+    assert smallest < kept_peak
+    tuned, line = tune(cfg, explicit_keys(args), 2, Budget((smallest + kept_peak) / 2, "test"), "cpu")
+    assert "no longer fits" in line and tuned.MODEL.FSDP_CONFIG.wrap_granularity is not None
+
+
+def test_ranks_that_chose_differently_stop_with_one_line():
+    same = {"wrap_granularity": "model"}
+    auto_tune.check_same_knobs([same, dict(same)])
+    with pytest.raises(ConfigError, match="MEMORY_BUDGET_MIB to the same value"):
+        auto_tune.check_same_knobs([same, {"wrap_granularity": "block"}])
+
+
+def test_the_speed_order_puts_fewer_collectives_and_no_recomputation_first():
+    cost = {
+        k: speed_cost(dict(wrap_granularity=k[0], reshard_after_forward=k[1]), "cpu")
+        for k in knob_search.STEP_VS_DDP
+    }
+    assert cost[("model", False)] < cost[("stage", False)] < cost[("block", False)] < cost[("block", True)]
+    plain = _setting("block", True)
+    assert speed_cost(plain, "cpu") < speed_cost({**plain, "activation_checkpointing": True}, "cpu")
+    assert speed_cost(plain, "cpu") < speed_cost({**plain, "cpu_mmap_threshold_mib": 1.0}, "cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# real runs through tools/run_distributed.py
+
+# big enough that the settings' planned peaks lie MiB apart (the run measures its own import
+# baseline, a MiB or two off the test's); 2 iterations per epoch
+REAL = [
+    *SHARDED,
+    "config.MODEL.FSDP_CONFIG.AUTO_TUNE=True",
+    "config.MODEL.TRUNK.REGNET.NAME=regnet_y_800mf",
+    "config.MODEL.HEAD.DIMS=[784,64,16]",
+    "config.DATA.TRAIN.IMAGE_SIZE=64",
+    "config.DATA.TRAIN.TRANSFORMS.SIZE_CROPS=[64]",
+    "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
+    "config.DATA.TRAIN.SYNTHETIC_SIZE=32",
+    "config.OPTIMIZER.num_epochs=1",
+    "config.LOG_FREQUENCY=1",
+]
+
+
+def _run(*args):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "run_distributed.py"), *args], capture_output=True, text=True
+    )
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def _losses(run_dir: Path):
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _zero3_with_checkpointing(knobs):
+    return (
+        knobs["reshard_after_forward"]
+        and knobs["activation_checkpointing"]
+        and knobs["wrap_granularity"] != "model"
+    )
+
+
+def _small_budget_mib(args):
+    """A budget that only ZeRO-3 settings with activation checkpointing fit, by a margin on both
+    sides ("model" keeps its one unit gathered: ZeRO-2 whatever reshard says)."""
+    settings, peaks = planned_settings(load_config(args), "cpu")
+    forced = min(p for k, p in zip(settings, peaks) if _zero3_with_checkpointing(k)) / MIB
+    others = min(p for k, p in zip(settings, peaks) if not _zero3_with_checkpointing(k)) / MIB
+    assert others - forced > 12, (forced, others)
+    return (forced + others) / 2
+
+
+def test_small_budget_forces_zero3_with_checkpointing_large_one_zero2_same_losses_and_resume(tmp_path):
+    head = (ROOT / "configs" / "test" / "simclr_tiny.yaml").read_text()
+    assert "AUTO_TUNE" not in head  # the test sets it itself
+    small, large = tmp_path / "small", tmp_path / "large"
+    budget = _small_budget_mib([*REAL, f"config.CHECKPOINT.DIR={small}"])
+    code, out, err = _run(
+        *REAL, f"config.CHECKPOINT.DIR={small}", f"config.MACHINE.MEMORY_BUDGET_MIB={budget}"
+    )
+    assert code == 0, err[-2000:]
+    chosen = yaml.safe_load((small / "config.yaml").read_text())
+    assert chosen["MODEL"]["FSDP_CONFIG"]["reshard_after_forward"] is True
+    assert chosen["MODEL"]["ACTIVATION_CHECKPOINTING"]["USE_ACTIVATION_CHECKPOINTING"] is True
+    assert len(re.findall(r"auto-tune: chose .* planned .* MiB per rank, budget", out)) == 1
+    code, out, err = _run(*REAL, f"config.CHECKPOINT.DIR={large}", "config.MACHINE.MEMORY_BUDGET_MIB=100000")
+    assert code == 0, err[-2000:]
+    wide = yaml.safe_load((large / "config.yaml").read_text())
+    assert wide["MODEL"]["FSDP_CONFIG"]["reshard_after_forward"] is False
+    assert wide["MODEL"]["ACTIVATION_CHECKPOINTING"]["USE_ACTIVATION_CHECKPOINTING"] is False
+    assert _losses(small) == pytest.approx(_losses(large), rel=1e-5, abs=1e-6)
+    # resume the small-budget run with a large budget: its knobs still fit and are kept
+    code, out, err = _run(
+        *REAL,
+        f"config.CHECKPOINT.DIR={small}",
+        "config.OPTIMIZER.num_epochs=2",
+        "config.MACHINE.MEMORY_BUDGET_MIB=100000",
+    )
+    assert code == 0, err[-2000:]
+    assert "auto-tune: kept the resumed run's" in out
+    resumed = yaml.safe_load((small / "config.yaml").read_text())
+    assert resumed["MODEL"]["FSDP_CONFIG"] == chosen["MODEL"]["FSDP_CONFIG"]
+    assert resumed["MODEL"]["ACTIVATION_CHECKPOINTING"] == chosen["MODEL"]["ACTIVATION_CHECKPOINTING"]
+
+
+def test_refusal_exits_2_with_one_line_and_writes_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    tuned = [*SHARDED, "config.MODEL.FSDP_CONFIG.AUTO_TUNE=True"]
+    code, out, err = _run(*tuned, f"config.CHECKPOINT.DIR={run_dir}", "config.MACHINE.MEMORY_BUDGET_MIB=1")
+    assert code == 2
+    assert err.strip().count("\n") == 0 and err.startswith(
+        "config error: MODEL.FSDP_CONFIG.AUTO_TUNE: nothing fits"
+    )
+    assert not run_dir.exists()

@@ -1,0 +1,268 @@
+"""``MODEL.FSDP_CONFIG.AUTO_TUNE``: the run picks its exact knobs from a plan of itself.
+
+Before a training run starts its ranks, :func:`tune` plans every setting of the exact knobs
+(``knob_search.EXACT_KNOBS``: they never change the numbers) with the memory planner, ranks them
+by measured speed (``knob_search.speed_cost``) and takes the fastest whose planned peak per rank
+fits the budget: ``MACHINE.MEMORY_BUDGET_MIB``, or with 0 what the machine has (CPU: the memory
+available now shared by this node's ranks; CUDA: the device's memory), less ``MARGIN``. Knobs the
+recipe or the command line set keep their value. A run resuming from a checkpoint keeps the knobs
+its config.yaml recorded while they still fit. Results knobs (mixed precision, batch, ranks) are
+never changed, only named when nothing fits, as what would make it fit.
+"""
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import yaml
+
+from vistrain.config import ConfigError
+from vistrain.runtime.knob_search import (
+    EXACT_KNOBS,
+    current_knobs,
+    exact_settings,
+    get_key,
+    ranked,
+    with_knobs,
+)
+from vistrain.runtime.memory_plan import MIB, plan
+
+MARGIN = 0.10  # of the machine's memory, left for what the plan does not hold (page cache, spikes)
+Setting = Dict[str, object]
+
+
+@dataclass
+class Budget:
+    mib: float
+    source: str  # how it was found, for the log line
+
+
+@dataclass
+class Choice:
+    """What :func:`choose` found. Peaks are bytes per rank."""
+
+    knobs: Optional[Setting]  # None: nothing fits
+    peak: float  # of ``knobs``; when nothing fits, the smallest reachable peak
+    smallest: Setting  # the setting with the smallest peak
+    faster_rejected: Optional[Tuple[Setting, float]] = None  # the fastest setting that did not fit
+    runner_up: Optional[Tuple[Setting, float]] = None  # the next fastest that fits
+
+
+def choose(settings: Sequence[Setting], peaks: Sequence[float], budget_bytes: float, device: str) -> Choice:
+    """The fastest of ``settings`` whose peak (same order) fits ``budget_bytes``; ties as
+    :func:`knob_search.ranked` (smaller peak, then the preferred values)."""
+    order = ranked(settings, peaks, device)
+    smallest = min(order, key=lambda item: item[1])
+    fitting = [i for i, (_, peak) in enumerate(order) if peak <= budget_bytes]
+    if not fitting:
+        return Choice(None, smallest[1], smallest[0])
+    best = order[fitting[0]]
+    faster = order[0] if fitting[0] > 0 else None
+    runner_up = order[fitting[1]] if len(fitting) > 1 else None
+    return Choice(best[0], best[1], smallest[0], faster, runner_up)
+
+
+def machine_budget(device: str, ranks_on_node: int, device_index: int = 0) -> Budget:
+    """What one rank may use: available memory now / ranks here (CPU) or the device's memory
+    (CUDA), less ``MARGIN``."""
+    if device == "cuda":
+        import torch
+
+        total = torch.cuda.get_device_properties(device_index).total_memory / MIB
+        return Budget(total * (1 - MARGIN), f"{total:,.0f} MiB on the GPU less {MARGIN:.0%}")
+    available = available_memory_mib()
+    per_rank = available / max(ranks_on_node, 1)
+    return Budget(
+        per_rank * (1 - MARGIN),
+        f"{available:,.0f} MiB available / {ranks_on_node} ranks here, less {MARGIN:.0%}",
+    )
+
+
+def available_memory_mib() -> float:
+    """MemAvailable of /proc/meminfo (what can be allocated without swapping), else all memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / MIB
+
+
+def tune_run(cfg, argv: Sequence[str]) -> Tuple[object, str]:
+    """:func:`tune` for the run ``argv`` describes, on this machine and its launcher's layout."""
+    from vistrain.config import explicit_keys
+    from vistrain.distributed.launch import planned_world_size, resolve_device
+
+    device = resolve_device(cfg.MACHINE)
+    if cfg.MACHINE.MEMORY_BUDGET_MIB > 0:
+        budget = Budget(cfg.MACHINE.MEMORY_BUDGET_MIB, "MACHINE.MEMORY_BUDGET_MIB")
+    else:  # torchrun / SLURM say how many ranks share this node
+        budget = machine_budget(
+            device, int(os.environ.get("LOCAL_WORLD_SIZE", cfg.DISTRIBUTED.NUM_PROC_PER_NODE))
+        )
+    world = planned_world_size(cfg.DISTRIBUTED, os.environ)
+    return tune(cfg, explicit_keys(argv), world, budget, device)
+
+
+def tune(cfg, explicit: Sequence[str], world: int, budget: Budget, device: str) -> Tuple[object, str]:
+    """``(cfg with the chosen knobs, the log line)``; ConfigError (one line) when nothing fits.
+
+    ``explicit``: the dotted keys the recipe chain or the command line set (kept as set);
+    ``world``: the job's ranks (the planner shards over them).
+    """
+    planned = _for_world(cfg, world)
+    fixed = [name for name, key in EXACT_KNOBS.items() if key in explicit]
+    cache: dict = {}
+    settings, peaks = planned_settings(planned, device, fixed, cache)
+    choice = choose(settings, peaks, budget.mib * MIB, device)
+    if choice.knobs is None:
+        raise ConfigError(_refusal(planned, choice, budget, device, fixed, cache))
+    kept = _resumed_knobs(cfg, settings[0].keys(), fixed)
+    if kept is not None:
+        peak = plan(with_knobs(planned, kept), device, cache).peak
+        if peak <= budget.mib * MIB:
+            line = f"auto-tune: kept the resumed run's {_show(kept)} (planned {peak / MIB:,.0f} MiB"
+            return with_knobs(cfg, kept), f"{line} per rank, budget {budget.mib:,.0f} MiB: {budget.source})"
+        note = f"; the resumed run's {_show(_changed(kept, choice.knobs))} no longer fits ({peak / MIB:,.0f} MiB)"
+    else:
+        note = ""
+    return with_knobs(cfg, choice.knobs), _chosen_line(choice, budget, device, fixed) + note
+
+
+def planned_settings(cfg, device: str, fixed: Sequence[str] = (), cache: Optional[dict] = None):
+    """``(settings, planned peak bytes of each)``: every exact setting with ``fixed`` kept."""
+    cache = {} if cache is None else cache
+    settings = exact_settings(cfg, device, fixed)
+    return settings, [plan(with_knobs(cfg, knobs), device, cache).peak for knobs in settings]
+
+
+def check_same_knobs(gathered: List[Setting]) -> None:
+    """ConfigError unless every rank (``gathered``: each rank's exact knobs) runs the same ones:
+    nodes that tuned for different budgets would build different units."""
+    if any(knobs != gathered[0] for knobs in gathered[1:]):
+        raise ConfigError(
+            "ranks chose different knobs (AUTO_TUNE planned for different budgets per node): set "
+            "MACHINE.MEMORY_BUDGET_MIB to the same value on every node"
+        )
+
+
+def exact_knobs_of(cfg) -> Setting:
+    return current_knobs(cfg, list(EXACT_KNOBS))
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def _for_world(cfg, world: int):
+    """``cfg`` planned for the ``world`` ranks the launcher will run (torchrun may decide it)."""
+    if world == cfg.DISTRIBUTED.NUM_NODES * cfg.DISTRIBUTED.NUM_PROC_PER_NODE:
+        return cfg
+    out = cfg.clone()
+    out.defrost()
+    out.DISTRIBUTED.NUM_NODES, out.DISTRIBUTED.NUM_PROC_PER_NODE = 1, world
+    out.freeze()
+    return out
+
+
+def _resumed_knobs(cfg, names, fixed: Sequence[str]) -> Optional[Setting]:
+    """The free knobs' values in the run folder's config.yaml when this run resumes from it."""
+    from vistrain.checkpoint import find_latest_checkpoint
+
+    path = os.path.join(cfg.CHECKPOINT.DIR, "config.yaml")
+    if not (
+        cfg.CHECKPOINT.AUTO_RESUME and os.path.isfile(path) and find_latest_checkpoint(cfg.CHECKPOINT.DIR)
+    ):
+        return None
+    try:
+        with open(path) as f:
+            recorded = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return None  # the resume itself reports a broken folder
+    knobs = current_knobs(cfg, list(names))
+    for name in names:
+        if name not in fixed:
+            with contextlib.suppress(KeyError, TypeError):  # written before the knob existed
+                knobs[name] = get_key(recorded, EXACT_KNOBS[name])
+    return knobs
+
+
+def _show(knobs: Setting) -> str:
+    """``name=value, ...``; the checkpointing granularity only where checkpointing is on."""
+    shown = dict(knobs)
+    if not shown.get("activation_checkpointing", True):
+        shown.pop("checkpointing_granularity", None)
+    return ", ".join(f"{name}={value}" for name, value in shown.items()) or "(same)"
+
+
+def _changed(knobs: Setting, reference: Setting) -> Setting:
+    return {name: value for name, value in knobs.items() if reference.get(name) != value}
+
+
+def _chosen_line(choice: Choice, budget: Budget, device: str, fixed: Sequence[str]) -> str:
+    free = {name: value for name, value in choice.knobs.items() if name not in fixed}
+    line = (
+        f"auto-tune: chose {_show(free)}; planned {choice.peak / MIB:,.0f} MiB per rank, "
+        f"budget {budget.mib:,.0f} MiB ({budget.source})"
+    )
+    if fixed:
+        line += f"; kept as set: {', '.join(fixed)}"
+    if choice.faster_rejected is not None:
+        knobs, peak = choice.faster_rejected
+        line += f"; rejected the faster {_show(_changed(knobs, choice.knobs))}: planned {peak / MIB:,.0f} MiB"
+    elif choice.runner_up is not None:
+        knobs, peak = choice.runner_up
+        line += f"; runner-up {_show(_changed(knobs, choice.knobs))} is slower"
+    return line
+
+
+def _refusal(cfg, choice: Choice, budget: Budget, device: str, fixed: Sequence[str], cache: dict) -> str:
+    """Nothing fits: the smallest reachable peak and the result knobs that would make it fit."""
+    levers = []
+    ranks = cfg.DISTRIBUTED.NUM_NODES * cfg.DISTRIBUTED.NUM_PROC_PER_NODE
+    fsdp = cfg.MODEL.FSDP_CONFIG
+    batch = cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA
+    trials = [("ranks", ranks * f, f"{ranks * f} ranks") for f in (2, 4, 8)]
+    trials += [
+        ("batch_per_replica", batch // d, f"DATA.TRAIN.BATCHSIZE_PER_REPLICA={batch // d}") for d in (2, 4)
+    ]
+    if fsdp.AUTO_SETUP_FSDP and not fsdp.mixed_precision:
+        trials.append(("mixed_precision", True, "MODEL.FSDP_CONFIG.mixed_precision=True"))
+    elif not fsdp.AUTO_SETUP_FSDP:
+        trials.append(("AUTO_SETUP_FSDP", True, "MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True"))
+    for name, value, text in trials:
+        if name == "batch_per_replica" and value < 1:
+            continue
+        peak = _smallest_peak_with(cfg, name, value, device, fixed, cache)
+        if peak <= budget.mib * MIB:
+            levers.append(f"{text} ({peak / MIB:,.0f} MiB)")
+            if name == "ranks":
+                break  # the fewest ranks that fit is enough
+    advice = (
+        "; it fits with " + " or ".join(levers)
+        if levers
+        else "; no single lever of ranks, batch or precision fits"
+    )
+    return (
+        f"MODEL.FSDP_CONFIG.AUTO_TUNE: nothing fits the budget of {budget.mib:,.0f} MiB per rank "
+        f"({budget.source}): the smallest reachable peak is {choice.peak / MIB:,.0f} MiB "
+        f"({_show(_changed(choice.smallest, {}))}){advice}"
+    )
+
+
+def _smallest_peak_with(cfg, name: str, value, device: str, fixed: Sequence[str], cache: dict) -> float:
+    changed = cfg.clone()
+    changed.defrost()
+    if name == "ranks":
+        changed.DISTRIBUTED.NUM_NODES, changed.DISTRIBUTED.NUM_PROC_PER_NODE = 1, value
+    elif name == "batch_per_replica":
+        changed.DATA.TRAIN.BATCHSIZE_PER_REPLICA = value
+    elif name == "mixed_precision":
+        changed.MODEL.FSDP_CONFIG.mixed_precision = True
+    else:
+        changed.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP = True
+    changed.freeze()
+    return min(planned_settings(changed, device, fixed, cache)[1])
