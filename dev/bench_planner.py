@@ -6,7 +6,7 @@ planned peak per rank next to the logged ``mem`` (CPU: peak RSS of the busiest r
 Cases (4 ranks, batch 2 per rank, 28 px crops, 16 images, SimCLR head, unless said otherwise):
 the quick start as shipped (2 ranks, 1,280 digits, auto-tuned: planned as the run tunes it); RegNetY-3.2GF with AdamW and activation
 checkpointing; RegNetY-8GF ZeRO-2, with one unit per stage, and as one unit (wrap granularity
-"model") with ZeRO-2; RegNetY-32GF; RegNetY-128GF with LARS (with and without the
+"model") with ZeRO-2; RegNetY-32GF, also with glibc's mmap threshold fixed at 1 MiB; RegNetY-128GF with LARS (with and without the
 step in backward); RegNetY-256GF with LARS and the step in backward. Runs one after the other;
 a case whose plan does not fit the machine is not started. A benchmark, not a test.
 """
@@ -52,6 +52,7 @@ CASES = {
         "config.MODEL.FSDP_CONFIG.reshard_after_forward=False",
     ),
     "32gf": big("regnet_y_32gf"),
+    "32gf_mmap_threshold": big("regnet_y_32gf", "config.MACHINE.CPU_MMAP_THRESHOLD_MIB=1"),
     "128gf_lars": big("regnet_y_128gf", LARS),
     "128gf_lars_in_backward": big("regnet_y_128gf", LARS, IN_BACKWARD),
     "256gf_lars_in_backward": big("regnet_y_256gf", LARS, IN_BACKWARD),

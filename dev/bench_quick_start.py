@@ -63,7 +63,11 @@ def main():
     args = parser.parse_args()
     epochs = [f"config.OPTIMIZER.num_epochs={args.epochs}"]
     variants = {
-        "ddp": [*epochs, "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False", "config.MODEL.FSDP_CONFIG.AUTO_TUNE=False"],
+        "ddp": [
+            *epochs,
+            "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False",
+            "config.MODEL.FSDP_CONFIG.AUTO_TUNE=False",
+        ],
         "auto-tuned (shipped)": epochs,
         "chosen knobs by hand": None,  # filled after the first tuned run
         "defaults, no auto-tune": [*epochs, "config.MODEL.FSDP_CONFIG.AUTO_TUNE=False"],

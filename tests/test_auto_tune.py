@@ -154,15 +154,15 @@ def test_the_speed_order_puts_fewer_collectives_and_no_recomputation_first():
 # --------------------------------------------------------------------------------------------
 # real runs through tools/run_distributed.py
 
-# big enough that the settings' planned peaks lie MiB apart (the run measures its own import
-# baseline, a MiB or two off the test's); 2 iterations per epoch
+# big enough that the settings' planned peaks lie tens of MiB apart (the run's import baseline is
+# the launcher's RSS, about 10 MiB off the test's subprocess measurement); 2 iterations per epoch
 REAL = [
     *SHARDED,
     "config.MODEL.FSDP_CONFIG.AUTO_TUNE=True",
-    "config.MODEL.TRUNK.REGNET.NAME=regnet_y_800mf",
-    "config.MODEL.HEAD.DIMS=[784,64,16]",
-    "config.DATA.TRAIN.IMAGE_SIZE=64",
-    "config.DATA.TRAIN.TRANSFORMS.SIZE_CROPS=[64]",
+    "config.MODEL.TRUNK.REGNET.NAME=regnet_y_1_6gf",
+    "config.MODEL.HEAD.DIMS=[888,64,16]",
+    "config.DATA.TRAIN.IMAGE_SIZE=48",
+    "config.DATA.TRAIN.TRANSFORMS.SIZE_CROPS=[48]",
     "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
     "config.DATA.TRAIN.SYNTHETIC_SIZE=32",
     "config.OPTIMIZER.num_epochs=1",
@@ -195,7 +195,7 @@ def _small_budget_mib(args):
     settings, peaks = planned_settings(load_config(args), "cpu")
     forced = min(p for k, p in zip(settings, peaks) if _zero3_with_checkpointing(k)) / MIB
     others = min(p for k, p in zip(settings, peaks) if not _zero3_with_checkpointing(k)) / MIB
-    assert others - forced > 12, (forced, others)
+    assert others - forced > 30, (forced, others)
     return (forced + others) / 2
 
 

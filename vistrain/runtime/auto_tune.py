@@ -91,8 +91,9 @@ def available_memory_mib() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / MIB
 
 
-def tune_run(cfg, argv: Sequence[str]) -> Tuple[object, str]:
-    """:func:`tune` for the run ``argv`` describes, on this machine and its launcher's layout."""
+def tune_run(cfg, argv: Sequence[str], baseline_mib: Optional[float] = None) -> Tuple[object, str]:
+    """:func:`tune` for the run ``argv`` describes, on this machine and its launcher's layout;
+    ``baseline_mib``: see :func:`tune`."""
     from vistrain.config import explicit_keys
     from vistrain.distributed.launch import planned_world_size, resolve_device
 
@@ -104,18 +105,27 @@ def tune_run(cfg, argv: Sequence[str]) -> Tuple[object, str]:
             device, int(os.environ.get("LOCAL_WORLD_SIZE", cfg.DISTRIBUTED.NUM_PROC_PER_NODE))
         )
     world = planned_world_size(cfg.DISTRIBUTED, os.environ)
-    return tune(cfg, explicit_keys(argv), world, budget, device)
+    return tune(cfg, explicit_keys(argv), world, budget, device, baseline_mib)
 
 
-def tune(cfg, explicit: Sequence[str], world: int, budget: Budget, device: str) -> Tuple[object, str]:
+def tune(
+    cfg,
+    explicit: Sequence[str],
+    world: int,
+    budget: Budget,
+    device: str,
+    baseline_mib: Optional[float] = None,
+) -> Tuple[object, str]:
     """``(cfg with the chosen knobs, the log line)``; ConfigError (one line) when nothing fits.
 
     ``explicit``: the dotted keys the recipe chain or the command line set (kept as set);
-    ``world``: the job's ranks (the planner shards over them).
+    ``world``: the job's ranks (the planner shards over them); ``baseline_mib``: the RSS of a
+    process that imported what a rank imports (the launcher's own, before planning), else the
+    planner measures one in a subprocess.
     """
     planned = _for_world(cfg, world)
     fixed = [name for name, key in EXACT_KNOBS.items() if key in explicit]
-    cache: dict = {}
+    cache: dict = {"baseline_mib": baseline_mib} if baseline_mib else {}
     settings, peaks = planned_settings(planned, device, fixed, cache)
     choice = choose(settings, peaks, budget.mib * MIB, device)
     if choice.knobs is None:

@@ -202,7 +202,8 @@ def plan(cfg, device: str = "cpu", cache: Optional[dict] = None) -> MemoryPlan:
     """Peak memory per rank of a training run of ``cfg`` on ``device`` ("cpu" or "cuda").
 
     ``cache`` (a dict) shares the meta model and activation measurements between plans of
-    the same model (the knob search)."""
+    the same model (the knob search); ``cache["baseline_mib"]``, when set, is the import baseline
+    (the launcher's own RSS: it imported what a rank imports), else it is measured."""
     cache = {} if cache is None else cache
     model_cfg, fsdp = cfg.MODEL, cfg.MODEL.FSDP_CONFIG
     world = cfg.DISTRIBUTED.NUM_NODES * cfg.DISTRIBUTED.NUM_PROC_PER_NODE
@@ -243,7 +244,8 @@ def plan(cfg, device: str = "cpu", cache: Optional[dict] = None) -> MemoryPlan:
     total, per_module, inputs = cache[key]
     activations = checkpointed_activations(total, per_module, inputs) * (0.5 if low else 1.0)
     activations += sum(c.numel() * 4 for c in crops)  # the batch itself
-    runtime = (import_baseline_mib() + CPU_ALLOWANCE_MIB) * MIB if device == "cpu" else 0
+    baseline = cache.get("baseline_mib") or import_baseline_mib() if device == "cpu" else 0
+    runtime = (baseline + CPU_ALLOWANCE_MIB) * MIB if device == "cpu" else 0
     backward_peak = MemoryPlan(
         gathered_units=gathered, activations=activations, runtime_overhead=runtime, **state
     )
