@@ -36,8 +36,10 @@ KNOB_KEYS = [
 def run(args, run_dir):
     cmd = [sys.executable, str(REPO / "tools" / "run_distributed.py"), "config=regnet_fsdp", *args]
     out = subprocess.run([*cmd, f"config.CHECKPOINT.DIR={run_dir}"], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"run failed: {' '.join(args)}\n{out.stderr[-2000:]}")
+    if out.returncode != 0:  # the whole log: a rank's abort says little on stderr alone
+        raise SystemExit(
+            f"run failed (exit {out.returncode}): {' '.join(args)}\n{(out.stdout + out.stderr)[-4000:]}"
+        )
     text = out.stdout + out.stderr
     losses = [json.loads(line)["loss"] for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
     tune_line = next((line for line in text.splitlines() if "auto-tune:" in line), "")

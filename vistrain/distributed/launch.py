@@ -263,6 +263,9 @@ def _start_rank(index: int, main_fn, cfg: CfgNode, plan: LaunchPlan) -> None:
     )
     main_fn(cfg)
     # Only on success: tearing down after a failure can block on peers; process exit frees it.
+    # The barrier first: a rank that tore down and exited while a peer still used the group
+    # (rank 0 publishing the last checkpoint) could leave that peer's gloo threads to abort.
+    dist.barrier()
     dist.destroy_process_group()
 
 

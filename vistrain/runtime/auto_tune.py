@@ -24,6 +24,7 @@ from vistrain.runtime.knob_search import (
     exact_settings,
     get_key,
     ranked,
+    speed_cost,
     with_knobs,
 )
 from vistrain.runtime.memory_plan import MIB, plan
@@ -225,7 +226,9 @@ def _chosen_line(choice: Choice, budget: Budget, device: str, fixed: Sequence[st
         line += f"; rejected the faster {_show(_changed(knobs, choice.knobs))}: planned {peak / MIB:,.0f} MiB"
     elif choice.runner_up is not None:
         knobs, peak = choice.runner_up
-        line += f"; runner-up {_show(_changed(knobs, choice.knobs))} is slower"
+        slower = speed_cost(knobs, device) / speed_cost(choice.knobs, device)
+        pace = f"{slower:.2f}x the step time" if slower > 1 else "as fast by the measured factors"
+        line += f"; runner-up {_show(_changed(knobs, choice.knobs))}: {pace}, planned {peak / MIB:,.0f} MiB"
     return line
 
 
