@@ -148,6 +148,7 @@ def test_the_speed_order_puts_fewer_collectives_and_no_recomputation_first():
     assert cost[("model", False)] < cost[("stage", False)] < cost[("block", False)] < cost[("block", True)]
     plain = _setting("block", True)
     assert speed_cost(plain, "cpu") < speed_cost({**plain, "activation_checkpointing": True}, "cpu")
+    assert speed_cost({"activation_checkpointing": False}, "cpu") == 1.0  # DDP, the reference
     assert speed_cost(plain, "cpu") < speed_cost({**plain, "cpu_mmap_threshold_mib": 1.0}, "cpu")
 
 

@@ -70,10 +70,10 @@ MIXED_PRECISION_COST = {"cuda": 0.6, "cpu": 1.05}  # bf16 compute (CUDA: common 
 
 def speed_cost(knobs: Dict[str, object], device: str) -> float:
     """Relative time per image of a knob setting (lower is faster; DDP without checkpointing is
-    1): the factors above; knobs a setting does not name are at their defaults. ``ranks``
-    divides (more ranks, more images)."""
+    1): the factors above; a setting without the engine's knobs is DDP's; the engine's knobs a
+    setting does not name are at their defaults. ``ranks`` divides (more ranks, more images)."""
     cost = 1.0
-    if knobs.get("sharded", True):
+    if "wrap_granularity" in knobs or "reshard_after_forward" in knobs:  # the sharded engine's
         granularity = knobs.get("wrap_granularity", "block")
         cost = STEP_VS_DDP[(granularity, bool(knobs.get("reshard_after_forward", True)))]
         cost *= PREFETCH_COST.get(int(knobs.get("prefetch_depth", 1)), 1.0)
