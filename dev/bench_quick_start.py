@@ -20,17 +20,11 @@ from pathlib import Path
 
 import yaml
 
+from vistrain.config.checks import get_key
+from vistrain.runtime.knob_search import EXACT_KNOBS, overrides
+
 REPO = Path(__file__).resolve().parents[1]
 OVERALL = re.compile(r"([\d.]+) img/s overall")
-KNOB_KEYS = [
-    "MODEL.FSDP_CONFIG.wrap_granularity",
-    "MODEL.FSDP_CONFIG.reshard_after_forward",
-    "MODEL.FSDP_CONFIG.prefetch_depth",
-    "MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING",
-    "MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY",
-    "OPTIMIZER.step_in_backward",
-    "MACHINE.CPU_MMAP_THRESHOLD_MIB",
-]
 
 
 def run(args, run_dir):
@@ -49,13 +43,8 @@ def run(args, run_dir):
 def chosen_overrides(run_dir):
     """The tuned run's knobs from its config.yaml, as overrides (auto-tune off)."""
     recorded = yaml.safe_load(Path(run_dir, "config.yaml").read_text())
-    out = ["config.MODEL.FSDP_CONFIG.AUTO_TUNE=False"]
-    for key in KNOB_KEYS:
-        value = recorded
-        for part in key.split("."):
-            value = value[part]
-        out.append(f"config.{key}={value}")
-    return out
+    knobs = {name: get_key(recorded, key) for name, key in EXACT_KNOBS.items()}
+    return ["config.MODEL.FSDP_CONFIG.AUTO_TUNE=False", *overrides(knobs)[1:]]  # [0]: AUTO_SETUP_FSDP
 
 
 def main():

@@ -223,7 +223,7 @@ def _checks(cfg: CfgNode) -> Iterable[Callable[[Catalog], Problem]]:
     for pattern, rules in RULES.items():
         for key in _expand(pattern):
             for rule in rules:
-                yield functools.partial(_keyed, rule, key, _get(cfg, key))
+                yield functools.partial(_keyed, rule, key, get_key(cfg, key))
     for cross_rule in CROSS_RULES:
         yield functools.partial(cross_rule, cfg)
 
@@ -244,7 +244,8 @@ def _expand(pattern: str) -> Iterable[str]:
     return [pattern]
 
 
-def _get(cfg: CfgNode, key: str):
+def get_key(cfg: CfgNode, key: str):
+    """The value of dotted ``key`` (``MODEL.FSDP_CONFIG.wrap_granularity``) in ``cfg``."""
     for part in key.split("."):
         cfg = cfg[part]
     return cfg
@@ -305,7 +306,7 @@ def _trunk_features(cfg: CfgNode, catalog: Catalog) -> Problem:
         return str(error).splitlines()[0]
     benchmark = cfg.ENGINE_NAME in ("linear_eval", "knn", "extract_features")
     for key in ("MODEL.TRUNK.OUT_FEATURES", "BENCHMARK.FEATURES")[: 2 if benchmark else 1]:
-        problem = each_one_of(valid)(_get(cfg, key), catalog)
+        problem = each_one_of(valid)(get_key(cfg, key), catalog)
         if problem:
             return f"{key} {problem}"
     return None

@@ -18,11 +18,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import yaml
 
 from vistrain.config import ConfigError
+from vistrain.config.checks import get_key
 from vistrain.runtime.knob_search import (
     EXACT_KNOBS,
     current_knobs,
     exact_settings,
-    get_key,
     ranked,
     speed_cost,
     with_knobs,

@@ -20,6 +20,7 @@ import itertools
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from vistrain.config.checks import get_key
 from vistrain.runtime.memory_plan import MIB, MemoryPlan, plan
 
 # knob -> config key. Exact: the tuner may set these.
@@ -204,12 +205,6 @@ def overrides(knobs: Dict[str, object], nodes: int = 1) -> List[str]:
         elif name in EXACT_KNOBS or name in RESULT_KNOBS:
             out.append(f"config.{EXACT_KNOBS.get(name) or RESULT_KNOBS[name]}={value}")
     return out
-
-
-def get_key(cfg, key: str):
-    for part in key.split("."):
-        cfg = cfg[part]
-    return cfg
 
 
 def set_key(cfg, key: str, value) -> None:
