@@ -12,7 +12,7 @@ with the optimizer step inside backward; fully_shard per block with ZeRO-3 and Z
 
 Per setting it prints the median step time as a ratio to DDP's, and its communication floor: the
 same all-gathers and reduce-scatters (DDP: all-reduces of its buckets) timed alone in the same
-processes, so the distance from the floor shows. Then the factors ``vistrain/runtime/knob_search.py``
+processes, so the distance from the floor shows. Then the factors ``vistrain/planner/knobs.py``
 uses, as measured here, and how often the planner's speed order (``speed_cost``) agrees with the
 measured one. Also persistent storage bytes per rank (``untyped_storage().nbytes()``, each storage
 once) next to DDP's / N. CPU: gloo; CUDA: NCCL. ``--shard-group-size K``: hybrid sharding (ours
@@ -35,10 +35,10 @@ from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import auto_wrap, heap, hybrid_groups
 from vistrain.fsdp.flat_param import gather_into, reduce_scatter_into
 from vistrain.fsdp.memory import held_tensors, storage_bytes
-from vistrain.runtime.knob_search import speed_cost
-from vistrain.runtime.sharding import apply_activation_checkpointing, torch_mesh, unit_classes, wrap_policy
+from vistrain.models.units import GRANULARITIES, unit_classes
+from vistrain.planner.knobs import speed_cost
+from vistrain.runtime.sharding import apply_activation_checkpointing, torch_fully_shard, wrap_policy
 
-GRANULARITIES = ("block", "stage", "model")
 DDP_BUCKET_MIB, DDP_FIRST_BUCKET_MIB = 25, 1  # DDP's defaults
 
 
@@ -48,7 +48,7 @@ def build(name):
 
 
 def settings():
-    """(row name, knobs) of every sharded setting measured; knobs as knob_search names them."""
+    """(row name, knobs) of every sharded setting measured; knobs as vistrain.planner.knobs names them."""
     out = []
     for granularity, reshard in itertools.product(GRANULARITIES, (True, False)):
         base = dict(wrap_granularity=granularity, reshard_after_forward=reshard)
@@ -86,7 +86,9 @@ def make_engines(args, device):
         engines[name] = (wrapped, knobs)
     for reshard in (True, False):
         try:
-            model = torch_fully_shard(build(args.model).to(device), reshard, args.shard_group_size)
+            model = torch_fully_shard(
+                build(args.model).to(device), unit_classes(False, "block"), reshard, args.shard_group_size
+            )
             engines[f"fully_shard {'zero3' if reshard else 'zero2'}"] = (model, None)
         except (ImportError, RuntimeError) as error:  # older torch: compare what we can
             print(f"fully_shard unavailable: {error}")
@@ -97,17 +99,6 @@ def make_engines(args, device):
             model.apply_optimizer_in_backward(optimizer)
         out[name] = (model, optimizer, knobs)
     return out
-
-
-def torch_fully_shard(model, reshard, shard_group_size):
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = torch_mesh(next(model.parameters()).device.type, shard_group_size)  # 2-D when hybrid
-    classes = tuple(unit_classes(False, "block"))
-    for module in model.modules():
-        if isinstance(module, classes):
-            fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
-    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
 
 
 def step(model, optimizer, x, y, device, in_backward=False):
@@ -199,7 +190,7 @@ def worker(rank, world, args):
 
 
 def measured_factors(ratio, knobs_of):
-    """The knob_search factors as this run measured them."""
+    """The vistrain.planner.knobs factors as this run measured them."""
     base = {
         (k["wrap_granularity"], k["reshard_after_forward"]): ratio[n]
         for n, k in knobs_of.items()
@@ -294,7 +285,7 @@ def main():
         )
     print("floor: the step's gathers and reductions (DDP: bucket all-reduces) timed alone, / DDP's step")
     knobs_of = r0["knobs"]
-    print("factors measured here (vistrain/runtime/knob_search.py):")
+    print("factors measured here (vistrain/planner/knobs.py):")
     for table, values in measured_factors(ratio, knobs_of).items():
         print(f"  {table}: " + ", ".join(f"{k}: {v:.2f}" for k, v in values.items()))
     agree, pairs, wrong = order_agreement(ratio, knobs_of, device)

@@ -19,6 +19,7 @@ LAYERS: List[Set[str]] = [
     {"losses", "optim"},
     {"checkpoint"},
     {"runtime"},
+    {"planner"},
     {"training", "benchmarks"},
     {"jobs", "cli"},
 ]

@@ -22,7 +22,7 @@ _C.MACHINE.DEVICE = "auto"  # auto (cuda when available) | cpu | cuda
 _C.MACHINE.CPU_MMAP_THRESHOLD_MIB = 0.0
 # Memory per rank the auto-tuner (MODEL.FSDP_CONFIG.AUTO_TUNE) plans for, in MiB. 0: what the machine
 # has: on CPU the memory available at start shared by this node's ranks, on CUDA the device's
-# memory, each less a margin (vistrain/runtime/auto_tune.py)
+# memory, each less a margin (vistrain/planner/auto_tune.py)
 _C.MACHINE.MEMORY_BUDGET_MIB = 0.0
 
 # ---------------------------------------------------------------------------------------------

@@ -43,8 +43,8 @@ from vistrain.fsdp import (
 from vistrain.losses import build_loss
 from vistrain.models import build_model
 from vistrain.optim import build_lr_schedule, build_optimizer, param_group_key, set_lr
+from vistrain.planner.auto_tune import check_same_knobs, exact_knobs_of
 from vistrain.runtime import precision
-from vistrain.runtime.auto_tune import check_same_knobs, exact_knobs_of
 from vistrain.runtime.logger import NonFiniteLossError, TrainingMeter, logger
 from vistrain.runtime.parallel import parallelize
 from vistrain.runtime.run_setup import record_config, start_run
