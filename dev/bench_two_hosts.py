@@ -13,7 +13,8 @@ start's recipe with ``--model`` (the digits, batch ``--batch`` per rank, one epo
 steps: ``DATA.TRAIN.DATA_LIMIT``). Per step means a run of ``--steps`` [0] steps minus one of
 [1] steps, divided by the difference: start-up, the first step's checks and the final checkpoint
 cancel. Bytes are what host A's veth end sent (``statistics/tx_bytes``: every frame, headers
-included); seconds are the wall time of the whole job (both hosts' launchers).
+included); seconds are rank 0's training time (from the loop's start to its last step, as the
+run's one log line gives it: start-up and exit, slow on a loaded machine, are left out).
 
 Printed per setting: MiB host A sent per step; the planner's figure for it
 (``traffic_plan.traffic``: ``cross_node`` x ranks per host) and their ratio; seconds per step;
@@ -23,16 +24,21 @@ choice is read from its config.yaml.
 """
 
 import argparse
+import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+import torch
 
 from vistrain.config import load_config
 from vistrain.distributed.netns import two_hosts, unavailable_reason
-from vistrain.runtime.auto_tune import available_memory_mib
+from vistrain.planner.auto_tune import available_memory_mib
+from vistrain.planner.compute import compute_seconds
+from vistrain.planner.traffic import predicted_step_seconds, traffic
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = str(REPO / "tools" / "run_distributed.py")
@@ -72,11 +78,10 @@ def job_args(args, steps: int, run_dir: Path, overrides):
 
 
 def run_job(hosts, args, steps: int, run_dir: Path, overrides, port: int):
-    """(wall seconds, bytes host A sent, bytes host B sent) of one two-host job."""
+    """(training seconds, bytes host A sent, bytes host B sent) of one two-host job."""
     base = job_args(args, steps, run_dir, overrides)
     rendezvous = f"config.DISTRIBUTED.RUN_ID={hosts.addresses[0]}:{port}"
     sent = [hosts.tx_bytes(h) for h in (0, 1)]
-    start = time.perf_counter()
     procs, logs = [], []
     for host in (0, 1):
         log = open(f"{run_dir}.host{host}.log", "w")  # noqa: SIM115  closed below
@@ -96,23 +101,36 @@ def run_job(hosts, args, steps: int, run_dir: Path, overrides, port: int):
                 p.wait()
         for log in logs:
             log.close()
-    seconds = time.perf_counter() - start
     if any(codes):
         text = Path(f"{run_dir}.host{codes.index(next(c for c in codes if c))}.log").read_text()
         raise SystemExit(f"job failed ({' '.join(overrides)}):\n{text[-4000:]}")
-    return seconds, hosts.tx_bytes(0) - sent[0], hosts.tx_bytes(1) - sent[1]
+    images = steps * args.batch * 2 * args.ranks_per_host
+    return training_seconds(run_dir, images), hosts.tx_bytes(0) - sent[0], hosts.tx_bytes(1) - sent[1]
 
 
-def planner_figures(run_dir: Path, rate_mbit: float):
-    """(planned MiB host A sends per step, predicted seconds per step) from the run's config.yaml."""
-    try:
-        from vistrain.runtime.traffic_plan import predicted_step_seconds, traffic
-    except ImportError:  # TEMPORARY until the planner has them
-        return float("nan"), float("nan")
+def training_seconds(run_dir: Path, images: int) -> float:
+    """From the training meter's start to the last step's log (the run's only log line; its img/s
+    is over that window): start-up before the loop and the exit after it are left out."""
+    record = json.loads(Path(run_dir, "metrics.jsonl").read_text().splitlines()[-1])
+    return images / record["images_per_sec"]
 
+
+def planner_figures(run_dir: Path, rate_mbit: float, compute: float):
+    """(planned MiB host A sends per step, predicted seconds per step) from the run's config.yaml;
+    ``compute``: seconds of a step's forward and backward on a rank here."""
     cfg = load_config([f"config={run_dir / 'config.yaml'}"])
     link = traffic(cfg).cross_node * cfg.DISTRIBUTED.NUM_PROC_PER_NODE
-    return link / MIB, predicted_step_seconds(cfg, rate_mbit * 1e6 / 8)
+    return link / MIB, predicted_step_seconds(cfg, rate_mbit * 1e6 / 8, compute)
+
+
+def rank_compute_seconds(args) -> float:
+    """A rank's forward and backward here (``compute.compute_seconds``, one rank's threads), times
+    how oversubscribed the cores are: both hosts' ranks share this one machine's cores."""
+    ranks = 2 * args.ranks_per_host
+    threads = max(1, (os.cpu_count() or 1) // args.ranks_per_host)  # what the launcher gives a rank
+    torch.set_num_threads(threads)
+    cfg = load_config(job_args(args, 1, Path("unused"), []))
+    return compute_seconds(cfg, torch.device("cpu")) * max(1.0, ranks * threads / (os.cpu_count() or 1))
 
 
 def chosen(run_dir: Path) -> str:
@@ -172,10 +190,13 @@ def main():
 
 def report(args, results):
     rate = args.rate_mbit * 1e6 / 8  # bytes per second each way
+    compute = rank_compute_seconds(args)
     print(
         f"\n{args.model}, {args.ranks_per_host} ranks per host x 2 hosts, batch {args.batch} per rank, "
         f"link {args.rate_mbit:g} Mbit/s each way (tbf); per step = ({args.steps[0]}-step run - "
-        f"{args.steps[1]}-step run) / {args.steps[0] - args.steps[1]}, median of {args.rounds} round(s)"
+        f"{args.steps[1]}-step run) / {args.steps[0] - args.steps[1]}, median of {args.rounds} round(s); "
+        f"planned s: {compute:.2f} s compute (measured here unit by unit, cores shared by both hosts) x "
+        f"the setting's cost over DDP's + the link's bytes at the rate"
     )
     header = (
         "setting",
@@ -194,7 +215,7 @@ def report(args, results):
         seconds = statistics.median(r[0] for r in rows)
         sent_a = statistics.median(r[1] for r in rows)
         sent_b = statistics.median(r[2] for r in rows)
-        planned_mib, planned_s = planner_figures(rows[0][3], args.rate_mbit)
+        planned_mib, planned_s = planner_figures(rows[0][3], args.rate_mbit, compute)
         floor = max(sent_a, sent_b) / rate
         label = f"{name} ({chosen(rows[0][3])})" if name == "auto-tuned" else name
         cells = [

@@ -7,11 +7,12 @@ starts ``--ranks-per-host`` gloo ranks in each, and for every collective the eng
 (all-gather into a list, all-reduce, broadcast; over the world, the shard groups of one host and
 the replica groups across hosts, all groups of a kind at once as the engine runs them) and several
 sizes counts the bytes host A's veth end sent (``tx_bytes``), minus the same loop's barriers
-alone. Prints per call the measured bytes, the traffic model's (``traffic_plan.link_bytes``) and
+alone. Prints per call the measured bytes, the traffic model's (``vistrain/planner/collectives.py``) and
 their ratio.
 """
 
 import argparse
+import functools
 import os
 import subprocess
 import sys
@@ -22,10 +23,9 @@ import torch.distributed as dist
 
 from vistrain.distributed.launch import find_free_port
 from vistrain.distributed.netns import two_hosts
+from vistrain.planner.collectives import OPS, Collective, node_link_bytes
 
-SIZES = tuple(
-    int(x) for x in os.environ.get("PROBE_SIZES", "256,16384,262144,2097152").split(",")
-)  # fp32 elements per piece
+SIZES = (256, 16_384, 262_144, 2_097_152)  # fp32 elements per rank's piece (1 KiB .. 8 MiB)
 
 
 def groups_of(kind: str, world: int, per_host: int):
@@ -47,6 +47,11 @@ def collective(op: str, n: int, group, ranks):
         dist.all_reduce(torch.ones(n * size), group=group)
     elif op == "broadcast":
         dist.broadcast(torch.ones(n * size), src=ranks[0], group=group)
+
+
+def run_all(op: str, n: int, groups):
+    for ranks, group in groups:
+        collective(op, n, group, ranks)
 
 
 def tx_bytes(interface: str) -> int:
@@ -77,11 +82,11 @@ def worker(rank: int, world: int, per_host: int, port: int, reps: int, interface
     baseline = counted(lambda: None)
     for kind, groups in made.items():
         mine = [(ranks, g) for ranks, g in groups if rank in ranks]
-        for op in os.environ.get("PROBE_OPS", "all_gather,all_reduce,broadcast").split(","):
+        for op in OPS:
             for n in SIZES:
                 for ranks, g in mine:
                     collective(op, n, g, ranks)  # warm-up: connections made
-                got = counted(lambda: [collective(op, n, g, ranks) for ranks, g in mine])
+                got = counted(functools.partial(run_all, op, n, mine))
                 if measure:
                     print(f"{kind} {op} {n} {(got - baseline) / reps:.0f}", flush=True)
     dist.barrier()
@@ -100,10 +105,6 @@ def main():
     if args.worker:
         rank, port, interface = args.worker[0], args.worker[1], os.environ["GLOO_SOCKET_IFNAME"]
         return worker(rank, world, per_host, port, args.reps, interface)
-    try:
-        from vistrain.runtime.traffic_plan import link_bytes
-    except ImportError:
-        link_bytes = lambda *a: 0
 
     with two_hosts(args.rate_mbit or None) as hosts:
         port = find_free_port()
@@ -124,7 +125,9 @@ def main():
     print(f"{'group':<8} {'collective':<11} {'n':>9} {'measured':>12} {'model':>12} {'ratio':>6}")
     for line in out.splitlines():
         kind, op, n, got = line.split()
-        model = link_bytes(op, int(n) * 4, groups_of(kind, world, per_host), per_host)
+        groups = groups_of(kind, world, per_host)
+        collective = Collective(op, int(n) * 4 * len(groups[0]), tuple(groups))
+        model = node_link_bytes(collective, lambda r: r // per_host).get(0, 0.0)
         ratio = float(got) / model if model else float("nan")
         print(f"{kind:<8} {op:<11} {int(n):>9,} {float(got):>12,.0f} {model:>12,.0f} {ratio:>6.3f}")
 

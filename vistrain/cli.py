@@ -69,11 +69,14 @@ def _main(argv: Sequence[str]) -> int:
 def _auto_tuned(cfg, job, argv):
     """``cfg`` with the knobs ``vistrain.planner.auto_tune`` chose, and the job logging its line."""
     from vistrain.fsdp.memory import current_rss_mib
-    from vistrain.planner.auto_tune import tune_run
+    from vistrain.planner.auto_tune import tune_job
 
     # this process imported what a rank imports (the job's module): its RSS is a rank's baseline
-    cfg, line = tune_run(cfg, argv, baseline_mib=current_rss_mib())
-    return cfg, functools.partial(job, notes=(line,))
+    tuned = tune_job(cfg, argv, baseline_mib=current_rss_mib())
+    if tuned.across_nodes:  # the ranks choose the shard group size once they know the link
+        choices = (tuned.across_nodes, tuned.layout)
+        return tuned.cfg, functools.partial(job, notes=(tuned.line,), across_nodes=choices)
+    return tuned.cfg, functools.partial(job, notes=(tuned.line,))
 
 
 def _catalog():

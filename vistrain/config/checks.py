@@ -126,6 +126,7 @@ RULES = {
     "MACHINE.DEVICE": [one_of(DEVICES)],
     "MACHINE.CPU_MMAP_THRESHOLD_MIB": [at_least(0)],
     "MACHINE.MEMORY_BUDGET_MIB": [at_least(0)],
+    "MACHINE.INTER_NODE_GBPS": [at_least(0)],
     "DISTRIBUTED.BACKEND": [one_of(DIST_BACKENDS)],
     "DISTRIBUTED.NUM_NODES": [at_least(1)],
     "DISTRIBUTED.NUM_PROC_PER_NODE": [at_least(1)],

@@ -24,6 +24,10 @@ _C.MACHINE.CPU_MMAP_THRESHOLD_MIB = 0.0
 # has: on CPU the memory available at start shared by this node's ranks, on CUDA the device's
 # memory, each less a margin (vistrain/planner/auto_tune.py)
 _C.MACHINE.MEMORY_BUDGET_MIB = 0.0
+# Speed of the link between nodes, Gbit/s each way, for the auto-tuner's choice of
+# MODEL.FSDP_CONFIG.shard_group_size in a job that spans nodes. 0: measured once at start (a short
+# timed all-reduce between the nodes' first ranks)
+_C.MACHINE.INTER_NODE_GBPS = 0.0
 
 # ---------------------------------------------------------------------------------------------
 _C.DISTRIBUTED = CN()

@@ -86,21 +86,40 @@ def available_memory_mib() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / MIB
 
 
+@dataclass
+class Tuned:
+    """What the launcher's tuning decided. ``across_nodes``: in a job that spans nodes with
+    ``shard_group_size`` free, the fastest fitting ``(knobs, planned peak)`` for each shard group
+    size, fastest by compute first; the ranks choose among them once they know the link
+    (``across_nodes.choose_across_nodes``); ``layout``: the job's nodes and ranks as planned."""
+
+    cfg: object  # with the chosen knobs (across nodes: the first candidate's until the ranks choose)
+    line: str
+    across_nodes: Tuple[Tuple[Setting, float], ...] = ()
+    layout: Optional[Setting] = None
+
+
 def tune_run(cfg, argv: Sequence[str], baseline_mib: Optional[float] = None) -> Tuple[object, str]:
     """:func:`tune` for the run ``argv`` describes, on this machine and its launcher's layout;
     ``baseline_mib``: see :func:`tune`."""
+    tuned = tune_job(cfg, argv, baseline_mib)
+    return tuned.cfg, tuned.line
+
+
+def tune_job(cfg, argv: Sequence[str], baseline_mib: Optional[float] = None) -> Tuned:
+    """:func:`tune_run` with the candidates the ranks of a multi-node job choose from."""
     from vistrain.config import explicit_keys
     from vistrain.distributed.launch import planned_world_size, resolve_device
 
     device = resolve_device(cfg.MACHINE)
+    # torchrun / SLURM say how many ranks share this node
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.DISTRIBUTED.NUM_PROC_PER_NODE))
     if cfg.MACHINE.MEMORY_BUDGET_MIB > 0:
         budget = Budget(cfg.MACHINE.MEMORY_BUDGET_MIB, "MACHINE.MEMORY_BUDGET_MIB")
-    else:  # torchrun / SLURM say how many ranks share this node
-        budget = machine_budget(
-            device, int(os.environ.get("LOCAL_WORLD_SIZE", cfg.DISTRIBUTED.NUM_PROC_PER_NODE))
-        )
+    else:
+        budget = machine_budget(device, per_node)
     world = planned_world_size(cfg.DISTRIBUTED, os.environ)
-    return tune(cfg, explicit_keys(argv), world, budget, device, baseline_mib)
+    return tune_settings(cfg, explicit_keys(argv), world, budget, device, baseline_mib, per_node)
 
 
 def tune(
@@ -118,7 +137,22 @@ def tune(
     process that imported what a rank imports (the launcher's own, before planning), else the
     planner measures one in a subprocess.
     """
-    planned = _for_world(cfg, world)
+    tuned = tune_settings(cfg, explicit, world, budget, device, baseline_mib)
+    return tuned.cfg, tuned.line
+
+
+def tune_settings(
+    cfg,
+    explicit: Sequence[str],
+    world: int,
+    budget: Budget,
+    device: str,
+    baseline_mib: Optional[float] = None,
+    ranks_per_node: Optional[int] = None,
+) -> Tuned:
+    """:func:`tune` returning a :class:`Tuned`; ``ranks_per_node``: the job's (torchrun may
+    decide it), else the config's."""
+    planned = _for_world(cfg, world, ranks_per_node or cfg.DISTRIBUTED.NUM_PROC_PER_NODE)
     fixed = [name for name, key in EXACT_KNOBS.items() if key in explicit]
     shapes = ModelShapes(cfg.MODEL, baseline_mib)
     settings, peaks = planned_settings(planned, device, fixed, shapes)
@@ -130,11 +164,32 @@ def tune(
         peak = plan(with_knobs(planned, kept), device, shapes).peak
         if peak <= budget.mib * MIB:
             line = f"auto-tune: kept the resumed run's {_show(kept)} (planned {peak / MIB:,.0f} MiB"
-            return with_knobs(cfg, kept), f"{line} per rank, budget {budget.mib:,.0f} MiB: {budget.source})"
+            return Tuned(
+                with_knobs(cfg, kept), f"{line} per rank, budget {budget.mib:,.0f} MiB: {budget.source})"
+            )
         note = f"; the resumed run's {_show(_changed(kept, choice.knobs))} no longer fits ({peak / MIB:,.0f} MiB)"
     else:
         note = ""
-    return with_knobs(cfg, choice.knobs), _chosen_line(choice, budget, device, fixed) + note
+    line = _chosen_line(choice, budget, device, fixed) + note
+    candidates = _per_shard_group(settings, peaks, budget.mib * MIB, device)
+    if planned.DISTRIBUTED.NUM_NODES == 1 or len(candidates) < 2:
+        return Tuned(with_knobs(cfg, choice.knobs), line)
+    shown = "; ".join(f"{_show(knobs)} ({peak / MIB:,.0f} MiB)" for knobs, peak in candidates)
+    line = (
+        f"auto-tune: the job spans nodes; fastest fitting setting per shard_group_size: {shown}; "
+        f"budget {budget.mib:,.0f} MiB ({budget.source}). The ranks choose by the link's speed"
+    )
+    layout = {"DISTRIBUTED.NUM_NODES": planned.DISTRIBUTED.NUM_NODES, "ranks": world}
+    return Tuned(with_knobs(cfg, candidates[0][0]), line, tuple(candidates), layout)
+
+
+def _per_shard_group(settings, peaks, budget_bytes: float, device: str) -> List[Tuple[Setting, float]]:
+    """The fastest fitting setting of every shard group size among ``settings``, fastest first."""
+    best: Dict[object, Tuple[Setting, float]] = {}
+    for knobs, peak in ranked(settings, peaks, device):
+        if peak <= budget_bytes and "shard_group_size" in knobs:
+            best.setdefault(knobs["shard_group_size"], (knobs, peak))
+    return list(best.values())
 
 
 def planned_settings(cfg, device: str, fixed: Sequence[str] = (), shapes: Optional[ModelShapes] = None):
@@ -162,11 +217,13 @@ def exact_knobs_of(cfg) -> Setting:
 # helpers
 
 
-def _for_world(cfg, world: int):
-    """``cfg`` planned for the ``world`` ranks the launcher will run (torchrun may decide it)."""
+def _for_world(cfg, world: int, per_node: int):
+    """``cfg`` planned for the ``world`` ranks, ``per_node`` on each node, that the job will run
+    (torchrun may decide them)."""
     if world == cfg.DISTRIBUTED.NUM_NODES * cfg.DISTRIBUTED.NUM_PROC_PER_NODE:
         return cfg
-    return with_knobs(cfg, {"DISTRIBUTED.NUM_NODES": 1, "ranks": world})
+    nodes = world // per_node if per_node and world % per_node == 0 else 1
+    return with_knobs(cfg, {"DISTRIBUTED.NUM_NODES": nodes, "ranks": world})
 
 
 def _resumed_knobs(cfg, names, fixed: Sequence[str]) -> Optional[Setting]:

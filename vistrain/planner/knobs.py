@@ -34,6 +34,7 @@ EXACT_KNOBS = {
     "step_in_backward": "OPTIMIZER.step_in_backward",
     "move_params_to_cpu": "MODEL.FSDP_CONFIG.move_params_to_cpu",
     "cpu_mmap_threshold_mib": "MACHINE.CPU_MMAP_THRESHOLD_MIB",
+    "shard_group_size": "MODEL.FSDP_CONFIG.shard_group_size",
 }
 # Result knobs: only advised (ranks stands for DISTRIBUTED.NUM_PROC_PER_NODE x NUM_NODES).
 RESULT_KNOBS = {
@@ -54,6 +55,9 @@ STEP_VS_DDP = {
     ("block", False): 1.20,
     ("block", True): 1.36,
 }
+# shard_group_size=1: every rank holds the whole model and all-reduces each unit's gradient over the
+# world, as DDP does its buckets (dev/bench_fsdp.py --shard-group-size 1; docs/memory.md)
+REPLICATED_VS_DDP = 1.0  # MEASURE
 # Checkpointing runs each checkpointed forward again in backward: compute, not communication, so
 # it adds the same time (in DDP steps) at every granularity; a multiplier mis-ordered 19 of 331
 # measured pairs of the first run.
@@ -76,7 +80,9 @@ def speed_cost(knobs: Dict[str, object], device: str) -> float:
     1): the factors above; a setting without the engine's knobs is DDP's; the engine's knobs a
     setting does not name are at their defaults. ``ranks`` divides (more ranks, more images)."""
     cost = 1.0
-    if "wrap_granularity" in knobs or "reshard_after_forward" in knobs:  # the sharded engine's
+    if knobs.get("shard_group_size") == 1:  # replicated: no gathers, one all-reduce per unit
+        cost = REPLICATED_VS_DDP
+    elif "wrap_granularity" in knobs or "reshard_after_forward" in knobs:  # the sharded engine's
         granularity = knobs.get("wrap_granularity", "block")
         cost = STEP_VS_DDP[(granularity, bool(knobs.get("reshard_after_forward", True)))]
         cost *= PREFETCH_COST.get(int(knobs.get("prefetch_depth", 1)), 1.0)
@@ -96,6 +102,7 @@ def exact_choices(cfg, device: str) -> Dict[str, tuple]:
     if not (fsdp.AUTO_SETUP_FSDP and fsdp.BACKEND == "builtin"):
         return choices
     choices.update(
+        shard_group_size=shard_group_choices(cfg),
         wrap_granularity=("model", "stage", "block"),
         reshard_after_forward=(False, True),
         prefetch_depth=(1, 0, 2),
@@ -106,6 +113,19 @@ def exact_choices(cfg, device: str) -> Dict[str, tuple]:
     else:
         choices["cpu_mmap_threshold_mib"] = (0.0, 1.0)
     return choices
+
+
+def shard_group_choices(cfg) -> tuple:
+    """``shard_group_size`` values worth planning: 0 (shard over all ranks), a node's ranks
+    (hybrid sharding) when the job spans nodes, and 1 (every rank holds everything, DDP's
+    replication through the engine)."""
+    per_node, nodes = cfg.DISTRIBUTED.NUM_PROC_PER_NODE, cfg.DISTRIBUTED.NUM_NODES
+    choices = [0]
+    if nodes > 1 and per_node > 1:
+        choices.append(per_node)
+    if nodes * per_node > 1:
+        choices.append(1)
+    return tuple(choices)
 
 
 def step_in_backward_allowed(cfg) -> bool:

@@ -33,6 +33,7 @@ from vistrain.checkpoint import (
 from vistrain.config import ConfigError
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed import comm
+from vistrain.distributed.launch import resolve_device
 from vistrain.fsdp import (
     Backend,
     OptimizerInBackward,
@@ -43,6 +44,7 @@ from vistrain.fsdp import (
 from vistrain.losses import build_loss
 from vistrain.models import build_model
 from vistrain.optim import build_lr_schedule, build_optimizer, param_group_key, set_lr
+from vistrain.planner.across_nodes import choose_across_nodes
 from vistrain.planner.auto_tune import check_same_knobs, exact_knobs_of
 from vistrain.runtime import precision
 from vistrain.runtime.logger import NonFiniteLossError, TrainingMeter, logger
@@ -63,10 +65,15 @@ class StepSettings:
     in_backward: Optional[OptimizerInBackward]  # the step runs inside backward (sharded engine)
 
 
-def train(cfg, notes: Sequence[str] = ()) -> None:
+def train(cfg, notes: Sequence[str] = (), across_nodes=None) -> None:
     """Pre-train ``cfg.MODEL`` with ``cfg.LOSS`` on ``cfg.DATA.TRAIN``; call on every rank (see
-    launch). ``notes``: lines rank 0 logs first (what the auto-tuner chose)."""
+    launch). ``notes``: lines rank 0 logs first (what the auto-tuner chose); ``across_nodes``:
+    the auto-tuner's ``(candidates, layout)`` for the ranks of a multi-node job to choose from
+    (``vistrain.planner.across_nodes``), before anything is seeded or built."""
     run_dir = cfg.CHECKPOINT.DIR
+    if across_nodes:
+        cfg, line = choose_across_nodes(cfg, *across_nodes, _this_device(cfg))
+        notes = (*notes, line)
     device = start_run(cfg)
     for note in notes:
         logger.info(note)
@@ -200,6 +207,13 @@ def _optimizer_step(model: nn.Module, criterion, optimizer, s: StepSettings, ite
 
 # --------------------------------------------------------------------------------------------
 # setup helpers
+
+
+def _this_device(cfg) -> torch.device:
+    """This rank's device (the launcher set the CUDA one)."""
+    if resolve_device(cfg.MACHINE) == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _step_settings(cfg, model: nn.Module, optimizer, device: torch.device) -> StepSettings:
