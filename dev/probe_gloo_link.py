@@ -47,6 +47,8 @@ def collective(op: str, n: int, group, ranks):
         dist.all_reduce(torch.ones(n * size), group=group)
     elif op == "broadcast":
         dist.broadcast(torch.ones(n * size), src=ranks[0], group=group)
+    elif op == "reduce_scatter":  # what the engine does not use on gloo (see --ops)
+        dist.reduce_scatter_tensor(torch.empty(n), torch.ones(n * size), group=group)
 
 
 def run_all(op: str, n: int, groups):
@@ -59,7 +61,7 @@ def tx_bytes(interface: str) -> int:
         return int(f.read())
 
 
-def worker(rank: int, world: int, per_host: int, port: int, reps: int, interface: str):
+def worker(rank: int, world: int, per_host: int, port: int, reps: int, interface: str, ops):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://198.18.0.1:{port}", rank=rank, world_size=world)
     made = {
@@ -82,7 +84,7 @@ def worker(rank: int, world: int, per_host: int, port: int, reps: int, interface
     baseline = counted(lambda: None)
     for kind, groups in made.items():
         mine = [(ranks, g) for ranks, g in groups if rank in ranks]
-        for op in OPS:
+        for op in ops:
             for n in SIZES:
                 for ranks, g in mine:
                     collective(op, n, g, ranks)  # warm-up: connections made
@@ -98,20 +100,28 @@ def main():
     parser.add_argument("--ranks-per-host", type=int, default=2)
     parser.add_argument("--rate-mbit", type=float, default=0.0, help="0: unshaped")
     parser.add_argument("--reps", type=int, default=4)
+    parser.add_argument("--ops", nargs="+", default=list(OPS), help=f"of {OPS + ('reduce_scatter',)}")
     parser.add_argument("--worker", type=int, nargs=3, help=argparse.SUPPRESS)  # rank port host
     args = parser.parse_args()
     per_host = args.ranks_per_host
     world = 2 * per_host
     if args.worker:
         rank, port, interface = args.worker[0], args.worker[1], os.environ["GLOO_SOCKET_IFNAME"]
-        return worker(rank, world, per_host, port, args.reps, interface)
+        return worker(rank, world, per_host, port, args.reps, interface, args.ops)
 
     with two_hosts(args.rate_mbit or None) as hosts:
         port = find_free_port()
         procs = []
         for rank in range(world):
             host = rank // per_host
-            argv = [sys.executable, __file__, f"--ranks-per-host={per_host}", f"--reps={args.reps}"]
+            argv = [
+                sys.executable,
+                __file__,
+                f"--ranks-per-host={per_host}",
+                f"--reps={args.reps}",
+                "--ops",
+                *args.ops,
+            ]
             argv += ["--worker", str(rank), str(port), str(host)]
             procs.append(
                 subprocess.Popen(
