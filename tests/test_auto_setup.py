@@ -131,6 +131,10 @@ EXACT_KNOB_CASES = {  # (method, overrides): SwAV where its fp32 prototype unit 
             "config.MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY=stage",
         ],
     ),
+    "replicated_shard_group_size_1": (  # every rank holds everything: DDP through the engine
+        "swav",
+        ["config.MODEL.FSDP_CONFIG.shard_group_size=1"],
+    ),
     "block_checkpointing_no_prefetch": (
         "simclr",
         [
