@@ -7,6 +7,7 @@ the exit code of a real launcher process is checked; the spawned ranks import th
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from vistrain import cli
 from vistrain.config import ConfigError, DataError, load_config
 from vistrain.distributed.join import attempt_store, slurm_tasks_on_node
 from vistrain.distributed.launch import first_slurm_host, launch, plan_launch
+from vistrain.distributed.network import check_gloo_interface
 
 HERE = Path(__file__).resolve()
 
@@ -52,6 +54,26 @@ def test_multi_node_plan_uses_node_id_and_run_id():
     )
     assert (plan.world_size, plan.first_rank, plan.local_ranks) == (12, 8, 4)
     assert plan.init_method == "tcp://node0.cluster:29501"
+
+
+def test_gloo_across_machines_whose_host_name_is_loopback_needs_the_interface(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")  # as many /etc/hosts say
+    two_nodes = ["config.DISTRIBUTED.NUM_NODES=2", "config.DISTRIBUTED.RUN_ID=198.18.0.1:29500"]
+    with pytest.raises(ConfigError, match="set GLOO_SOCKET_IFNAME to the interface that reaches 198.18.0.1"):
+        check_gloo_interface("gloo", True, _plan(*two_nodes).init_method, {})
+    joined = {"MASTER_ADDR": "10.1.1.1"}  # torchrun / srun
+    with pytest.raises(ConfigError, match="reaches 10.1.1.1"):
+        check_gloo_interface("gloo", True, "env://", joined)
+    check_gloo_interface("gloo", True, "env://", {**joined, "GLOO_SOCKET_IFNAME": "eth0"})  # set: fine
+    check_gloo_interface("gloo", True, "tcp://127.0.0.1:29500", {})  # one machine's "nodes" (tests)
+    check_gloo_interface("gloo", False, "tcp://198.18.0.1:29500", {})  # one node
+    check_gloo_interface("nccl", True, "tcp://198.18.0.1:29500", {})
+    # through the command line: one line, exit 2, before anything starts
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    argv = ["config=test/simclr_tiny", f"config.CHECKPOINT.DIR={tmp_path / 'run'}", *two_nodes]
+    assert cli.main(argv) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("config error: this machine's host name") and not (tmp_path / "run").exists()
 
 
 def test_file_and_env_init_methods():

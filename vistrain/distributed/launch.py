@@ -37,6 +37,7 @@ from vistrain.distributed.join import (  # noqa: F401  first_slurm_host: public 
     first_slurm_host,
     joined_job,
 )
+from vistrain.distributed.network import check_gloo_interface
 
 STOP_GRACE_SECONDS = 5.0  # after a failure, time the other ranks get to exit on their own, then SIGTERM
 
@@ -78,6 +79,7 @@ def launch(main_fn: Callable[[CfgNode], object], cfg: CfgNode) -> None:
     """
     plan = plan_launch(cfg.DISTRIBUTED, cfg.MACHINE, os.environ)
     check_world_size(cfg, plan.world_size)  # hybrid sharding's groups must tile the job
+    check_gloo_interface(plan.backend, plan.world_size > plan.ranks_per_node, plan.init_method, os.environ)
     _print_notes(plan)
     with _run_folder_lock(cfg, plan):
         if not plan.spawn:
