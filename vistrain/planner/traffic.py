@@ -8,8 +8,8 @@ The communication side of the planner (``memory.py`` is the memory side);
 from dataclasses import asdict, dataclass
 from typing import Dict, Optional, Sequence
 
+from vistrain.fsdp.collectives import replica_group_ranks, shard_group_ranks
 from vistrain.fsdp.flat_param import shard_size
-from vistrain.fsdp.hybrid import replica_group_ranks, shard_group_ranks
 from vistrain.planner.shape import MIB, ModelShapes, RunShape, run_shape, shapes_for
 
 
