@@ -32,8 +32,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from vistrain.distributed.testing import run_on_ranks
-from vistrain.fsdp import auto_wrap, heap, hybrid_groups
-from vistrain.fsdp.flat_param import gather_into, reduce_scatter_into
+from vistrain.fsdp import RootOptions, auto_wrap, hybrid_groups, model_state
+from vistrain.fsdp.collectives import gather_into, reduce_scatter_into
 from vistrain.fsdp.memory import held_tensors, storage_bytes
 from vistrain.models.units import GRANULARITIES, unit_classes
 from vistrain.planner.knobs import speed_cost
@@ -70,7 +70,7 @@ def settings():
 def make_engines(args, device):
     """name -> (model, optimizer, knobs or None)."""
     engines = {"ddp": (DDP(build(args.model).to(device)), None)}
-    shard_group, replica_group = hybrid_groups(args.shard_group_size)  # WORLD, None when 0
+    groups = hybrid_groups(args.shard_group_size)  # the world, no replicas when 0
     for name, knobs in settings():
         model = build(args.model).to(device)
         if knobs.get("activation_checkpointing"):
@@ -78,10 +78,9 @@ def make_engines(args, device):
         wrapped = auto_wrap(
             model,
             wrap_policy(False, knobs["wrap_granularity"]),
+            groups=groups,
             reshard_after_forward=knobs["reshard_after_forward"],
-            prefetch_depth=knobs.get("prefetch_depth", 1),
-            process_group=shard_group,
-            replica_group=replica_group,
+            root=RootOptions(prefetch_depth=knobs.get("prefetch_depth", 1)),
         )
         engines[name] = (wrapped, knobs)
     for reshard in (True, False):
@@ -128,10 +127,11 @@ def collectives(model, knobs):
     for unit in model.units():
         gathers = 1 if (not knobs["reshard_after_forward"] or unit is model) else 2
         for handle in unit.unit_state.handles:
-            full, shard, group = handle.full.numel(), handle.shard.numel(), unit.process_group
-            ops += [("all_gather", full, shard, group)] * gathers + [("reduce_scatter", full, shard, group)]
-            if unit.replica_group is not None:  # hybrid: the shard gradient across the groups
-                ops.append(("all_reduce", shard, shard, unit.replica_group))
+            full, shard, groups = handle.full.numel(), handle.shard.numel(), handle.groups
+            ops += [("all_gather", full, shard, groups.shard)] * gathers
+            ops.append(("reduce_scatter", full, shard, groups.shard))
+            if groups.replica is not None:  # hybrid: the shard gradient across the groups
+                ops.append(("all_reduce", shard, shard, groups.replica))
     return ops
 
 
@@ -248,7 +248,7 @@ def main():
     parser.add_argument("--shard-group-size", type=int, default=0, help="hybrid: ranks per shard group")
     args = parser.parse_args()
     if args.trim_after_mib is not None:  # the ranks are forked from here and inherit it
-        heap.TRIM_AFTER_BYTES = int(args.trim_after_mib * 2**20)
+        model_state.TRIM_AFTER_BYTES = int(args.trim_after_mib * 2**20)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = run_on_ranks(worker, args.world, args, backend=backend)

@@ -58,8 +58,8 @@ def _main(argv: Sequence[str]) -> int:
         check_config(cfg, _catalog)
         from vistrain.jobs import get_job
 
-        job = get_job(cfg.ENGINE_NAME)
-        if cfg.ENGINE_NAME == "train" and cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:
+        job = get_job(cfg.JOB)
+        if cfg.JOB == "train" and cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:
             cfg, job = _auto_tuned(cfg, job, argv)
     except InputError as e:
         return _refuse(e.line())

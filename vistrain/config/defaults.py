@@ -10,7 +10,7 @@ _C = CN()
 # Version of this key layout. Saved config.yaml files carry it; reading one written by another
 # version is refused (keys may have changed meaning). Bump it when a key is renamed or re-meant.
 _C.VERSION = 1
-_C.ENGINE_NAME = "train"  # what a run does: train | linear_eval | knn | extract_features
+_C.JOB = "train"  # what a run does: train | linear_eval | knn | extract_features
 _C.SEED_VALUE = 0  # seeds model init, data order and augmentations (offset by rank where needed)
 _C.LOG_FREQUENCY = 10  # rank-0 log line every this many iterations
 

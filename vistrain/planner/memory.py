@@ -21,7 +21,7 @@ ceil(n / W) elements, p = fp32 master bytes 4, c = compute bytes: 2 under mixed 
                     and allocator; CUDA: 0 (the CUDA context is not allocated memory)
 
 On CPU the plan is for glibc's default allocator: the engine gives freed heap pages back at unit
-boundaries (``vistrain/fsdp/heap.py``) and ``GRADIENT_COPIES`` holds what glibc keeps until the
+boundaries (``vistrain/fsdp/model_state.py``) and ``GRADIENT_COPIES`` holds what glibc keeps until the
 next trim. The measurements the terms were fitted to and checked against: docs/memory.md.
 
 ``move_params_to_cpu`` on CUDA moves params, grads and optimizer state out of GPU memory.

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence
 
 from vistrain.distributed.sync_batchnorm import sync_bn_group_ranks
+from vistrain.fsdp.collectives import replica_group_ranks, shard_group_ranks
 from vistrain.fsdp.flat_param import shard_size
-from vistrain.fsdp.hybrid import replica_group_ranks, shard_group_ranks
 from vistrain.planner.collectives import Collective, busiest_link_bytes, node_link_bytes
 from vistrain.planner.knobs import EXACT_KNOBS, current_knobs, speed_cost
 from vistrain.planner.shape import MIB, ModelShapes, RunShape, run_shape, shapes_for

@@ -15,7 +15,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from vistrain.fsdp import TorchShardedModel, auto_wrap, by_class, hybrid_groups
+from vistrain.fsdp import (
+    KEEP_FP32,
+    Precision,
+    RootOptions,
+    TorchShardedModel,
+    auto_wrap,
+    by_class,
+    hybrid_groups,
+)
 from vistrain.fsdp.deferred_init import build_on_meta
 from vistrain.models.units import CHECKPOINTED, is_large_layer, unit_classes
 from vistrain.runtime.precision import compute_dtype
@@ -25,8 +33,12 @@ BACKENDS = ("builtin", "torch")
 
 
 def wrap_policy(fp32_batchnorm: bool, granularity: str = "block") -> Callable[[nn.Module], Optional[dict]]:
-    """The builtin backend's units: :func:`unit_classes` plus every large layer."""
-    by_type = by_class(unit_classes(fp32_batchnorm, granularity))
+    """The builtin backend's units: :func:`unit_classes` plus every large layer; the fp32 units
+    run in full precision with autocast off (``KEEP_FP32``)."""
+    table = unit_classes(fp32_batchnorm, granularity)
+    by_type = by_class(
+        {cls: {"precision": KEEP_FP32} if opts.get("keep_fp32") else {} for cls, opts in table.items()}
+    )
 
     def policy(module: nn.Module) -> Optional[dict]:
         overrides = by_type(module)
@@ -113,25 +125,30 @@ def shard_model(model: nn.Module, model_cfg, param_group_fn: Optional[Callable] 
             compute_dtype(fsdp_cfg), fsdp_cfg.fp32_reduce_scatter,
         )  # fmt: skip
         return TorchShardedModel(sharded)
-    dtype = compute_dtype(fsdp_cfg)
-    # hybrid sharding: shards within groups of shard_group_size ranks, replicas across them
-    shard_group, replica_group = hybrid_groups(fsdp_cfg.shard_group_size)
     return auto_wrap(
         model,
         wrap_policy(low_precision, fsdp_cfg.wrap_granularity),
-        process_group=shard_group,
-        replica_group=replica_group,
+        # hybrid sharding: shards within groups of shard_group_size ranks, replicas across them
+        groups=hybrid_groups(fsdp_cfg.shard_group_size),
         reshard_after_forward=fsdp_cfg.reshard_after_forward,
-        mixed_precision=dtype is not None,
-        fp32_reduce_scatter=fsdp_cfg.fp32_reduce_scatter,
+        precision=unit_precision(fsdp_cfg),
         flatten_parameters=fsdp_cfg.flatten_parameters,
-        compute_dtype=dtype,
         move_params_to_cpu=fsdp_cfg.move_params_to_cpu,
-        prefetch_depth=fsdp_cfg.prefetch_depth,
         param_group_fn=param_group_fn,
-        # as the DDP path: synced BN keeps statistics equal, else rank 0's are broadcast
-        broadcast_buffers=not model_cfg.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN,
+        root=RootOptions(
+            # as the DDP path: synced BN keeps statistics equal, else rank 0's are broadcast
+            broadcast_buffers=not model_cfg.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN,
+            prefetch_depth=fsdp_cfg.prefetch_depth,
+        ),
     )
+
+
+def unit_precision(fsdp_cfg) -> Precision:
+    """The engine's :class:`Precision` for ``MODEL.FSDP_CONFIG``: ``compute_dtype`` under
+    ``mixed_precision``, gradients reduced in fp32 with ``fp32_reduce_scatter``."""
+    dtype = compute_dtype(fsdp_cfg)
+    reduce = torch.float32 if fsdp_cfg.fp32_reduce_scatter else None
+    return Precision(dtype, reduce)
 
 
 def torch_mesh(device_type: str, shard_group_size: int):
