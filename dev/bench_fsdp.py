@@ -67,11 +67,27 @@ def settings():
     return out
 
 
+def replicated_settings():
+    """shard_group_size=1 (every rank holds everything: DDP's replication through the engine)."""
+    return [
+        (
+            f"replicated {g} {'zero3' if r else 'zero2'}",
+            dict(wrap_granularity=g, reshard_after_forward=r, shard_group_size=1),
+        )
+        for g, r in (("model", False), ("stage", False), ("block", False), ("block", True))
+    ]
+
+
 def make_engines(args, device):
     """name -> (model, optimizer, knobs or None)."""
     engines = {"ddp": (DDP(build(args.model).to(device)), None)}
-    groups = hybrid_groups(args.shard_group_size)  # the world, no replicas when 0
-    for name, knobs in settings():
+    sharded = hybrid_groups(args.shard_group_size)  # the world, no replicas when 0
+    replicated = hybrid_groups(1) if args.replicated else None
+    chosen = settings() + (replicated_settings() if args.replicated else [])
+    for name, knobs in chosen:
+        if args.only and name not in args.only:
+            continue
+        groups = replicated if knobs.get("shard_group_size") == 1 else sharded
         model = build(args.model).to(device)
         if knobs.get("activation_checkpointing"):
             apply_activation_checkpointing(model, knobs["checkpointing_granularity"])
@@ -83,7 +99,7 @@ def make_engines(args, device):
             root=RootOptions(prefetch_depth=knobs.get("prefetch_depth", 1)),
         )
         engines[name] = (wrapped, knobs)
-    for reshard in (True, False):
+    for reshard in (True, False) if not args.only else ():
         try:
             model = torch_fully_shard(
                 build(args.model).to(device), unit_classes(False, "block"), reshard, args.shard_group_size
@@ -194,7 +210,7 @@ def measured_factors(ratio, knobs_of):
     base = {
         (k["wrap_granularity"], k["reshard_after_forward"]): ratio[n]
         for n, k in knobs_of.items()
-        if k and len(k) == 2
+        if k and set(k) == {"wrap_granularity", "reshard_after_forward"}
     }
 
     def relative(select, key, added=False):  # median over the settings of the ratio (or the difference)
@@ -207,8 +223,14 @@ def measured_factors(ratio, knobs_of):
                 )
         return {key: statistics.median(v) for key, v in out.items()}
 
+    replicated = {
+        (k["wrap_granularity"], k["reshard_after_forward"]): ratio[n]
+        for n, k in knobs_of.items()
+        if k and k.get("shard_group_size") == 1
+    }
     return {
         "STEP_VS_DDP": base,
+        "REPLICATED_VS_DDP": replicated,
         "CHECKPOINTING_EXTRA": relative(
             lambda k: k.get("activation_checkpointing"), lambda k: k["checkpointing_granularity"], added=True
         ),
@@ -246,6 +268,8 @@ def main():
         "--trim-after-mib", type=float, default=None, help="heap trims after this many MiB freed"
     )
     parser.add_argument("--shard-group-size", type=int, default=0, help="hybrid: ranks per shard group")
+    parser.add_argument("--replicated", action="store_true", help="also shard_group_size=1 (replication)")
+    parser.add_argument("--only", nargs="*", help="only these settings (and DDP), names as printed")
     args = parser.parse_args()
     if args.trim_after_mib is not None:  # the ranks are forked from here and inherit it
         model_state.TRIM_AFTER_BYTES = int(args.trim_after_mib * 2**20)

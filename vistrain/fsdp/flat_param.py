@@ -313,6 +313,16 @@ class FlatParamHandle:
         work, out = reduce_scatter_into(grad, lo, hi, reduce_group)
         return work, out, grad
 
+    def start_replicated_all_reduce(self, grad: torch.Tensor, reduce_group):
+        """Shard groups of one rank: sum ``grad`` (padded_numel,) / replicas over the replicas on
+        ``reduce_group`` in place; returns (work, the tensor that holds the average once waited)."""
+        if self.unsharded_grad_acc is not None:
+            grad = self.unsharded_grad_acc.add_(grad)
+            self.unsharded_grad_acc = None
+        grad = grad.to(self.reduce_dtype)
+        grad.div_(self.groups.replicas)
+        return dist.all_reduce(grad, group=reduce_group, async_op=True), grad
+
     def start_replica_all_reduce(self, reduced: torch.Tensor, reduce_group):
         """Sum a finished reduce-scatter's shard (shard_numel,) over the replicas on
         ``reduce_group`` (the ranks of the replica group, its own queue); returns (work, tensor):

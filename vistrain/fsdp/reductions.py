@@ -50,6 +50,13 @@ class ReductionQueue:
         # (gloo reduces the full vector in place: its buffer lives until the reduce-scatter is
         # waited); a cross-replica all-reduce holds only a shard.
         self._advance()
+        if handle.world_size == 1 and handle.groups.replica is not None:
+            # replicated (shard groups of one rank): the gradient is the shard; one all-reduce over
+            # the replicas, started now, as DDP's buckets (no reduce-scatter over one rank first)
+            group = self.reduction_groups[group_ranks(handle.groups.replica)]
+            work, reduced = handle.start_replicated_all_reduce(grad, group)
+            self.across.append(PendingReduction(handle, work, reduced, reduced))
+            return
         group = self.reduction_groups[group_ranks(handle.groups.shard)]
         work, reduced, source = handle.start_reduce_scatter(grad, group)
         self.pending.append(PendingReduction(handle, work, reduced, source))
