@@ -19,7 +19,7 @@ import yaml
 
 from vistrain.config import ConfigError
 from vistrain.config.checks import get_key
-from vistrain.planner.knobs import EXACT_KNOBS, current_knobs, exact_settings, ranked, speed_cost, with_knobs
+from vistrain.planner.knobs import EXACT_KNOBS, current_knobs, exact_settings, speed_cost, with_knobs
 from vistrain.planner.memory import plan
 from vistrain.planner.shape import MIB, ModelShapes
 
@@ -39,23 +39,56 @@ class Choice:
 
     knobs: Optional[Setting]  # None: nothing fits
     peak: float  # of ``knobs``; when nothing fits, the smallest reachable peak
-    smallest: Setting  # the setting with the smallest peak
+    smallest: Optional[Setting]  # the setting with the smallest peak (found when nothing fits)
     faster_rejected: Optional[Tuple[Setting, float]] = None  # the fastest setting that did not fit
     runner_up: Optional[Tuple[Setting, float]] = None  # the next fastest that fits
 
 
 def choose(settings: Sequence[Setting], peaks: Sequence[float], budget_bytes: float, device: str) -> Choice:
     """The fastest of ``settings`` whose peak (same order) fits ``budget_bytes``; ties as
-    :func:`knobs.ranked` (smaller peak, then the preferred values)."""
-    order = ranked(settings, peaks, device)
-    smallest = min(order, key=lambda item: item[1])
-    fitting = [i for i, (_, peak) in enumerate(order) if peak <= budget_bytes]
+    :func:`knobs.ranked` (smaller peak, then the preferred values). ``peaks`` is read in speed
+    order and only as far as the choice, a faster setting that did not fit and a runner-up need
+    (:class:`LazyPeaks` plans each setting on first use); all of them when nothing fits."""
+    fitting, first = [], None
+    for group in speed_groups(settings, device):
+        ordered = sorted(group, key=lambda i: (peaks[i], i))
+        first = ordered[0] if first is None else first
+        fitting += [i for i in ordered if peaks[i] <= budget_bytes]
+        if len(fitting) >= 2:
+            break
     if not fitting:
-        return Choice(None, smallest[1], smallest[0])
-    best = order[fitting[0]]
-    faster = order[0] if fitting[0] > 0 else None
-    runner_up = order[fitting[1]] if len(fitting) > 1 else None
-    return Choice(best[0], best[1], smallest[0], faster, runner_up)
+        smallest = min(range(len(settings)), key=lambda i: (peaks[i], i))
+        return Choice(None, peaks[smallest], settings[smallest])
+    best = fitting[0]
+    faster = (settings[first], peaks[first]) if first != best else None
+    runner_up = (settings[fitting[1]], peaks[fitting[1]]) if len(fitting) > 1 else None
+    return Choice(settings[best], peaks[best], None, faster, runner_up)
+
+
+def speed_groups(settings: Sequence[Setting], device: str) -> List[List[int]]:
+    """Indices of ``settings`` grouped by equal speed (``knobs.speed_cost``), fastest first,
+    each group in the settings' order."""
+    groups: Dict[float, List[int]] = {}
+    for i, knobs in enumerate(settings):
+        groups.setdefault(round(speed_cost(knobs, device), 6), []).append(i)
+    return [groups[cost] for cost in sorted(groups)]
+
+
+class LazyPeaks:
+    """Planned peak bytes of ``settings[i]`` (``cfg`` with its knobs), planned on first use: a
+    choice reads a handful of the hundreds of settings."""
+
+    def __init__(self, cfg, settings: Sequence[Setting], device: str, shapes: ModelShapes):
+        self.cfg, self.settings, self.device, self.shapes = cfg, settings, device, shapes
+        self.planned: Dict[int, float] = {}
+
+    def __getitem__(self, i: int) -> float:
+        if i not in self.planned:
+            self.planned[i] = plan(with_knobs(self.cfg, self.settings[i]), self.device, self.shapes).peak
+        return self.planned[i]
+
+    def __len__(self) -> int:
+        return len(self.settings)
 
 
 def machine_budget(device: str, ranks_on_node: int, device_index: int = 0) -> Budget:
@@ -155,7 +188,8 @@ def tune_settings(
     planned = _for_world(cfg, world, ranks_per_node or cfg.DISTRIBUTED.NUM_PROC_PER_NODE)
     fixed = [name for name, key in EXACT_KNOBS.items() if key in explicit]
     shapes = ModelShapes(cfg.MODEL, baseline_mib)
-    settings, peaks = planned_settings(planned, device, fixed, shapes)
+    settings = exact_settings(planned, device, fixed)
+    peaks = LazyPeaks(planned, settings, device, shapes)
     choice = choose(settings, peaks, budget.mib * MIB, device)
     if choice.knobs is None:
         raise ConfigError(_refusal(planned, choice, budget, device, fixed, shapes))
@@ -171,8 +205,9 @@ def tune_settings(
     else:
         note = ""
     line = _chosen_line(choice, budget, device, fixed) + note
-    candidates = _per_shard_group(settings, peaks, budget.mib * MIB, device)
-    if planned.DISTRIBUTED.NUM_NODES == 1 or len(candidates) < 2:
+    spans_nodes = planned.DISTRIBUTED.NUM_NODES > 1 and "shard_group_size" not in fixed
+    candidates = _per_shard_group(settings, peaks, budget.mib * MIB, device) if spans_nodes else []
+    if len(candidates) < 2:
         return Tuned(with_knobs(cfg, choice.knobs), line)
     shown = "; ".join(f"{_show(knobs)} ({peak / MIB:,.0f} MiB)" for knobs, peak in candidates)
     line = (
@@ -184,11 +219,18 @@ def tune_settings(
 
 
 def _per_shard_group(settings, peaks, budget_bytes: float, device: str) -> List[Tuple[Setting, float]]:
-    """The fastest fitting setting of every shard group size among ``settings``, fastest first."""
+    """The fastest fitting setting of every shard group size among ``settings``, fastest first
+    (ties as :func:`choose`)."""
+    sizes = {knobs["shard_group_size"] for knobs in settings if "shard_group_size" in knobs}
     best: Dict[object, Tuple[Setting, float]] = {}
-    for knobs, peak in ranked(settings, peaks, device):
-        if peak <= budget_bytes and "shard_group_size" in knobs:
-            best.setdefault(knobs["shard_group_size"], (knobs, peak))
+    for group in speed_groups(settings, device):
+        for i in sorted(
+            (i for i in group if settings[i].get("shard_group_size") not in best), key=lambda i: (peaks[i], i)
+        ):
+            if peaks[i] <= budget_bytes and "shard_group_size" in settings[i]:
+                best.setdefault(settings[i]["shard_group_size"], (settings[i], peaks[i]))
+        if len(best) == len(sizes):
+            break
     return list(best.values())
 
 

@@ -56,8 +56,11 @@ STEP_VS_DDP = {
     ("block", True): 1.36,
 }
 # shard_group_size=1: every rank holds the whole model and all-reduces each unit's gradient over the
-# world, as DDP does its buckets (dev/bench_fsdp.py --shard-group-size 1; docs/memory.md)
-REPLICATED_VS_DDP = 1.0  # MEASURE
+# world, as DDP does its buckets; per wrap granularity (ZeRO-3 only frees and copies local weights
+# again). Measured side by side with DDP and the sharded settings (dev/bench_fsdp.py --replicated,
+# two runs of 2026-12-03, median; a loaded machine: load average 23, ratios within +-0.15): one
+# unit reduces everything after backward, overlapping nothing, where DDP's buckets overlap it.
+REPLICATED_VS_DDP = {"model": 1.55, "stage": 1.19, "block": 1.22}
 # Checkpointing runs each checkpointed forward again in backward: compute, not communication, so
 # it adds the same time (in DDP steps) at every granularity; a multiplier mis-ordered 19 of 331
 # measured pairs of the first run.
@@ -81,7 +84,7 @@ def speed_cost(knobs: Dict[str, object], device: str) -> float:
     setting does not name are at their defaults. ``ranks`` divides (more ranks, more images)."""
     cost = 1.0
     if knobs.get("shard_group_size") == 1:  # replicated: no gathers, one all-reduce per unit
-        cost = REPLICATED_VS_DDP
+        cost = REPLICATED_VS_DDP[knobs.get("wrap_granularity", "block")]
     elif "wrap_granularity" in knobs or "reshard_after_forward" in knobs:  # the sharded engine's
         granularity = knobs.get("wrap_granularity", "block")
         cost = STEP_VS_DDP[(granularity, bool(knobs.get("reshard_after_forward", True)))]
