@@ -6,9 +6,10 @@ The README's SEER-10B recipe (SwAV, head [28280, 8192, 256], 16000 prototypes, 2
 crops, 8 images per GPU, LARS, bf16 with fp32 reductions, activation checkpointing) planned with
 ``MODEL.FSDP_CONFIG.shard_group_size`` 0 (shards over all GPUs) and the GPUs of one node (and
 two), ZeRO-3 and ZeRO-2: per-GPU memory (``vistrain.planner.memory.plan``, CUDA) and the
-bytes each GPU sends per step inside its shard group, across groups and across nodes
-(``vistrain.planner.traffic.traffic``; ring accounting, a group spanning nodes counts
-whole). Built on the meta device.
+bytes each GPU sends per step inside its shard group and across groups (ring accounting) and
+what each node's link carries per GPU (``vistrain.planner.traffic.traffic``: every collective as
+one ring in rank order sends it, NCCL on CUDA: the engine reduce-scatters). Built on the meta
+device.
 """
 
 import argparse

@@ -9,9 +9,11 @@ the run logs as ``mem``: peak RSS on CPU, peak allocated memory on CUDA) and its
 ``--budget-mib`` the fastest knob setting that fits and its ``config.X=Y`` overrides, or one
 line saying that nothing fits, with the smallest peak reached. With ``MODEL.FSDP_CONFIG.AUTO_TUNE``
 on (the shipped recipes) and no ``--budget-mib``, it plans what the run would choose and prints
-its ``auto_tune`` line. A sharded run's plan also gives the
-bytes each rank sends per step inside its shard group, across groups (hybrid sharding,
-``MODEL.FSDP_CONFIG.shard_group_size``) and across nodes. See vistrain/planner/memory.py.
+its ``auto_tune`` line. The plan also gives the bytes each rank sends per step inside its
+shard group and across groups (hybrid sharding, ``MODEL.FSDP_CONFIG.shard_group_size``), and
+``cross_node_mib``: what the busiest node's link carries each way per step (every collective as
+the backend sends it) divided by its ranks; with ``--link-gbps G`` the predicted step time on such
+a link. See vistrain/planner/memory.py and traffic.py.
 """
 
 import argparse
@@ -27,6 +29,12 @@ def main(argv) -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: MACHINE.DEVICE")
     parser.add_argument("--budget-mib", type=float, default=None)
     parser.add_argument("--max-ranks", type=int, default=None, help="search up to this many ranks")
+    parser.add_argument(
+        "--link-gbps",
+        type=float,
+        default=None,
+        help="also predict the step time on a link this fast (Gbit/s)",
+    )
     args, config_args = parser.parse_known_args(argv)
     try:
         cfg = load_config(config_args)
@@ -50,8 +58,10 @@ def main(argv) -> int:
                 print(f"config error: {e}", file=sys.stderr)
                 return 2
         out = {**tuned, **plan(cfg, device).as_mib()}
-        if cfg.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP:  # inside the shard group / across groups / nodes
-            out["sent_per_step_per_rank"] = traffic(cfg).as_mib()
+        # inside the shard group / across groups (sharded) / over the busiest link, per rank
+        out["sent_per_step_per_rank"] = traffic(cfg).as_mib()
+        if args.link_gbps:
+            out["predicted_step"] = _predicted_step(cfg, args.link_gbps, device)
         print(json.dumps(out, indent=2))
         return 0
     knobs, result = search(cfg, args.budget_mib, device, args.max_ranks)
@@ -68,6 +78,22 @@ def main(argv) -> int:
         )
     )
     return 0
+
+
+def _predicted_step(cfg, gbps: float, device: str) -> dict:
+    """The planner's step time on a link of ``gbps``, the compute measured here as a rank of the
+    run would (its threads, unit by unit: vistrain/planner/compute.py)."""
+    import os
+
+    import torch
+
+    from vistrain.planner.compute import compute_seconds
+    from vistrain.planner.traffic import predicted_step_seconds
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.DISTRIBUTED.NUM_PROC_PER_NODE))
+    compute = compute_seconds(cfg, torch.device(device))
+    seconds = predicted_step_seconds(cfg, gbps * 1e9 / 8, compute)
+    return {"link_gbps": gbps, "compute_s": round(compute, 3), "seconds": round(seconds, 3)}
 
 
 if __name__ == "__main__":
