@@ -17,9 +17,9 @@ included); seconds are rank 0's training time (from the loop's start to its last
 run's one log line gives it: start-up and exit, slow on a loaded machine, are left out).
 
 Printed per setting: MiB host A sent per step; the planner's figure for it
-(``traffic_plan.traffic``: ``cross_node`` x ranks per host) and their ratio; seconds per step;
-the link's byte floor (MiB per step over the rate) and the step's ratio to it; the planner's
-predicted step time at the rate (``traffic_plan.predicted_step_seconds``). The auto-tuned run's
+(``vistrain.planner.traffic.traffic``: ``cross_node`` x ranks per host) and their ratio; seconds
+per step; the link's byte floor (MiB per step over the rate) and the step's ratio to it; the
+planner's predicted step time at the rate (``traffic.predicted_step_seconds``). The auto-tuned run's
 choice is read from its config.yaml.
 """
 
