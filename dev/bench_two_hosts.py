@@ -181,6 +181,9 @@ def main():
                 per_step = [(t_long - t_short), (a_long - a_short), (b_long - b_short)]
                 per_step = [x / (long - short) for x in per_step]
                 results[name].append((*per_step, Path(tmp, f"{r}-{i}-{long}")))
+                for line in Path(tmp, f"{r}-{i}-{long}", "log.txt").read_text().splitlines():
+                    if "auto-tune across nodes" in line:
+                        print(line.split("] ", 1)[-1], flush=True)
                 print(
                     f"round {r + 1} {name:<16} {per_step[1] / MIB:7.1f} MiB/step  {per_step[0]:6.2f} s/step",
                     flush=True,

@@ -146,6 +146,38 @@ def test_shard_gradients_are_final_when_announced():
         assert groups == sorted([(rank // 2 * 2, rank // 2 * 2 + 1), (rank % 2, rank % 2 + 2)])
 
 
+def _gather_groups_worker(rank, world):
+    """Per shard group size: (gathers on a group of their own over the shard group's ranks,
+    a world all-reduce issued while a prefetched gather is in flight returns, the loss)."""
+    out = []
+    for k in (0, 2, 1):
+        model = wrap(make_net(), True, groups=hybrid_groups(k))
+        x, y = local_batch(0, rank, world)
+        nn.functional.cross_entropy(model(x), y).backward()  # builds the model state
+        handles = model.model_state.handles()
+        own = all(
+            dist.get_process_group_ranks(h.gather_group) == dist.get_process_group_ranks(h.groups.shard)
+            and (h.gather_group is not h.groups.shard or dist.get_world_size(h.groups.shard) == 1)
+            for h in handles
+        )
+        handles[-1].start_unshard()  # a prefetch in flight, as in forward
+        flag = torch.ones(1)
+        dist.all_reduce(flag)  # the user's collective on the world (sync BN, a loss)
+        handles[-1].reshard()  # waits for the prefetch, frees it
+        out.append((own, flag.item(), nn.functional.cross_entropy(model(x), y).item()))
+    return out
+
+
+def test_gathers_run_on_groups_of_their_own():
+    """So that what the user runs on the shard group (sync BatchNorm's all-reduces, a loss's
+    all-gather) never waits behind a prefetched unit's bytes on the same connections."""
+    for result in run_on_ranks(_gather_groups_worker, 4):
+        assert [own for own, _, _ in result] == [True] * 3
+        assert [flag for _, flag, _ in result] == [4.0] * 3
+        losses = [loss for _, _, loss in result]
+        assert losses[0] == pytest.approx(losses[1]) == pytest.approx(losses[2])
+
+
 # -- AUTO_SETUP_FSDP with shard_group_size: the recipes' options ------------------------------------
 # bf16 gathers and compute (fp32 reductions) under AMP, against DDP under AMP (as test_auto_setup)
 AMP = [

@@ -128,6 +128,7 @@ class FlatParamHandle:
         self.reduce_dtype = precision.reduce_dtype or self.compute_dtype
         self.compute_device = compute_device
         self.timeout = DEFAULT_COLLECTIVE_TIMEOUT  # the model's collective_timeout once attached
+        self.gather_group = None  # the model's own group over the shard group's ranks once attached
         requires_grad = params[0].requires_grad
 
         shard = self._own_shard(params, compute_device, sync_module_states)
@@ -208,7 +209,8 @@ class FlatParamHandle:
         nbytes = self.full.numel() * self.full.element_size()
         self.full.untyped_storage().resize_(nbytes)
         src = self.shard.detach().to(self.compute_device, self.compute_dtype, non_blocking=True)
-        self.gather = InFlightGather(gather_into(self._full_data, src, self.groups.shard, async_op=True), src)
+        group = self.gather_group or self.groups.shard
+        self.gather = InFlightGather(gather_into(self._full_data, src, group, async_op=True), src)
         return nbytes
 
     def _finish_gather(self) -> None:

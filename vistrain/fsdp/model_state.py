@@ -105,6 +105,11 @@ class ModelState:
         self.reductions = ReductionQueue(
             create_reduction_groups(handle_groups or groups.data_parallel()), self.heap.freed
         )
+        # The gathers get groups of their own too: what the user runs on the shard group (sync
+        # BatchNorm's all-reduces, a loss's all-gather) must not queue behind a prefetched
+        # unit's megabytes on the same connections (dev/diagnose_two_hosts.py measured it).
+        shard_groups = [h.groups.shard for unit in units for h in unit.handles] or [groups.shard]
+        self.gather_groups = create_reduction_groups(shard_groups)
         # id(handle.full) -> unit: the tensors whose views the modules compute with.
         self.full_owners = {id(h.full): unit for unit in units for h in unit.handles}
         for index, unit in enumerate(units):

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vistrain.fsdp.collectives import ShardGroups
+from vistrain.fsdp.collectives import ShardGroups, group_ranks
 from vistrain.fsdp.deferred_init import materialize
 from vistrain.fsdp.flat_param import FlatParamHandle, ParamOrigin
 from vistrain.fsdp.ownership import mark_replaced, owned_modules
@@ -117,6 +117,7 @@ class UnitState:
         self.model, self.index, self.is_root = model, index, is_root
         for handle in self.handles:
             handle.timeout = model.options.collective_timeout
+            handle.gather_group = model.gather_groups[group_ranks(handle.groups.shard)]
 
     @property
     def keeps_gathered(self) -> bool:
