@@ -20,7 +20,8 @@ def dataset(seed: int) -> TensorDataset:
 
 class Regressor(pl.LightningModule):
     """A body, a head and a parameter of its own (the root unit's); param groups by name (no
-    weight decay, another learning rate for biases and the scale), a per-step schedule."""
+    weight decay, another learning rate for biases and the scale), a schedule changing the learning
+    rate at every step (a resume must restore it before the scheduler's next step)."""
 
     def __init__(self, batch_size: int = 6, optimizer: str = "sgd"):
         super().__init__()
@@ -55,7 +56,7 @@ class Regressor(pl.LightningModule):
             optimizer = torch.optim.AdamW(groups, lr=0.01)
         else:
             optimizer = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
-        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def train_dataloader(self):

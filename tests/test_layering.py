@@ -19,7 +19,7 @@ LAYERS: List[Set[str]] = [
     {"losses", "optim"},
     {"checkpoint"},
     {"runtime"},
-    {"training", "benchmarks"},
+    {"training", "benchmarks", "integrations"},
     {"jobs", "cli"},
 ]
 

@@ -58,7 +58,7 @@ def save(path: str, model, optimizers: Sequence, checkpoint: dict) -> None:
     with_optimizers = "optimizer_states" in checkpoint and len(optimizers) > 0
     state = {
         "checkpoint": weights_only_safe(rest, "checkpoint"),
-        "optimizers": [type(o).__name__ for o in optimizers] if with_optimizers else None,
+        "optimizers": [_optimizer_info(o) for o in optimizers] if with_optimizers else None,
     }
     meta = {
         "epoch": checkpoint.get("epoch"),
@@ -86,7 +86,7 @@ def read(path: str) -> dict:
     else:
         checkpoint = dict(state["checkpoint"])
         if state["optimizers"] is not None:
-            checkpoint["optimizer_states"] = [{"class": name} for name in state["optimizers"]]
+            checkpoint["optimizer_states"] = state["optimizers"]
     checkpoint.setdefault("pytorch-lightning_version", reader.meta.get("lightning_version") or "2.6.0")
     checkpoint["state_dict"] = {}
     checkpoint[PATH_KEY] = path
@@ -99,17 +99,30 @@ def load_model(checkpoint: dict, model) -> None:
 
 
 def load_optimizers(checkpoint: dict, model, optimizers: Sequence) -> None:
-    """This rank's optimizer state (its shards' slices), from a run on any number of devices."""
-    saved = [state["class"] for state in checkpoint.get("optimizer_states", [])]
-    mine = [type(o).__name__ for o in optimizers]
-    if saved != mine:
+    """This rank's optimizer state (its shards' slices), from a run on any number of devices, and
+    the param groups' hyperparameters as saved (as ``Optimizer.load_state_dict`` restores them:
+    an LR scheduler sets ``lr`` only at its next step)."""
+    saved = checkpoint.get("optimizer_states", [])
+    if [s["class"] for s in saved] != [type(o).__name__ for o in optimizers] or any(
+        len(s["param_groups"]) != len(o.param_groups) for s, o in zip(saved, optimizers)
+    ):
         raise CheckpointError(
-            f"{_path(checkpoint)}: holds the state of optimizers {saved}, this run configures "
-            f"{mine}; resume with the same configure_optimizers"
+            f"{_path(checkpoint)}: holds the state of optimizers {[s['class'] for s in saved]} with "
+            f"{[len(s['param_groups']) for s in saved]} param groups, this run configures "
+            f"{[type(o).__name__ for o in optimizers]} with {[len(o.param_groups) for o in optimizers]}; "
+            "resume with the same configure_optimizers"
         )
     if optimizers:
         path = _path(checkpoint)
         load_optimizer_state(as_one_optimizer(optimizers), model_layout(model), SliceReader(path))
+    for info, optimizer in zip(saved, optimizers):
+        for group, hyper in zip(optimizer.param_groups, info["param_groups"]):
+            group.update(hyper)
+
+
+def _optimizer_info(optimizer) -> dict:
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return {"class": type(optimizer).__name__, "param_groups": weights_only_safe(groups, "param_groups")}
 
 
 def _path(checkpoint: dict) -> str:

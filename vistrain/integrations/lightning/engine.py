@@ -11,6 +11,7 @@ import inspect
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from vistrain.fsdp import (
@@ -39,10 +40,16 @@ def unit_option_names() -> List[str]:
 
 def build_policy(spec, module: nn.Module) -> Policy:
     """The engine's wrap policy for ``spec``: None (one unit per immediate child of ``module``
-    holding parameters), an int (``by_size``), a class, list/set of classes or {class:
+    holding parameters, see :func:`_immediate_children`), an int (``by_size``), a class, list/set of classes or {class:
     overrides} (``by_class``), or a policy callable (``by_class(...)``, ``by_size(...)``...)."""
+    policy = _policy(spec, module)
+    # ModuleList / ModuleDict have no forward: a unit around one would never run
+    return lambda m: None if isinstance(m, (nn.ModuleList, nn.ModuleDict)) else policy(m)
+
+
+def _policy(spec, module: nn.Module) -> Policy:
     if spec is None:
-        children = {id(c) for c in module.children() if next(c.parameters(), None) is not None}
+        children = {id(c) for c in _immediate_children(module) if next(c.parameters(), None) is not None}
         return lambda m: {} if id(m) in children else None
     if isinstance(spec, int) and not isinstance(spec, bool):
         return by_size(spec)
@@ -56,6 +63,18 @@ def build_policy(spec, module: nn.Module) -> Policy:
         f"auto_wrap_policy={spec!r}: give module classes (a list, or {{class: options}}), a "
         "minimum parameter count, or an engine policy such as vistrain.fsdp.by_class(...)"
     )
+
+
+def _immediate_children(module: nn.Module) -> List[nn.Module]:
+    """``module``'s children, with containers (``ModuleList``, ``ModuleDict``, ``Sequential``)
+    replaced by their items: code indexes and iterates containers, which a unit would hide."""
+    found = []
+    for child in module.children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            found += _immediate_children(child)
+        else:
+            found.append(child)
+    return found
 
 
 def parameter_places(module: nn.Module) -> Dict[int, Place]:
@@ -121,6 +140,14 @@ def is_wrapped(model: nn.Module) -> bool:
 def no_sync(root):
     """Gradients accumulate on each rank, unreduced, inside the block (root only)."""
     return root.no_sync()
+
+
+def broadcast_buffers(model: nn.Module) -> None:
+    """Every rank takes rank 0's buffers (BatchNorm statistics). DDP's forward does this before
+    the first forward after a training step, so its evaluation runs on rank 0's statistics; the
+    engine's root broadcasts before training forwards only."""
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
 
 
 def bind_step_in_backward(root, optimizer) -> None:

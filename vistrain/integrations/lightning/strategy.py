@@ -30,6 +30,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 from vistrain.integrations.lightning import checkpoint as ckpt
 from vistrain.integrations.lightning.engine import (
     bind_step_in_backward,
+    broadcast_buffers,
     build_policy,
     frozen_grads_kept,
     is_wrapped,
@@ -51,7 +52,8 @@ class VistrainFSDPStrategy(DDPStrategy):
 
     Args:
         auto_wrap_policy: which submodules become units of their own. None: each immediate
-            child of the LightningModule that holds parameters; module classes (a list, or
+            child of the LightningModule that holds parameters (the items of a ``ModuleList``,
+            ``ModuleDict`` or ``Sequential`` child, which code indexes); module classes (a list, or
             ``{cls: unit options}``); a minimum parameter count; or an engine policy
             (``vistrain.fsdp.by_class(...)``; ``start_method="spawn"`` pickles the strategy, so
             give classes there). The root unit wraps the whole LightningModule.
@@ -199,6 +201,20 @@ class VistrainFSDPStrategy(DDPStrategy):
         ]
         with frozen_grads_kept(frozen):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def on_validation_start(self) -> None:
+        self._evaluate_on_rank0_buffers()
+
+    def on_test_start(self) -> None:
+        self._evaluate_on_rank0_buffers()
+
+    def on_predict_start(self) -> None:
+        self._evaluate_on_rank0_buffers()
+
+    def _evaluate_on_rank0_buffers(self) -> None:
+        # without SyncBatchNorm, each rank's running statistics differ; DDP evaluates on rank 0's
+        if is_wrapped(self.model):
+            broadcast_buffers(self.model)
 
     @contextlib.contextmanager
     def block_backward_sync(self):
