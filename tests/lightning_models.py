@@ -23,10 +23,14 @@ class Regressor(pl.LightningModule):
     weight decay, another learning rate for biases and the scale), a schedule changing the learning
     rate at every step (a resume must restore it before the scheduler's next step)."""
 
-    def __init__(self, batch_size: int = 6, optimizer: str = "sgd"):
+    def __init__(self, batch_size: int = 6, optimizer: str = "sgd", norm: bool = False):
         super().__init__()
         self.save_hyperparameters()
-        self.body = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh())
+        # BatchNorm (unsynchronised: its statistics depend on the device count) only where asked
+        norm_layer = [nn.BatchNorm1d(32)] if norm else []
+        self.body = nn.Sequential(
+            nn.Linear(8, 32, bias=not norm), *norm_layer, nn.Tanh(), nn.Linear(32, 16), nn.Tanh()
+        )
         self.head = nn.Linear(16, 3)
         self.scale = nn.Parameter(torch.ones(3))
 
@@ -110,11 +114,17 @@ class Critic(pl.LightningModule):
 
 
 class Recorder(pl.Callback):
-    """Every training batch's loss averaged over the ranks; rank 0 writes them to ``path``."""
+    """Every training batch's loss averaged over the ranks, and whether any optimized tensor held
+    a gradient after each backward; rank 0 writes both to ``path``."""
 
     def __init__(self, path: str):
         self.path = path
         self.losses = []
+        self.has_grad = []
+
+    def on_after_backward(self, trainer, pl_module):
+        params = [p for o in trainer.optimizers for g in o.param_groups for p in g["params"]]
+        self.has_grad.append(any(p.grad is not None for p in params))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(pl_module.all_gather(outputs["loss"].detach()).mean().item())
@@ -122,12 +132,17 @@ class Recorder(pl.Callback):
     def on_train_end(self, trainer, pl_module):
         if trainer.is_global_zero:
             with open(self.path, "w") as f:
-                json.dump(self.losses, f)
+                json.dump({"losses": self.losses, "has_grad": self.has_grad}, f)
 
 
 def read_losses(path: str):
     with open(path) as f:
-        return json.load(f)
+        return json.load(f)["losses"]
+
+
+def read_has_grad(path: str):
+    with open(path) as f:
+        return json.load(f)["has_grad"]
 
 
 def trainer_kwargs(**overrides) -> dict:

@@ -16,6 +16,7 @@ from lightning_models import (  # noqa: E402
     Recorder,
     Regressor,
     checkpoint_path,
+    read_has_grad,
     read_losses,
     trainer_kwargs,
 )
@@ -85,8 +86,10 @@ def automatic(tmp_path_factory):
         out[name] = {
             "state": state(module),
             "losses": read_losses(folder / "losses.json"),
+            "has_grad": read_has_grad(folder / "losses.json"),
             "val": trainer.callback_metrics["val_loss"].item(),
-            "test": tester.test(module, verbose=False)[0]["test_loss"],
+            # an untrained module: the test stage loads the last checkpoint (weights only, outside fit)
+            "test": tester.test(Regressor(), ckpt_path=folder / "last.ckpt", verbose=False)[0]["test_loss"],
             "folder": folder,
         }
     return out
@@ -99,6 +102,9 @@ def test_automatic_optimization_equals_ddp(automatic):
     assert rel_diff(ours["state"], Regressor().state_dict()) > 1e-2
     assert abs(ours["val"] - ddp_run["val"]) < TOL * abs(ddp_run["val"])
     assert abs(ours["test"] - ddp_run["test"]) < TOL * abs(ddp_run["test"])
+    # accumulate_grad_batches=2: the first micro-batch's gradients stay unreduced (no_sync), so
+    # no shard holds one yet; DDP accumulates its local gradients in .grad
+    assert ours["has_grad"] == [False, True] * 4 and ddp_run["has_grad"] == [True] * 8
 
 
 def test_model_checkpoint_writes_sharded_folders_that_convert(automatic, tmp_path):
@@ -167,7 +173,7 @@ def test_resume_on_other_device_counts_continues_the_uninterrupted_run(automatic
 @pytest.fixture(scope="module")
 def precisions():
     """bf16 autocast, and fp16 autocast with loss scaling (the plugin given explicitly: the
-    Trainer turns "16-mixed" on CPU into bf16)."""
+    Trainer turns "16-mixed" on CPU into bf16); BatchNorm, evaluated on rank 0's statistics."""
     out = {}
     for precision in ("bf16-mixed", "16-mixed"):
         for name, strategy in (("ddp", ddp()), ("sharded", sharded())):
@@ -176,15 +182,20 @@ def precisions():
                 kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu")]
             else:
                 kwargs["precision"] = precision
-            trainer, module = fit(strategy, Regressor, **kwargs)
-            out[precision, name] = (state(module), trainer.callback_metrics["train_loss"].item())
+            trainer, module = fit(strategy, lambda: Regressor(norm=True), **kwargs)
+            metrics = trainer.callback_metrics
+            out[precision, name] = (state(module), metrics["train_loss"].item(), metrics["val_loss"].item())
     return out
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_mixed_precision_equals_ddp(precisions, precision):
-    (ours, loss), (reference, ref_loss) = precisions[precision, "sharded"], precisions[precision, "ddp"]
+    (ours, loss, val), (reference, ref_loss, ref_val) = (
+        precisions[precision, "sharded"],
+        precisions[precision, "ddp"],
+    )
     assert rel_diff(ours, reference) < TOL and abs(loss - ref_loss) < TOL * abs(ref_loss)
+    assert abs(val - ref_val) < TOL * abs(ref_val)
 
 
 @pytest.fixture(scope="module")
