@@ -25,6 +25,7 @@ from pytorch_lightning.plugins.precision import MixedPrecision  # noqa: E402
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry  # noqa: E402
 
 from vistrain.checkpoint import consolidated_state_dict, read_metadata  # noqa: E402
+from vistrain.distributed.testing import run_on_ranks  # noqa: E402
 from vistrain.integrations.lightning import StrategyError, VistrainFSDPStrategy  # noqa: E402
 from vistrain.integrations.lightning.checkpoint import OptimizerSet, weights_only_safe  # noqa: E402
 from vistrain.integrations.lightning.engine import build_policy  # noqa: E402
@@ -251,3 +252,36 @@ def test_registered_name_and_sharded_scaler():
     )
     plugin = trainer.strategy.precision_plugin
     assert isinstance(plugin, ShardedMixedPrecision) and type(plugin.scaler).__name__ == "ShardedGradScaler"
+
+
+def _external_launch_worker(rank, world, folder):
+    """Processes started outside Lightning (torchrun, SLURM; here the test harness): several
+    fits in one process, each stage tearing the engine down again."""
+    os.environ["LOCAL_RANK"] = str(rank)  # Lightning then creates no processes
+    kwargs = dict(max_epochs=1, accumulate_grad_batches=2)
+    _, straight = fit(
+        VistrainFSDPStrategy(), lambda: Regressor(optimizer="adamw"), **dict(kwargs, max_epochs=2)
+    )
+    trainer, module = fit(VistrainFSDPStrategy(), lambda: Regressor(optimizer="adamw"), **kwargs)
+    optimizer = trainer.optimizers[0]
+    plain = {id(p) for p in module.parameters()}
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    state_shapes = all(optimizer.state[p]["exp_avg"].shape == p.shape for p in held)
+    trainer.save_checkpoint(os.path.join(folder, "after_fit.ckpt"))  # the plain module and its optimizer
+    _, resumed = fit(
+        VistrainFSDPStrategy(),
+        lambda: Regressor(optimizer="adamw"),
+        ckpt_path=os.path.join(folder, "after_fit.ckpt"),
+        **dict(kwargs, max_epochs=2),
+    )
+    return {
+        "plain": all(type(p) is torch.nn.Parameter for p in module.parameters()),
+        "optimizer_holds_module": {id(p) for p in held} == plain and state_shapes,
+        "resumed": rel_diff(state(resumed), state(straight)),
+    }
+
+
+def test_processes_started_outside_lightning_and_the_state_after_fit(tmp_path):
+    for out in run_on_ranks(_external_launch_worker, 2, str(tmp_path)):
+        assert out["plain"] and out["optimizer_holds_module"], out
+        assert out["resumed"] < TOL, out

@@ -16,8 +16,9 @@ states side by side (a parameter belongs to one optimizer).
 import logging
 import os
 from collections.abc import Mapping
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
+import pytorch_lightning as pl
 import torch
 
 from vistrain.checkpoint import load_sharded_checkpoint, write_sharded_checkpoint
@@ -51,9 +52,11 @@ def is_sharded_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, METADATA))
 
 
-def save(path: str, model, optimizers: Sequence, checkpoint: dict) -> None:
+def save(path: str, model, optimizers: Sequence, checkpoint: dict, progress: Optional[dict] = None) -> None:
     """Write Lightning's ``checkpoint`` dict, ``model`` and (unless the dict is weights-only,
-    without ``"optimizer_states"``) ``optimizers`` to the folder ``path``. Collective."""
+    without ``"optimizer_states"``) ``optimizers`` to the folder ``path``. Collective.
+    ``progress`` (``iteration_in_epoch``, ``iters_per_epoch``) goes to metadata.json, for
+    ``tools/convert_checkpoint.py --inspect``."""
     rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     with_optimizers = "optimizer_states" in checkpoint and len(optimizers) > 0
     state = {
@@ -63,6 +66,7 @@ def save(path: str, model, optimizers: Sequence, checkpoint: dict) -> None:
     meta = {
         "epoch": checkpoint.get("epoch"),
         "lightning_version": checkpoint.get("pytorch-lightning_version"),
+        **(progress or {}),
     }
     write_sharded_checkpoint(
         path,
@@ -87,7 +91,7 @@ def read(path: str) -> dict:
         checkpoint = dict(state["checkpoint"])
         if state["optimizers"] is not None:
             checkpoint["optimizer_states"] = state["optimizers"]
-    checkpoint.setdefault("pytorch-lightning_version", reader.meta.get("lightning_version") or "2.6.0")
+    checkpoint.setdefault("pytorch-lightning_version", reader.meta.get("lightning_version") or pl.__version__)
     checkpoint["state_dict"] = {}
     checkpoint[PATH_KEY] = path
     return checkpoint

@@ -191,32 +191,64 @@ def is_sharded_scaler(scaler) -> bool:
 
 
 @torch.no_grad()
-def unwrap(root) -> nn.Module:
-    """The module ``root`` wraps, plain again: full parameters (gathered, new ``nn.Parameter`` s;
-    tied ones stay one) in place of the engine's views, submodules in place of their units.
-    Collective: every rank gathers every unit and ends with the whole model."""
-    module = root.module
-    requires_grad: Dict[Place, bool] = {}
-    for shard in root.parameters():
-        for origin in shard_origins(shard):
+def unwrap(root, optimizers: Sequence) -> nn.Module:
+    """The module ``root`` wraps, plain again, and ``optimizers`` pointed at its parameters.
+
+    Each flat parameter is gathered in turn (device memory grows by one at a time) into host
+    memory: new ``nn.Parameter`` s in place of the engine's views (tied ones stay one), then the
+    optimizer state shaped like the shard (momentum, Adam's moments) sliced the same way, scalars
+    (``step``) copied; submodules return in place of their units. Collective: every rank ends
+    with the whole model and optimizer state, as under DDP.
+    """
+    plain: Dict[int, List[nn.Parameter]] = {}  # id(shard) -> its original parameters, rebuilt
+    for shard in list(root.parameters()):
+        handle = shard_handle(shard)
+        full = handle.gather_full_copy().cpu()
+        plain[id(shard)] = []
+        for origin in handle.origins:
+            param = nn.Parameter(_piece(full, origin), requires_grad=shard.requires_grad)
             for sub, attr in origin.places():
-                requires_grad[(id(sub), attr)] = shard.requires_grad
-    exposed = []
-    with root.summon_full_params(writeback=False):  # the full values, as ordinary parameters
-        for sub in module.modules():
-            for attr, param in sub.named_parameters(recurse=False):
-                if (id(sub), attr) in requires_grad:
-                    exposed.append((sub, attr, param))
-    copies: Dict[int, nn.Parameter] = {}
-    for sub, attr, param in exposed:
-        if id(param) not in copies:
-            copies[id(param)] = nn.Parameter(
-                param.detach().clone(), requires_grad=requires_grad[(id(sub), attr)]
-            )
-        sub.__dict__.pop(attr, None)  # the engine's placeholder attribute
-        sub.register_parameter(attr, copies[id(param)])
-    _replace_units(module)
-    return module
+                sub.__dict__.pop(attr, None)  # the engine's placeholder attribute
+                sub.register_parameter(attr, param)
+            plain[id(shard)].append(param)
+    for optimizer in optimizers:
+        _unshard_optimizer(optimizer, plain)
+    _replace_units(root.module)
+    return root.module
+
+
+def _piece(full: torch.Tensor, origin) -> torch.Tensor:
+    """Original parameter ``origin``'s values inside a gathered flat tensor, as its own tensor."""
+    return full[origin.flat_offset : origin.flat_offset + origin.numel].view(origin.shape).clone()
+
+
+def _unshard_optimizer(optimizer, plain: Dict[int, List[nn.Parameter]]) -> None:
+    state = {}
+    for group in optimizer.param_groups:
+        params = []
+        for shard in group["params"]:
+            handle, mine = shard_handle(shard), optimizer.state.get(shard, {})
+            shaped = {
+                k: v for k, v in mine.items() if torch.is_tensor(v) and v.dim() > 0 and v.shape == shard.shape
+            }
+            gathered = {k: _gather_shard(v, handle.group).cpu() for k, v in sorted(shaped.items())}
+            for origin, param in zip(handle.origins, plain[id(shard)]):
+                if mine:
+                    entry = {
+                        k: v.clone() if torch.is_tensor(v) else v for k, v in mine.items() if k not in shaped
+                    }
+                    state[param] = {**entry, **{k: _piece(v, origin) for k, v in gathered.items()}}
+                params.append(param)
+        group["params"][:] = params
+    optimizer.state.clear()
+    optimizer.state.update(state)
+
+
+def _gather_shard(value: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``value`` (shaped like its shard) concatenated: the padded flat tensor."""
+    out = value.new_empty(value.numel() * dist.get_world_size(group))
+    dist.all_gather(list(out.chunk(dist.get_world_size(group))), value.detach().contiguous(), group=group)
+    return out
 
 
 def _replace_units(parent: nn.Module) -> None:

@@ -237,7 +237,15 @@ class VistrainFSDPStrategy(DDPStrategy):
         """Write the folder ``filepath`` (vistrain's sharded format); collective."""
         if storage_options is not None:
             raise TypeError("VistrainFSDPStrategy.save_checkpoint takes no storage_options")
-        ckpt.save(self.broadcast(str(filepath)), self.model, self.optimizers, checkpoint)
+        ckpt.save(self.broadcast(str(filepath)), self.model, self.optimizers, checkpoint, self._progress())
+
+    def _progress(self) -> Dict[str, int]:
+        """Batches done in the current epoch and batches per epoch, where the Trainer knows them."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not isinstance(trainer.num_training_batches, int):
+            return {}
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+        return {"iteration_in_epoch": done, "iters_per_epoch": trainer.num_training_batches}
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         path = self.broadcast(str(checkpoint_path))
@@ -260,10 +268,12 @@ class VistrainFSDPStrategy(DDPStrategy):
         super().on_exception(exception)
 
     def teardown(self) -> None:
-        """Gather the trained model back into the plain LightningModule (every rank, as DDP
-        leaves it); after an exception the model stays sharded (no collective with dead peers)."""
+        """Gather the trained model and its optimizer state back into the plain LightningModule
+        and its optimizers, on every rank and in host memory, as DDP leaves them (a checkpoint
+        saved afterwards holds both); after an exception the model stays sharded (no collective
+        with dead peers)."""
         if is_wrapped(self.model) and not self._interrupted:
-            unwrap(self.model)
+            unwrap(self.model, self.optimizers)
             self.model = self.lightning_module
         super().teardown()
 
