@@ -58,8 +58,8 @@ def _main(argv: Sequence[str]) -> int:
         check_config(cfg, _catalog)
         from vistrain.jobs import get_job
 
-        job = get_job(cfg.ENGINE_NAME)
-        if cfg.ENGINE_NAME == "train" and cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:
+        job = get_job(cfg.JOB)
+        if cfg.JOB == "train" and cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:
             cfg, job = _auto_tuned(cfg, job, argv)
     except InputError as e:
         return _refuse(e.line())
@@ -67,9 +67,9 @@ def _main(argv: Sequence[str]) -> int:
 
 
 def _auto_tuned(cfg, job, argv):
-    """``cfg`` with the knobs ``vistrain.runtime.auto_tune`` chose, and the job logging its line."""
+    """``cfg`` with the knobs ``vistrain.planner.auto_tune`` chose, and the job logging its line."""
     from vistrain.fsdp.memory import current_rss_mib
-    from vistrain.runtime.auto_tune import tune_run
+    from vistrain.planner.auto_tune import tune_run
 
     # this process imported what a rank imports (the job's module): its RSS is a rank's baseline
     cfg, line = tune_run(cfg, argv, baseline_mib=current_rss_mib())

@@ -17,6 +17,7 @@ from torch import nn
 from vistrain.fsdp import (
     Backend,
     FullyShardedDataParallel,
+    Precision,
     ShardedGradScaler,
     auto_wrap,
     backend_of,
@@ -25,7 +26,7 @@ from vistrain.fsdp import (
     shard_handle,
     shard_origins,
 )
-from vistrain.fsdp.grad import clip_grad_norm_
+from vistrain.fsdp.grads import clip_grad_norm_
 from vistrain.integrations.lightning.errors import StrategyError
 
 Place = Tuple[int, str]  # (id(module), attribute): where a parameter lives in the module tree
@@ -33,9 +34,24 @@ Policy = Callable[[nn.Module], Optional[dict]]
 
 
 def unit_option_names() -> List[str]:
-    """Options of a unit (``FullyShardedDataParallel``) the strategy passes through."""
+    """Options of a unit (``FullyShardedDataParallel``) the strategy passes through; ``root``
+    (the model's ``RootOptions``) goes to the root unit only."""
     names = list(inspect.signature(FullyShardedDataParallel.__init__).parameters)
-    return [n for n in names if n not in ("self", "module", "param_group_fn")]
+    return [
+        n
+        for n in names
+        if n not in ("self", "module", "param_group_fn", "precision", "reshard_after_forward")
+    ]
+
+
+def unit_precision(mixed, device) -> Precision:
+    """The engine's precision for ``mixed``: a ``Precision`` as given; True gathers and computes
+    in bf16 on CPU, fp16 on CUDA (the shards stay fp32); False in the parameters' dtype."""
+    if isinstance(mixed, Precision):
+        return mixed
+    if not mixed:
+        return Precision()
+    return Precision(compute_dtype=torch.float16 if torch.device(device).type == "cuda" else torch.bfloat16)
 
 
 def build_policy(spec, module: nn.Module) -> Policy:
@@ -88,7 +104,11 @@ def wrap(module: nn.Module, policy: Policy, options: dict, group_of: Callable[[n
     Parameters with different ``group_of`` keys never share a flat shard, so each optimizer
     param group can hold exactly the shards of its parameters.
     """
-    return auto_wrap(module, policy, param_group_fn=lambda fqn, sub, param: group_of(param), **options)
+    options = dict(options)
+    root = options.pop("root", None)
+    return auto_wrap(
+        module, policy, root=root, param_group_fn=lambda fqn, sub, param: group_of(param), **options
+    )
 
 
 def point_optimizers_at_shards(root, optimizers: Sequence, places: Dict[int, Place]) -> None:
@@ -130,7 +150,7 @@ def clip_global_grad_norm_(params: Sequence[torch.Tensor], max_norm: float) -> t
         raise StrategyError(
             "gradient clipping under vistrain_fsdp needs an optimizer holding model parameters only"
         )
-    return clip_grad_norm_(params, max_norm, 2.0, handle.group, params[0].grad.device)
+    return clip_grad_norm_(params, max_norm, 2.0, handle.groups.shard, params[0].grad.device)
 
 
 def is_wrapped(model: nn.Module) -> bool:
@@ -231,7 +251,7 @@ def _unshard_optimizer(optimizer, plain: Dict[int, List[nn.Parameter]]) -> None:
             shaped = {
                 k: v for k, v in mine.items() if torch.is_tensor(v) and v.dim() > 0 and v.shape == shard.shape
             }
-            gathered = {k: _gather_shard(v, handle.group).cpu() for k, v in sorted(shaped.items())}
+            gathered = {k: _gather_shard(v, handle.groups.shard).cpu() for k, v in sorted(shaped.items())}
             for origin, param in zip(handle.origins, plain[id(shard)]):
                 if mine:
                     entry = {

@@ -40,6 +40,7 @@ from vistrain.integrations.lightning.engine import (
     point_optimizers_at_shards,
     root_owned_names,
     unit_option_names,
+    unit_precision,
     unwrap,
     wrap,
 )
@@ -59,16 +60,18 @@ class VistrainFSDPStrategy(DDPStrategy):
             give classes there). The root unit wraps the whole LightningModule.
         reshard_after_forward: free a unit's gathered weights after its forward (ZeRO-3);
             False keeps them until its backward (ZeRO-2: one gather per step instead of two).
-        mixed_precision: the engine gathers and computes in its compute dtype (bf16 on CPU,
-            fp16 on CUDA; ``compute_dtype=`` to choose); the shards stay fp32. Independent of
-            the Trainer's ``precision`` (autocast), which alone keeps results equal to DDP's.
+        mixed_precision: True: the engine gathers and computes in bf16 on CPU, fp16 on CUDA;
+            or a ``vistrain.fsdp.Precision`` (compute and reduce dtypes); the shards stay fp32.
+            Independent of the Trainer's ``precision`` (autocast), which alone keeps results
+            equal to DDP's.
         step_in_backward: the optimizer steps each shard as soon as its gradient is final and
             frees it (one optimizer, automatic optimization, no gradient clipping or fp16
             scaling: where the result equals the ordinary step).
         start_method, process_group_backend, timeout, accelerator, parallel_devices,
         cluster_environment, precision_plugin: as ``DDPStrategy``.
-        unit_options: further options of every unit (``prefetch_depth``, ``fp32_reduce_scatter``,
-            ``compute_dtype``, ``collective_timeout``... see ``vistrain.fsdp.FullyShardedDataParallel``).
+        unit_options: further options of every unit (``flatten_parameters``, ``move_params_to_cpu``,
+            ``groups``...) and ``root=vistrain.fsdp.RootOptions(prefetch_depth=..., collective_timeout=...)``
+            for the whole model (see ``vistrain.fsdp.FullyShardedDataParallel``).
     """
 
     strategy_name = "vistrain_fsdp"
@@ -77,7 +80,7 @@ class VistrainFSDPStrategy(DDPStrategy):
         self,
         auto_wrap_policy=None,
         reshard_after_forward: bool = True,
-        mixed_precision: bool = False,
+        mixed_precision=False,
         step_in_backward: bool = False,
         accelerator=None,
         parallel_devices=None,
@@ -105,9 +108,8 @@ class VistrainFSDPStrategy(DDPStrategy):
         )
         self.auto_wrap_policy = auto_wrap_policy
         self.step_in_backward = step_in_backward
-        self.unit_options = dict(
-            unit_options, reshard_after_forward=reshard_after_forward, mixed_precision=mixed_precision
-        )
+        self.mixed_precision = mixed_precision
+        self.unit_options = dict(unit_options, reshard_after_forward=reshard_after_forward)
         self._interrupted = False  # an exception ended the stage: teardown gathers nothing
 
     @classmethod
@@ -154,7 +156,7 @@ class VistrainFSDPStrategy(DDPStrategy):
         root = wrap(
             model,
             build_policy(self.auto_wrap_policy, model),
-            dict(self.unit_options),
+            dict(self.unit_options, precision=unit_precision(self.mixed_precision, self.root_device)),
             lambda param: groups.get(id(param), ()),
         )
         point_optimizers_at_shards(root, self.optimizers, places)
