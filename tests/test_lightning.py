@@ -216,11 +216,17 @@ def test_manual_optimization_with_two_optimizers_equals_ddp(manual):
     assert len(losses) == 8 and rel_diff(losses, ref_losses) < TOL and rel_diff(ours, reference) < TOL
 
 
-def test_step_in_backward_equals_ddp():
+def test_engine_knobs():
+    """The step in backward and ZeRO-2 are exact; the engine's bf16 compute is close."""
     kwargs = dict(max_epochs=1, accumulate_grad_batches=2)
-    _, reference = fit(ddp(), lambda: Regressor(optimizer="adamw"), **kwargs)
-    _, ours = fit(sharded(step_in_backward=True), lambda: Regressor(optimizer="adamw"), **kwargs)
+    trainer, reference = fit(ddp(), lambda: Regressor(optimizer="adamw"), **kwargs)
+    exact = sharded(step_in_backward=True, reshard_after_forward=False)
+    _, ours = fit(exact, lambda: Regressor(optimizer="adamw"), **kwargs)
     assert rel_diff(state(ours), state(reference)) < TOL
+    bf16_trainer, bf16 = fit(sharded(mixed_precision=True), lambda: Regressor(optimizer="adamw"), **kwargs)
+    val, bf16_val = (t.callback_metrics["val_loss"].item() for t in (trainer, bf16_trainer))
+    assert 0 < abs(bf16_val - val) < 1e-2 * val  # bf16 weights and activations; the shards stay fp32
+    assert {v.dtype for v in state(bf16).values()} == {torch.float32}
 
 
 def test_refusals_name_the_setting():
