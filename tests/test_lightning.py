@@ -250,9 +250,9 @@ def test_refusals_name_the_setting():
 
 
 def test_registered_name_and_sharded_scaler():
-    assert "vistrain_fsdp" in StrategyRegistry
     trainer = pl.Trainer(**trainer_kwargs(strategy="vistrain_fsdp", devices=2, precision="bf16-mixed"))
     assert isinstance(trainer.strategy, VistrainFSDPStrategy)
+    assert StrategyRegistry["vistrain_fsdp_fork"]["init_params"] == {"start_method": "fork"}
     trainer = pl.Trainer(
         **trainer_kwargs(strategy=sharded(), devices=2, plugins=[MixedPrecision("16-mixed", "cpu")])
     )

@@ -114,10 +114,13 @@ class VistrainFSDPStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name, cls, description="vistrain's fully sharded data parallel engine"
-            )
+        """``"vistrain_fsdp"`` (processes started as scripts, as ``"ddp"``), and
+        ``"vistrain_fsdp_spawn"`` / ``"vistrain_fsdp_fork"`` (as ``"ddp_spawn"`` / ``"ddp_fork"``)."""
+        for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
+            name = cls.strategy_name + suffix
+            if name not in strategy_registry:
+                description = f"vistrain's fully sharded data parallel engine, start_method '{start_method}'"
+                strategy_registry.register(name, cls, description=description, start_method=start_method)
 
     # -- precision: clipping and fp16 scaling on shards -----------------------------------------
     @property
