@@ -246,8 +246,11 @@ class VistrainFSDPStrategy(DDPStrategy):
 
     def _progress(self) -> Dict[str, int]:
         """Batches done in the current epoch and batches per epoch, where the Trainer knows them."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or not isinstance(trainer.num_training_batches, int):
+        try:
+            trainer = self.lightning_module.trainer
+        except (AttributeError, RuntimeError):  # no module, or one not attached to a Trainer
+            return {}
+        if not isinstance(trainer.num_training_batches, int):
             return {}
         done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
         return {"iteration_in_epoch": done, "iters_per_epoch": trainer.num_training_batches}
