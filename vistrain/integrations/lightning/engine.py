@@ -82,11 +82,12 @@ def _policy(spec, module: nn.Module) -> Policy:
 
 
 def _immediate_children(module: nn.Module) -> List[nn.Module]:
-    """``module``'s children, with containers (``ModuleList``, ``ModuleDict``, ``Sequential``)
-    replaced by their items: code indexes and iterates containers, which a unit would hide."""
+    """``module``'s children, with ``ModuleList`` / ``ModuleDict`` children replaced by their
+    items (code indexes and iterates them; they have no forward). A ``Sequential`` is called,
+    so it stays one unit: its layers then share the unit's boundary casts (see the README)."""
     found = []
     for child in module.children():
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
             found += _immediate_children(child)
         else:
             found.append(child)

@@ -53,8 +53,8 @@ class VistrainFSDPStrategy(DDPStrategy):
 
     Args:
         auto_wrap_policy: which submodules become units of their own. None: each immediate
-            child of the LightningModule that holds parameters (the items of a ``ModuleList``,
-            ``ModuleDict`` or ``Sequential`` child, which code indexes); module classes (a list, or
+            child of the LightningModule that holds parameters (the items of a ``ModuleList`` or
+            ``ModuleDict`` child, which code indexes and never calls); module classes (a list, or
             ``{cls: unit options}``); a minimum parameter count; or an engine policy
             (``vistrain.fsdp.by_class(...)``; ``start_method="spawn"`` pickles the strategy, so
             give classes there). The root unit wraps the whole LightningModule.
