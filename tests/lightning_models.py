@@ -73,6 +73,49 @@ class Regressor(pl.LightningModule):
         return DataLoader(dataset(2), batch_size=self.hparams.batch_size)
 
 
+class ConvNet(pl.LightningModule):
+    """Convolutions with BatchNorm in a ``Sequential`` body, a head and a parameter of its own;
+    classification of small images (the mixed-precision checks)."""
+
+    def __init__(self, batch_size: int = 6):
+        super().__init__()
+        self.batch_size = batch_size
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+        )  # fmt: skip
+        self.head = nn.Linear(32, 5)
+        self.scale = nn.Parameter(torch.ones(5))
+
+    def loss(self, batch):
+        x, y = batch
+        return nn.functional.cross_entropy(self.head(self.body(x)).float() * self.scale, y)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def _images(self, seed: int) -> DataLoader:
+        gen = torch.Generator().manual_seed(seed)
+        images = TensorDataset(
+            torch.randn(SAMPLES, 3, 8, 8, generator=gen), torch.randint(0, 5, (SAMPLES,), generator=gen)
+        )
+        return DataLoader(images, batch_size=self.batch_size, shuffle=seed == 0)
+
+    def train_dataloader(self):
+        return self._images(0)
+
+    def val_dataloader(self):
+        return self._images(1)
+
+
 class Critic(pl.LightningModule):
     """Manual optimization with two optimizers and two schedulers, GAN-style: the critic learns
     on the encoder's detached features, then the encoder learns through the critic while

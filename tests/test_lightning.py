@@ -12,6 +12,7 @@ pl = pytest.importorskip("pytorch_lightning", reason='Lightning bridge: pip inst
 
 import torch  # noqa: E402
 from lightning_models import (  # noqa: E402
+    ConvNet,
     Critic,
     Recorder,
     Regressor,
@@ -174,7 +175,8 @@ def test_resume_on_other_device_counts_continues_the_uninterrupted_run(automatic
 @pytest.fixture(scope="module")
 def precisions():
     """bf16 autocast, and fp16 autocast with loss scaling (the plugin given explicitly: the
-    Trainer turns "16-mixed" on CPU into bf16); BatchNorm, evaluated on rank 0's statistics."""
+    Trainer turns "16-mixed" on CPU into bf16); convolutions and BatchNorm, evaluated on rank 0's
+    statistics."""
     out = {}
     for precision in ("bf16-mixed", "16-mixed"):
         for name, strategy in (("ddp", ddp()), ("sharded", sharded())):
@@ -183,7 +185,7 @@ def precisions():
                 kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu")]
             else:
                 kwargs["precision"] = precision
-            trainer, module = fit(strategy, lambda: Regressor(norm=True), **kwargs)
+            trainer, module = fit(strategy, ConvNet, **kwargs)
             metrics = trainer.callback_metrics
             out[precision, name] = (state(module), metrics["train_loss"].item(), metrics["val_loss"].item())
     return out
