@@ -56,8 +56,9 @@ def unit_precision(mixed, device) -> Precision:
 
 def build_policy(spec, module: nn.Module) -> Policy:
     """The engine's wrap policy for ``spec``: None (one unit per immediate child of ``module``
-    holding parameters, see :func:`_immediate_children`), an int (``by_size``), a class, list/set of classes or {class:
-    overrides} (``by_class``), or a policy callable (``by_class(...)``, ``by_size(...)``...)."""
+    holding parameters, see :func:`_immediate_children`), an int (``by_size``), a class, a
+    list/set of classes or {class: overrides} (``by_class``), or a policy callable
+    (``by_class(...)``, ``by_size(...)``...)."""
     policy = _policy(spec, module)
     # ModuleList / ModuleDict have no forward: a unit around one would never run
     return lambda m: None if isinstance(m, (nn.ModuleList, nn.ModuleDict)) else policy(m)
