@@ -4,6 +4,7 @@ other device counts. Each fixture runs its fits once and serves several checks."
 
 import os
 import runpy
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from pytorch_lightning.plugins.precision import MixedPrecision  # noqa: E402
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry  # noqa: E402
 
 from vistrain.checkpoint import consolidated_state_dict, read_metadata  # noqa: E402
+from vistrain.distributed.launch import find_free_port  # noqa: E402
 from vistrain.distributed.testing import run_on_ranks  # noqa: E402
 from vistrain.integrations.lightning import StrategyError, VistrainFSDPStrategy  # noqa: E402
 from vistrain.integrations.lightning.checkpoint import OptimizerSet, weights_only_safe  # noqa: E402
@@ -37,17 +39,23 @@ TOL = 1e-6  # DDP parity on the same ranks
 TOL_DEVICES = 1e-5  # another device count sums each global batch in another order
 
 
+# a lost rank fails the fit in two minutes instead of hanging for torch's default 30
+RENDEZVOUS = timedelta(seconds=120)
+
+
 def ddp(**options):
-    return DDPStrategy(process_group_backend="gloo", start_method="fork", **options)
+    return DDPStrategy(process_group_backend="gloo", start_method="fork", timeout=RENDEZVOUS, **options)
 
 
 def sharded(**options):
-    return VistrainFSDPStrategy(start_method="fork", **options)
+    return VistrainFSDPStrategy(start_method="fork", timeout=RENDEZVOUS, **options)
 
 
 def fit(strategy, make_module, devices=2, ckpt_path=None, **kwargs):
     """A fresh Trainer and module (same seed for every strategy); fit; the trained module."""
     pl.seed_everything(0)
+    # Lightning keeps the first fit's MASTER_PORT in the environment for every later fit
+    os.environ["MASTER_PORT"] = str(find_free_port())
     module = make_module()
     trainer = pl.Trainer(**trainer_kwargs(strategy=strategy, devices=devices, **kwargs))
     trainer.fit(module, ckpt_path=ckpt_path)
