@@ -33,6 +33,7 @@ from vistrain.fsdp.deferred_init import build_on_meta, materialize  # noqa: F401
 from vistrain.fsdp.fully_sharded import FullyShardedDataParallel  # noqa: F401
 from vistrain.fsdp.grads import (  # noqa: F401
     OptimizerInBackward,
+    PartialStepError,
     SegmentValues,
     apply_optimizer_in_backward,
     origin_sq_norms,
