@@ -15,7 +15,6 @@ first.
 """
 
 import math
-import weakref
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
@@ -31,9 +30,10 @@ from vistrain.fsdp.collectives import (
     wait_within,
 )
 from vistrain.fsdp.deferred_init import materialize
-from vistrain.fsdp.ownership import hold_slices_without_grad, register_shard
+from vistrain.fsdp.ownership import register_shard
 from vistrain.fsdp.precision import Precision
-from vistrain.torch_compat import own_parameters, version_counter
+from vistrain.fsdp.shard_grad import ShardGrad, own_shard_grad
+from vistrain.torch_compat import own_parameters
 
 
 @dataclass
@@ -89,49 +89,11 @@ def shard_slices(origins: Sequence[ParamOrigin], world_size: int, rank: int):
 
 
 @dataclass
-class UnshardedAccumulator:
-    """no_sync: the summed full gradients (padded_numel,) of the micro-batches since the last
-    synced backward, and which origins got a gradient in them (``find_unused_parameters``).
-
-    They belong to ``shard.grad`` as DDP's accumulated gradients are ``.grad``: clearing or
-    replacing ``shard.grad`` (``optimizer.zero_grad()``, ``model.zero_grad()``, ``p.grad = None``)
-    drops them; zeroing it in place (``zero_grad(set_to_none=False)``) drops the gradients and
-    keeps the record of which origins had one (DDP's zeroed ``.grad`` is not None).
-    ``grad_ref`` is the ``shard.grad`` they were kept with (created as zeros when there was
-    none) and ``grad_version`` its version counter then."""
-
-    grad: Optional[torch.Tensor]
-    used_origins: Optional[List[bool]]
-    grad_ref: "weakref.ref"
-    grad_version: int
-
-    def follow(self, shard_grad: Optional[torch.Tensor]) -> bool:
-        """Whether the accumulator still holds anything once ``shard.grad`` is as it is now."""
-        if shard_grad is None or self.grad_ref() is not shard_grad:
-            return False
-        if version_counter(shard_grad) != self.grad_version:  # zeroed in place
-            self.grad, self.grad_version = None, version_counter(shard_grad)
-        return True
-
-
-@dataclass
 class InFlightGather:
     """An all-gather of one handle's shards into its ``full`` tensor, started and not yet waited."""
 
     work: dist.Work
     source: torch.Tensor  # the shard in compute dtype/device; must live until the wait
-
-
-def own_shard_grad(reduced: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``reduced`` as a tensor with its own shard-sized storage on ``device`` in ``dtype``.
-
-    A view into a larger buffer (gloo's all-reduced full gradient) would keep that whole buffer
-    alive as long as the gradient lives: storage bytes, not element counts, are what a rank holds.
-    """
-    out = reduced.to(device, dtype)
-    if out.untyped_storage().nbytes() != out.numel() * out.element_size():
-        out = out.clone()
-    return out
 
 
 class FlatParamHandle:
@@ -177,18 +139,9 @@ class FlatParamHandle:
         self._set_attributes(self._placeholders)
         self.gather: Optional[InFlightGather] = None
         self.is_unsharded = False
-        self._accumulated: Optional[UnshardedAccumulator] = None  # no_sync micro-batches
-        # find_unused_parameters (set by the model): which origins got a gradient in this
-        # backward on this rank, from the hook on the views' split (None: not tracked)
-        self.track_origin_use = False
-        self._used_origins: Optional[List[bool]] = None
-        # origins that got no gradient on any rank since shard.grad was last empty: the optimizer
-        # step leaves their slices and optimizer state alone (grads.hold_slices_without_grad)
-        self.origins_without_grad: Tuple[int, ...] = ()
-        # shard.grad was created during the current accumulation group (recovery drops it); the
-        # zeros created to keep no_sync gradients with (no reduced gradient in them yet)
-        self.grad_created_this_step = False
-        self._placeholder_grad: Optional[weakref.ref] = None
+        # no_sync micro-batches, origins without gradient, recovery (shard_grad.py)
+        slices = shard_slices(origins, self.world_size, self.rank)
+        self.shard_grad = ShardGrad(self.shard, [(i, start, n) for i, start, _, n in slices], len(origins))
 
     # -- the groups ---------------------------------------------------------------------------
     @property
@@ -204,10 +157,10 @@ class FlatParamHandle:
         """Every tensor this handle keeps alive: the shard and its gradient, the gathered weights
         and their gradient, the ``no_sync`` accumulator, an in-flight gather's source."""
         yield self.shard
-        accumulated = self._accumulated.grad if self._accumulated is not None else None
-        for tensor in (self.shard.grad, self.full, self.full.grad, accumulated):
+        for tensor in (self.shard.grad, self.full, self.full.grad):
             if tensor is not None:
                 yield tensor
+        yield from self.shard_grad.tensors()
         if self.gather is not None:
             yield self.gather.source
 
@@ -294,15 +247,11 @@ class FlatParamHandle:
         """
         sizes = [o.numel for o in self.origins]
         pieces = torch.split(self.full, sizes + [self.full.numel() - self.numel])
-        if self.track_origin_use and pieces[0].grad_fn is not None:
+        if self.shard_grad.track_origin_use and pieces[0].grad_fn is not None:
             # the split's backward gets None for each view that received no gradient: one hook
             # per gather tells which original parameters this rank used
-            pieces[0].grad_fn.register_prehook(self._note_used_origins)
+            pieces[0].grad_fn.register_prehook(self.shard_grad.note_used)
         self._set_attributes([piece.view(o.shape) for piece, o in zip(pieces, self.origins)])
-
-    def _note_used_origins(self, grad_outputs) -> None:
-        used = self._used_origins or [False] * len(self.origins)
-        self._used_origins = [u or g is not None for u, g in zip(used, grad_outputs)]
 
     def restore_attributes(self) -> None:
         """After summon_full_params: views when gathered for compute, else placeholders."""
@@ -344,34 +293,12 @@ class FlatParamHandle:
         grad, self.full.grad = self.full.grad, None
         return grad
 
-    def accumulated_grad(self) -> Optional[UnshardedAccumulator]:
-        """The no_sync micro-batches' gradients, unless ``shard.grad`` was cleared or replaced
-        since they were kept (then they are dropped, as DDP's ``.grad``)."""
-        if self._accumulated is not None and not self._accumulated.follow(self.shard.grad):
-            self._accumulated = None
-        return self._accumulated
-
-    def used_origins(self) -> List[bool]:
-        """Per origin: got a gradient on this rank in this backward or the kept micro-batches'
-        (all True when not tracked: without find_unused_parameters every origin counts as used)."""
-        if not self.track_origin_use:
-            return [True] * len(self.origins)
-        used = self._used_origins or [False] * len(self.origins)
-        accumulated = self.accumulated_grad()
-        if accumulated is not None and accumulated.used_origins is not None:
-            used = [a or b for a, b in zip(used, accumulated.used_origins)]
-        return used
-
     def start_reduce_scatter(self, grad: torch.Tensor, reduce_group):
         """Sum ``grad`` (padded_numel,) / (world_size * replicas) over ranks on ``reduce_group``
         (the ranks of the shard group, its own queue); returns (work, output shard, kept input).
         Without replicas the output is the average; with them, :meth:`start_replica_all_reduce`
         completes it."""
-        accumulated = self.accumulated_grad()
-        if accumulated is not None and accumulated.grad is not None:
-            grad = accumulated.grad.add_(grad)
-        self._accumulated, self._used_origins = None, None
-        grad = grad.to(self.reduce_dtype)
+        grad = self.shard_grad.with_accumulated(grad).to(self.reduce_dtype)
         if self.world_size * self.groups.replicas > 1:
             # Dividing before the sum keeps fp16 sums in range; DDP divides after. Same maths.
             grad.div_(self.world_size * self.groups.replicas)
@@ -387,67 +314,7 @@ class FlatParamHandle:
         shard = own_shard_grad(reduced, reduced.device, reduced.dtype)
         return dist.all_reduce(shard, group=reduce_group, async_op=True), shard
 
-    def accumulate_shard_grad(self, reduced: torch.Tensor, without_grad: Tuple[int, ...] = ()) -> None:
-        """Add a finished reduction to ``shard.grad`` (created as its own shard-sized tensor).
-
-        ``without_grad``: the origins no rank gave a gradient (find_unused_parameters). An origin
-        stays without gradient only if it had none in every backward since ``shard.grad`` was
-        last empty (DDP: its ``.grad`` stays None), so the record is intersected until then.
-        """
-        placeholder = self._placeholder_grad is not None and self._placeholder_grad() is self.shard.grad
-        self._placeholder_grad = None
-        if self.shard.grad is None or placeholder:  # no reduced gradient in it yet
-            self._set_without_grad(tuple(without_grad))
-        else:
-            self._set_without_grad(tuple(i for i in self.origins_without_grad if i in without_grad))
-        if self.shard.grad is None:
-            self.shard.grad = own_shard_grad(reduced, self.shard.device, self.shard.dtype)
-            self.grad_created_this_step = True
-        else:
-            self.shard.grad.add_(reduced.to(self.shard.device, self.shard.dtype))
-
-    def _set_without_grad(self, origins: Tuple[int, ...]) -> None:
-        if origins or self.origins_without_grad:
-            hold_slices_without_grad(self, bool(origins))
-        self.origins_without_grad = origins
-
     def accumulate_unsharded(self, grad: torch.Tensor) -> None:
-        """no_sync: keep the full gradient locally (fp32), reduce it with the next synced
-        backward; kept with ``shard.grad`` (zeros when there is none), which clearing drops it."""
-        grad = grad.to(self.param_dtype)
-        accumulated = self.accumulated_grad()
-        used = self.used_origins() if self.track_origin_use else None
-        self._used_origins = None
-        if accumulated is None:
-            if self.shard.grad is None:
-                self.shard.grad = torch.zeros_like(self.shard)
-                self.grad_created_this_step = True
-                self._placeholder_grad = weakref.ref(self.shard.grad)
-            accumulated = UnshardedAccumulator(grad.clone(), used, weakref.ref(self.shard.grad), 0)
-        elif accumulated.grad is None:
-            accumulated.grad, accumulated.used_origins = grad.clone(), used
-        else:
-            accumulated.grad.add_(grad)
-            accumulated.used_origins = used
-        accumulated.grad_version = version_counter(self.shard.grad)
-        self._accumulated = accumulated
-
-    def slices_without_grad(self) -> List[Tuple[int, int]]:
-        """(start, length) inside this rank's shard of each origin in ``origins_without_grad``."""
-        if not self.origins_without_grad:
-            return []
-        slices = shard_slices(self.origins, self.world_size, self.rank)
-        return [(start, length) for i, start, _, length in slices if i in self.origins_without_grad]
-
-    def end_step(self) -> None:
-        """A synced backward finished: its gradients are the step's."""
-        self.grad_created_this_step = False
-
-    def drop_step_gradients(self) -> None:
-        """After an interrupted step: drop the no_sync gradients and the ``shard.grad`` this
-        accumulation group created (those it added to an older ``shard.grad`` stay, as DDP's)."""
-        self._accumulated, self._used_origins, self._placeholder_grad = None, None, None
-        if self.grad_created_this_step:
-            self.shard.grad = None
-            self._set_without_grad(())
-        self.grad_created_this_step = False
+        """no_sync: keep the full gradient locally (param dtype), reduce it with the next synced
+        backward (kept with ``shard.grad``: clearing it drops them, ``shard_grad.py``)."""
+        self.shard_grad.keep_unsharded(grad.to(self.param_dtype))

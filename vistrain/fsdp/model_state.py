@@ -60,7 +60,9 @@ class RootOptions:
         (DDP's default), so BatchNorm statistics and ``state_dict()`` agree.
     find_unused_parameters: allow units whose outputs do not reach the loss on some ranks (as
         DDP's option): weights stay gathered until the end of backward (ZeRO-2) and gradients are
-        reduced at its end, after agreeing which ones any rank produced.
+        reduced at its end, after agreeing which ones any rank produced, per unit and per
+        original parameter; optimizer steps leave the parameters no rank gave a gradient alone,
+        as DDP's ``.grad = None`` does (``shard_grad.py``).
     collective_timeout: seconds (or a timedelta) after which a waited collective of a training
         step raises instead of hanging (ranks that ran different units). Default 5 minutes.
     release_host_memory: on CPU, give free heap pages back to the OS at unit boundaries once
@@ -177,7 +179,7 @@ class ModelState:
             unit.end_backward()
         if self.require_grad_sync:
             for handle in self.handles():
-                handle.end_step()
+                handle.shard_grad.end_step()
         if self.binding is not None:
             self.binding.stepped.clear()
         self.heap.at_unit_boundary()

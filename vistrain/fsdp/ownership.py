@@ -53,9 +53,9 @@ class _Registry:
         self.checked_optimizers = WeakIdKeyDictionary()  # optimizer -> param counts when checked
         self.init_recipe = WeakIdKeyDictionary()  # meta tensor -> how to create its values
         self.optimizer_hook = None
-        # handles whose shard holds slices of parameters no rank gave a gradient, and what an
-        # optimizer step in progress saved of them (find_unused_parameters)
-        self.held_handles = weakref.WeakSet()
+        # shards (their ShardGrad) holding slices of parameters no rank gave a gradient, and what
+        # an optimizer step in progress saved of them (find_unused_parameters)
+        self.held_shards = weakref.WeakSet()
         self.held_snapshots = WeakIdKeyDictionary()  # optimizer -> [(shard, state, slices)]
         self.hold_hooks = None
 
@@ -136,13 +136,13 @@ def _check_optimizer(optimizer, args, kwargs) -> None:
 # one check of an empty set per step otherwise.
 
 
-def hold_slices_without_grad(handle, held: bool) -> None:
-    """``handle.slices_without_grad()`` of ``handle.shard`` are (``held``) or are no longer kept
-    unchanged by every optimizer step."""
+def hold_slices_without_grad(shard_grad, held: bool) -> None:
+    """``shard_grad.slices_without_grad()`` of ``shard_grad.shard`` (a ``shard_grad.ShardGrad``)
+    are (``held``) or are no longer kept unchanged by every optimizer step."""
     if not held:
-        _REGISTRY.held_handles.discard(handle)
+        _REGISTRY.held_shards.discard(shard_grad)
         return
-    _REGISTRY.held_handles.add(handle)
+    _REGISTRY.held_shards.add(shard_grad)
     if _REGISTRY.hold_hooks is None:
         _REGISTRY.hold_hooks = (
             register_optimizer_step_pre_hook(_save_held_slices),
@@ -151,17 +151,17 @@ def hold_slices_without_grad(handle, held: bool) -> None:
 
 
 def _save_held_slices(optimizer, args, kwargs) -> None:
-    if not _REGISTRY.held_handles:
+    if not _REGISTRY.held_shards:
         return
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     saved = []
-    for handle in list(_REGISTRY.held_handles):
-        shard = handle.shard
+    for shard_grad in list(_REGISTRY.held_shards):
+        shard = shard_grad.shard
         if id(shard) not in stepped or shard.grad is None:
             continue
         state = optimizer.state.get(shard, {})
         per_slice = []
-        for start, length in handle.slices_without_grad():
+        for start, length in shard_grad.slices_without_grad():
             values = {
                 key: value[start : start + length].clone()
                 for key, value in state.items()

@@ -93,7 +93,7 @@ class ReductionQueue:
 
     def _finish(self, reduction: PendingReduction) -> None:
         """The shard gradient is averaged over the whole world: add it, announce it."""
-        reduction.handle.accumulate_shard_grad(reduction.reduced, reduction.without_grad)
+        reduction.handle.shard_grad.add_reduced(reduction.reduced, reduction.without_grad)
         if self.on_shard_grad_ready is not None:
             self.on_shard_grad_ready(reduction.handle)
 
@@ -117,8 +117,8 @@ class ReductionQueue:
         recorded with the shard gradient (the optimizer step leaves them alone).
         """
         handles = [h for h in handles if h.shard.requires_grad]
-        local = [h in self.deferred or h.accumulated_grad() is not None for h in handles]
-        origins = [used for h in handles for used in h.used_origins()]
+        local = [h in self.deferred or h.shard_grad.accumulated() is not None for h in handles]
+        origins = [used for h in handles for used in h.shard_grad.used_origins()]
         device = handles[0].compute_device if handles else torch.device("cpu")
         flags = torch.tensor(local + origins, dtype=torch.uint8, device=device)
         for group in groups:
