@@ -41,7 +41,13 @@ from vistrain.fsdp.precision import (
     cast_floating,
     low_precision_dtype,
 )
-from vistrain.fsdp.state_dict import full_state_dict, load_full_state_dict, summon
+from vistrain.fsdp.state_dict import (
+    full_state_dict,
+    load_as_child,
+    load_full_state_dict,
+    positional_state_dict_args,
+    summon,
+)
 from vistrain.fsdp.unit import Phase, UnitState, build_handles, name_from_root, prepare_buffers
 
 
@@ -223,17 +229,31 @@ class FullyShardedDataParallel(nn.Module):
             yield
 
     # -- state dicts, gradients (implemented in state_dict.py / grads.py) ---------------------------
-    def state_dict(self, *args, **kwargs):
-        """The full state dict: keys and shapes of the unwrapped module. Collective."""
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The full state dict: keys and shapes of the unwrapped module. Collective.
+
+        As ``nn.Module.state_dict``: entries go into ``destination`` (a new ``OrderedDict`` when
+        None) under ``prefix``, so a plain module holding this unit (``self.net = FSDP(...)``)
+        gets every key. The values are gathered copies; ``keep_vars`` has no live tensor to keep.
+        """
+        destination, prefix, keep_vars = positional_state_dict_args(args, destination, prefix, keep_vars)
         if self._unit.phase is Phase.SUMMONED:
-            return super().state_dict(*args, **kwargs)
+            return super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         if self._unit.model is not None:
             self._unit.model.recover_if_interrupted()
-        return full_state_dict(self, super().state_dict)
+        return full_state_dict(self, super().state_dict, destination, prefix)
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load a full (unwrapped-module) state dict. Collective."""
         return load_full_state_dict(self, state_dict, strict, super().state_dict)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        # Reached by a plain parent's load_state_dict (as a child, under ``prefix``): load the
+        # unwrapped module's keys here, then leave what the parent's recursion expects below
+        # this unit (shards and buffers at their internal names, holding the loaded values).
+        if WRAPPED_NAME not in prefix and self._unit.phase is Phase.IDLE:
+            load_as_child(self, state_dict, prefix, missing, unexpected)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
 
     def grad_scaler(self, **growth) -> ShardedGradScaler:
         """fp16 loss scaling for this model: torch's ``ShardedGradScaler`` on this model's device,
