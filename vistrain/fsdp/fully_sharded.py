@@ -34,7 +34,13 @@ from vistrain.fsdp.ownership import (
     owned_params,
     set_owner,
 )
-from vistrain.fsdp.precision import FULL_PRECISION, Precision, cast_floating, low_precision_dtype
+from vistrain.fsdp.precision import (
+    FULL_PRECISION,
+    Precision,
+    ShardedGradScaler,
+    cast_floating,
+    low_precision_dtype,
+)
 from vistrain.fsdp.state_dict import (
     full_state_dict,
     load_as_child,
@@ -204,8 +210,9 @@ class FullyShardedDataParallel(nn.Module):
         gradient is final in backward, then free that gradient (``grads.py``); do not
         call ``optimizer.step()`` / ``zero_grad()`` yourself. Root only; collective the first
         time (every rank binds at the same point). Returns the binding (``freeze(params)``)."""
-        binding = OptimizerInBackward(optimizer)
-        self._root_model_state("apply_optimizer_in_backward()").step_in_backward(binding.step_shard)
+        model = self._root_model_state("apply_optimizer_in_backward()")
+        binding = OptimizerInBackward(optimizer, list(self.parameters()))
+        model.step_in_backward(binding)
         return binding
 
     # -- full parameters ------------------------------------------------------------------------
@@ -248,9 +255,28 @@ class FullyShardedDataParallel(nn.Module):
             load_as_child(self, state_dict, prefix, missing, unexpected)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
 
+    def grad_scaler(self, **growth) -> ShardedGradScaler:
+        """fp16 loss scaling for this model: torch's ``ShardedGradScaler`` on this model's device,
+        found-inf flags summed over the shard group; ``growth``: ``init_scale``,
+        ``growth_factor``, ``backoff_factor``, ``growth_interval`` (torch's defaults).
+
+        One rank's overflow may land in another rank's shard only (the reduce-scatter puts each
+        element on one rank), so every rank must learn it before stepping. The shard group is
+        enough: with hybrid sharding every replica holds the same world-averaged shard
+        gradients, so an overflow anywhere is in some shard of every shard group."""
+        return ShardedGradScaler(self._device.type, process_group=self._groups.shard, **growth)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the global gradient norm over every shard on every rank; returns the norm.
 
         Reduced over the shard group only: with hybrid sharding every replica holds the same
-        (already world-averaged) shard gradients, so one replica's shards are the whole model."""
+        (already world-averaged) shard gradients, so one replica's shards are the whole model.
+        Not with the step in backward (every shard stepped and freed its gradient already)."""
+        model = self._unit.model
+        if model is not None and model.binding is not None:
+            raise RuntimeError(
+                "clip_grad_norm_() cannot clip with the step in backward: each shard was updated and "
+                "its gradient freed inside backward (the global norm needs every gradient first); "
+                "clip without apply_optimizer_in_backward"
+            )
         return clip_grad_norm_(list(self.parameters()), max_norm, norm_type, self._groups.shard, self._device)
