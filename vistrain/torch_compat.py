@@ -17,6 +17,8 @@ what we rely on, so an upgrade that changes it fails loudly there instead of sil
 * ``own_parameters`` / ``own_buffers`` / ``child_modules`` (``nn.Module._parameters`` ...) and
   ``view_base`` (``Tensor._base``): the engine swaps parameters for views of gathered weights and
   children for units in place, and finds the gathered tensor a saved view belongs to.
+* ``version_counter`` (``Tensor._version``): bumped by every in-place change; the engine tells a
+  ``shard.grad`` that ``zero_grad(set_to_none=False)`` zeroed from one left alone.
 * ``current_saved_tensors_hooks`` / ``saved_tensors_hooks_enabled``
   (``torch._C._autograd._top_saved_tensors_default_hooks`` / ``_saved_tensors_hooks_is_enabled``):
   the engine's saved-tensor hooks wrap those already active (activation checkpointing's).
@@ -91,6 +93,11 @@ def persistent_buffer_names(module: nn.Module) -> List[str]:
 def view_base(t: torch.Tensor) -> Optional[torch.Tensor]:
     """The tensor ``t`` is a view of (``t._base``: public in use, private by name), or None."""
     return t._base
+
+
+def version_counter(t: torch.Tensor) -> int:
+    """How many in-place changes ``t``'s data has seen (``t._version``)."""
+    return t._version
 
 
 def current_saved_tensors_hooks() -> Optional[Tuple[Callable, Callable]]:

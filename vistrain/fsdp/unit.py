@@ -118,6 +118,7 @@ class UnitState:
         for handle in self.handles:
             handle.timeout = model.options.collective_timeout
             handle.gather_group = model.gather_groups[group_ranks(handle.groups.shard)]
+            handle.shard_grad.track_origin_use = model.options.find_unused_parameters
 
     @property
     def keeps_gathered(self) -> bool:
@@ -221,6 +222,7 @@ class UnitState:
         """After an interrupted step: drop the gradients, free the weights, back to IDLE."""
         for handle in self.handles:
             handle.take_full_grad()
+            handle.shard_grad.drop_step()
             self._reshard_handle(handle)
         self._enter(Phase.IDLE, recovering=True)
 
