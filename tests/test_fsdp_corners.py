@@ -264,11 +264,14 @@ def _unused_parameters(rank, world):
     out = {}
     cases = [("sgd", False, False), ("sgd", True, False), ("sgd", False, True), ("adamw", False, False)]
     cases.append(("adamw", True, False))
-    for optimizer_name, in_backward, accumulate in cases:
+    # replication (shard groups of one rank: one all-reduce over the replicas per gradient)
+    cases += [("sgd", False, True, 1), ("adamw", True, False, 1)]
+    for optimizer_name, in_backward, accumulate, *shard_group in cases:
         ref = DDP(_model(GatedNet), find_unused_parameters=True)
         ref_opt = make_optimizer(optimizer_name, ref.parameters())
         _train_gated(ref, ref_opt, rank, world, optimizer_name, False, accumulate)
-        model = _sharded(GatedNet, root=RootOptions(find_unused_parameters=True))
+        groups = hybrid_groups(shard_group[0]) if shard_group else None
+        model = _sharded(GatedNet, root=RootOptions(find_unused_parameters=True), groups=groups)
         initial = model.state_dict()
         optimizer = make_optimizer(optimizer_name, model.parameters())
         if in_backward:
@@ -277,7 +280,7 @@ def _unused_parameters(rank, world):
         state = model.state_dict()
         spare = [k for k in state if k.endswith(".spare")]
         spare_state = _spare_state(model, optimizer)
-        out[(optimizer_name, in_backward, accumulate)] = (
+        out[(optimizer_name, in_backward, accumulate, *shard_group)] = (
             max_rel_diff(state, ref.module.state_dict()),
             len(spare) == 2 and all(torch.equal(state[k], initial[k]) for k in spare),
             len(spare_state),

@@ -117,7 +117,9 @@ def _hybrid_worker(rank, world, k):
     return out
 
 
-@pytest.mark.parametrize("world,k", [(4, 2), (6, 3)], ids=["4_ranks_2x2", "6_ranks_2x3"])
+@pytest.mark.parametrize(
+    "world,k", [(4, 2), (6, 3), (4, 1)], ids=["4_ranks_2x2", "6_ranks_2x3", "4_ranks_replicated"]
+)
 def test_hybrid_sharding_equals_ddp_over_the_world(world, k):
     for result in run_on_ranks(_hybrid_worker, world, k):
         assert result.pop("replicas_identical")

@@ -311,10 +311,7 @@ class FlatParamHandle:
     def start_replicated_all_reduce(self, grad: torch.Tensor, reduce_group):
         """Shard groups of one rank: sum ``grad`` (padded_numel,) / replicas over the replicas on
         ``reduce_group`` in place; returns (work, the tensor that holds the average once waited)."""
-        if self.unsharded_grad_acc is not None:
-            grad = self.unsharded_grad_acc.add_(grad)
-            self.unsharded_grad_acc = None
-        grad = grad.to(self.reduce_dtype)
+        grad = self.shard_grad.with_accumulated(grad).to(self.reduce_dtype)
         grad.div_(self.groups.replicas)
         return dist.all_reduce(grad, group=reduce_group, async_op=True), grad
 

@@ -56,7 +56,7 @@ class ReductionQueue:
             # the replicas, started now, as DDP's buckets (no reduce-scatter over one rank first)
             group = self.reduction_groups[group_ranks(handle.groups.replica)]
             work, reduced = handle.start_replicated_all_reduce(grad, group)
-            self.across.append(PendingReduction(handle, work, reduced, reduced))
+            self.across.append(PendingReduction(handle, work, reduced, reduced, without_grad))
             return
         group = self.reduction_groups[group_ranks(handle.groups.shard)]
         work, reduced, source = handle.start_reduce_scatter(grad, group)
