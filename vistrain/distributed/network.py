@@ -2,7 +2,7 @@
 
 Every rank tells its peers an address to connect to. gloo takes it from ``GLOO_SOCKET_IFNAME`` (an
 interface), else from resolving the machine's host name; NCCL from ``NCCL_SOCKET_IFNAME``, else its
-own choice of interface. README "Many GPUs and nodes" says what to set.
+own choice of interface. docs/distributed.md ("Network settings across nodes") says what to set.
 """
 
 import socket
