@@ -216,7 +216,7 @@ def _partial_step(rank, world):
 def _gate_pattern(optimizer_name, rank):
     """Steps at which ``blocks.1.gate`` is used on this rank: rank 0 alone at step 0 (so every
     rank gets the average), no rank at step 1, every rank at step 2 (SGD: used again). AdamW's
-    step count is per flat shard, so it is never used again there (see the README)."""
+    step count is per flat shard, so it is never used again there (docs/engine.md, off the happy path)."""
     if optimizer_name == "adamw":
         return {0} if rank == 0 else set()
     return {0, 2} if rank == 0 else {2}

@@ -344,7 +344,7 @@ def broadcast_buffers(wrapped_modules, group, timeout: datetime.timedelta) -> No
 # copy, which otherwise leave the heaps at almost the training peak before the first step. Fixing the threshold instead (``MACHINE.CPU_MMAP_THRESHOLD_MIB``) returns memory at
 # every free, at the price of a page fault storm on every large allocation.
 # Freed since the last trim: the quick start's model is trimmed every few steps, a big model's
-# every unit or two (step-time A/B in docs/memory.md).
+# every unit or two (step-time A/B in docs/notes/memory.md).
 TRIM_AFTER_BYTES = 256 * 2**20
 
 

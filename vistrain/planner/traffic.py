@@ -3,7 +3,8 @@ backend's algorithms send them; and the step time that follows at a given link s
 
 The communication side of the planner (``memory.py`` is the memory side). ``tools/plan_memory.py``
 prints :func:`traffic` for every recipe, ``dev/plan_hybrid.py`` the SEER RegNetY-10B case of
-docs/memory-and-planner.md and ``dev/bench_two_hosts.py`` it next to link bytes measured between two hosts.
+docs/memory-and-planner.md, ``dev/bench_two_hosts.py`` it next to link bytes measured between
+two hosts.
 
 Every collective of one step (:func:`step_collectives`), for the sharded engine per unit u of
 n_u elements padded to P_u = ceil(n_u / k) * k (k ranks per shard group, R = W / k replicas):

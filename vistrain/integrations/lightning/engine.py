@@ -85,7 +85,7 @@ def _policy(spec, module: nn.Module) -> Policy:
 def _immediate_children(module: nn.Module) -> List[nn.Module]:
     """``module``'s children, with ``ModuleList`` / ``ModuleDict`` children replaced by their
     items (code indexes and iterates them; they have no forward). A ``Sequential`` is called,
-    so it stays one unit: its layers then share the unit's boundary casts (see the README)."""
+    so it stays one unit: its layers then share the unit's boundary casts (see docs/lightning.md)."""
     found = []
     for child in module.children():
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
