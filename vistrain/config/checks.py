@@ -162,6 +162,7 @@ RULES = {
     "OPTIMIZER.param_schedulers.lr.warmup_epochs": [at_least(0)],
     RUN_FOLDER_KEY: [writable_folder],
     "CHECKPOINT.CHECKPOINT_FREQUENCY": [at_least(1)],
+    "CHECKPOINT.STOP_GRACE_SECONDS": [above(0)],
     "BENCHMARK.POOL_SIZE": [at_least(1)],
     "BENCHMARK.LINEAR_LR_FOLDS": [at_least(1)],
     "BENCHMARK.KNN_K": [at_least(1)],

@@ -143,6 +143,14 @@ def tune(
     return with_knobs(cfg, choice.knobs), _chosen_line(choice, budget, device, fixed) + note
 
 
+def summary_line(before, tuned) -> str:
+    """The console's short line for a tuned run: the knobs that changed from ``before``'s (the
+    detailed line of :func:`tune` goes to log.txt)."""
+    changed = _changed(exact_knobs_of(tuned), exact_knobs_of(before))
+    chose = _show(changed) if changed else "the knobs as configured"
+    return f"auto-tune: {chose}, the fastest that fits the memory per rank (details in log.txt)"
+
+
 def planned_settings(cfg, device: str, fixed: Sequence[str] = (), cache: Optional[dict] = None):
     """``(settings, planned peak bytes of each)``: every exact setting with ``fixed`` kept."""
     cache = {} if cache is None else cache

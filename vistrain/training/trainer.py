@@ -31,6 +31,7 @@ from vistrain.checkpoint import (
     set_aside,
 )
 from vistrain.config import ConfigError
+from vistrain.config.words import plural
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed import comm
 from vistrain.fsdp import (
@@ -45,10 +46,17 @@ from vistrain.models import build_model
 from vistrain.optim import build_lr_schedule, build_optimizer, param_group_key, set_lr
 from vistrain.runtime import precision
 from vistrain.runtime.auto_tune import check_same_knobs, exact_knobs_of
-from vistrain.runtime.logger import NonFiniteLossError, TrainingMeter, logger
+from vistrain.runtime.logger import (
+    LOG_FILE_ONLY,
+    NonFiniteLossError,
+    TrainingMeter,
+    divergence_message,
+    logger,
+)
 from vistrain.runtime.parallel import parallelize
 from vistrain.runtime.run_setup import record_config, start_run
 from vistrain.runtime.sharding import build_for_run
+from vistrain.training.preemption import BoundaryStop
 
 
 @dataclasses.dataclass
@@ -65,11 +73,11 @@ class StepSettings:
 
 def train(cfg, notes: Sequence[str] = ()) -> None:
     """Pre-train ``cfg.MODEL`` with ``cfg.LOSS`` on ``cfg.DATA.TRAIN``; call on every rank (see
-    launch). ``notes``: lines rank 0 logs first (what the auto-tuner chose)."""
+    launch). ``notes``: lines rank 0 writes first to log.txt (what the auto-tuner chose, in detail)."""
     run_dir = cfg.CHECKPOINT.DIR
     device = start_run(cfg)
     for note in notes:
-        logger.info(note)
+        logger.info(note, extra=LOG_FILE_ONLY)  # the console had the launcher's short line
     if cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:  # nodes that planned for different budgets would disagree
         check_same_knobs(comm.all_gather_object(exact_knobs_of(cfg)))
 
@@ -102,18 +110,20 @@ def train(cfg, notes: Sequence[str] = ()) -> None:
         iteration, resumed_from = _resume(run_dir, model, optimizer, criterion, settings.scaler, layout)
     if iteration >= total_iterations:
         logger.info(
-            f"nothing to do: {run_dir} already holds {iteration / iters_per_epoch:g} epochs of the "
+            f"nothing to do: {run_dir} already holds {plural(iteration / iters_per_epoch, 'epoch')} of the "
             f"{num_epochs} asked for (raise OPTIMIZER.num_epochs to train on)"
         )
         return
     record_config(cfg, trained_until=resumed_from)
     logger.info(
-        f"training {num_epochs} epochs x {iters_per_epoch} iterations on {comm.get_world_size()} ranks "
+        f"training {plural(num_epochs, 'epoch')} x {plural(iters_per_epoch, 'iteration')} on "
+        f"{plural(comm.get_world_size(), 'rank')} "
         f"({device.type}), from iteration {iteration}"
     )
 
     # ---- loop
     meter = TrainingMeter(run_dir, cfg.LOG_FREQUENCY, total_iterations, device)
+    stop = BoundaryStop(cfg, total_iterations)  # SIGTERM / SIGUSR1: stop and save at a boundary
     saved_at = iteration
     start_epoch, skip = divmod(iteration, iters_per_epoch)
     for epoch in range(start_epoch, num_epochs):
@@ -135,6 +145,9 @@ def train(cfg, notes: Sequence[str] = ()) -> None:
                 meter.log(iteration, epoch, num_epochs, lr)
             if group.is_last and _crossed(saved_at, iteration, cfg.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY):
                 saved_at = _checkpoint(cfg, meter, model, optimizer, criterion, settings, iteration, layout)
+            if group.is_last and stop.requested():
+                save = (cfg, meter, model, optimizer, criterion, settings, iteration, layout)
+                stop.save_and_stop(iteration, saved_at, functools.partial(_checkpoint, *save))
         last_epoch = epoch + 1 == num_epochs
         if saved_at != iteration and (last_epoch or _every(epoch + 1, cfg.CHECKPOINT.CHECKPOINT_FREQUENCY)):
             saved_at = _checkpoint(cfg, meter, model, optimizer, criterion, settings, iteration, layout)
@@ -241,7 +254,7 @@ def _checkpoint(
     # never save a run that diverged: the loss window, and the weights (a step can make them NaN
     # before any loss shows it)
     meter.check_finite(iteration, epoch)
-    _check_finite_weights(model, iteration)
+    _check_finite_weights(model, iteration, cfg.CHECKPOINT.DIR)
     extra = {"loss": criterion.state_dict()}  # per rank: the SwAV queue differs between ranks
     if s.scaler is not None:
         extra["grad_scaler"] = s.scaler.state_dict()
@@ -259,7 +272,7 @@ def _checkpoint(
     return iteration
 
 
-def _check_finite_weights(model: nn.Module, iteration: int) -> None:
+def _check_finite_weights(model: nn.Module, iteration: int, run_dir: str) -> None:
     """Collective: raise on every rank if any rank's parameters (or shards) hold NaN/inf."""
     bad = torch.zeros(1, device=next(model.parameters()).device)
     torch_sharded = backend_of(model) is Backend.TORCH
@@ -267,9 +280,7 @@ def _check_finite_weights(model: nn.Module, iteration: int) -> None:
         local = param.to_local() if torch_sharded else param  # fully_shard: DTensor shards
         bad += (~torch.isfinite(local.detach())).any()
     if comm.all_reduce_sum(bad).item() > 0:
-        raise NonFiniteLossError(
-            f"model weights became NaN/inf by iteration {iteration}; not saving a checkpoint"
-        )
+        raise NonFiniteLossError(divergence_message("model weights became nan/inf", iteration, run_dir))
 
 
 def _resume(run_dir: str, model, optimizer, criterion, scaler, layout: EpochLayout) -> Tuple[int, int]:
