@@ -50,7 +50,9 @@ def _refused_line(argv, capsys) -> str:
 
 def test_a_run_folder_that_cannot_be_created(capsys):
     line = _refused_line(_tiny("/proc/vistrain-x"), capsys)
-    assert line.startswith("config error: CHECKPOINT.DIR /proc/vistrain-x cannot be created (/proc: ")
+    assert line.startswith(
+        "config error: CHECKPOINT.DIR /proc/vistrain-x cannot be created: making a folder in /proc fails ("
+    )
     assert not Path("/proc/vistrain-x").exists()
 
 

@@ -27,6 +27,7 @@ def main(argv) -> int:
     args = parser.parse_args(argv)
 
     from vistrain.checkpoint import CheckpointError, consolidate, describe, to_torchvision
+    from vistrain.config import OneLineExit
 
     try:
         if args.inspect:
@@ -39,8 +40,17 @@ def main(argv) -> int:
             print(
                 f"wrote {len(state)} trunk tensors to {args.to_torchvision} (set fc = nn.Identity() before loading)"
             )
-    except (CheckpointError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except OneLineExit as e:  # the launcher's lines: "checkpoint error: ..."
+        print(e.line(), file=sys.stderr)
+        return e.exit_code
+    except FileNotFoundError as e:
+        print(
+            CheckpointError(f"{e.filename or args.checkpoint}: no such file or folder").line(),
+            file=sys.stderr,
+        )
+        return 2
+    except OSError as e:  # an output that cannot be written
+        print(f"input error: {e.filename}: {e.strerror}", file=sys.stderr)
         return 2
     return 0
 

@@ -141,7 +141,7 @@ def _report(error: OneLineExit, cfg) -> int:
         line = stop_line(cfg.CHECKPOINT.DIR, cfg.ENGINE_NAME, str(error))
     else:
         line = error.line()
-    if speaks_for_job(os.environ):
+    if speaks_for_job(os.environ, error.agreed):
         print(line, file=sys.stderr)
     return _leave(error.exit_code)
 

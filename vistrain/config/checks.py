@@ -104,8 +104,12 @@ def writable_folder(value: str, _) -> Problem:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".vistrain-probe-", dir=existing))
     except OSError as error:
-        verb = "written" if existing == path else "created"
-        return f"{value} cannot be {verb} ({existing}: {error.strerror}); choose another folder"
+        if existing == path:
+            return f"{value} cannot be written: making a folder in it fails ({error.strerror}); choose another folder"
+        return (
+            f"{value} cannot be created: making a folder in {existing} fails ({error.strerror}); "
+            "choose another folder"
+        )
     return None
 
 

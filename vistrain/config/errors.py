@@ -23,12 +23,17 @@ class OneLineExit(Exception):
     kind = "stopped"
     exit_code = 1
 
-    def __init__(self, message: str, kind: Optional[str] = None, exit_code: Optional[int] = None):
+    def __init__(
+        self, message: str, kind: Optional[str] = None, exit_code: Optional[int] = None, agreed: bool = False
+    ):
+        """``agreed``: every rank raises the same error at the same point (a collective found it),
+        so global rank 0 alone reports it."""
         super().__init__(_original_line(str(message), type(self)))
         if kind is not None:
             self.kind = kind
         if exit_code is not None:
             self.exit_code = exit_code
+        self.agreed = agreed
 
     def line(self) -> str:
         """What the launcher prints: ``<kind>: <message>``."""
@@ -69,12 +74,12 @@ class StopRequested(OneLineExit):
     exit_code = EXIT_STOPPED
 
 
-def rebuilt(kind: str, message: str, exit_code: int) -> OneLineExit:
-    """The error a rank reported (``kind``, ``message``, ``exit_code``), raised again in the launcher."""
+def rebuilt(kind: str, message: str, exit_code: int, agreed: bool = False) -> OneLineExit:
+    """The error a rank reported (``kind``, ``message``, ``exit_code``), raised again elsewhere."""
     cls = {EXIT_INPUT: InputError, EXIT_DIVERGED: DivergedError, EXIT_STOPPED: StopRequested}.get(
         exit_code, OneLineExit
     )
-    return cls(message, kind=kind, exit_code=exit_code)
+    return cls(message, kind=kind, exit_code=exit_code, agreed=agreed)
 
 
 def _original_line(message: str, error_type: type) -> str:

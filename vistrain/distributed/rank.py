@@ -14,19 +14,20 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import sys
 import time
-from typing import Mapping, Optional, Tuple
+from typing import Iterator, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from fvcore.common.config import CfgNode
 
 from vistrain import torch_compat
-from vistrain.config.errors import OneLineExit, rebuilt
+from vistrain.config.errors import OneLineExit, StopRequested, rebuilt
 from vistrain.config.job_env import job_rank
 from vistrain.distributed import comm
 from vistrain.distributed.join import attempt_store
-from vistrain.distributed.stop_signals import StopSignals
+from vistrain.distributed.stop_signals import StopSignals, signal_name
 
 REPORT_WAIT_SECONDS = 3.0  # how long a rank other than 0 waits to see rank 0 report a problem
 _REPORTED_KEY = "vistrain/rank0_reported"  # in the job's rendezvous store
@@ -71,13 +72,19 @@ def start_rank(
         rendezvous = {"init_method": plan.init_method}
     else:  # a torchrun worker: keys of this restart attempt only (see join.attempt_store)
         rendezvous = {"store": attempt_store(os.environ, rank, plan.elastic_attempt, timeout)}
-    with StopSignals(cfg.CHECKPOINT.STOP_GRACE_SECONDS, announce):
+    with StopSignals(cfg.CHECKPOINT.STOP_GRACE_SECONDS, announce) as stop:
         dist.init_process_group(
             plan.backend, rank=rank, world_size=plan.world_size, timeout=timeout, **rendezvous
         )
         if not plan.spawn:  # every rank of a joined job checked the input itself
             agree_to_start(refused)
-        main_fn(cfg)
+        try:
+            main_fn(cfg)
+        except Exception as error:
+            if not stop.received or isinstance(error, OneLineExit):
+                raise
+            # a peer that stopped or gave up first broke this rank's collective: part of the stop
+            raise StopRequested(f"{signal_name(stop.received)}: every rank stopped") from None
         # Only on success: tearing down after a failure can block on peers; process exit frees it.
         # The barrier first: a rank that tore down and exited while a peer still used the group
         # (rank 0 publishing the last checkpoint) could leave that peer's gloo threads to abort.
@@ -93,7 +100,7 @@ def agree_to_start(refused: Optional[OneLineExit]) -> None:
     )
     first = next((report for report in reports if report is not None), None)
     if first is not None:
-        raise rebuilt(*first)
+        raise rebuilt(*first, agreed=True)
 
 
 def meet_and_refuse(error: OneLineExit, cfg: CfgNode, plan: LaunchPlan) -> bool:
@@ -110,28 +117,47 @@ def meet_and_refuse(error: OneLineExit, cfg: CfgNode, plan: LaunchPlan) -> bool:
     return True  # not reached: agree_to_start raises
 
 
-def speaks_for_job(environ: Mapping[str, str]) -> bool:
+def speaks_for_job(environ: Mapping[str, str], agreed: bool = False) -> bool:
     """Whether this process prints the job's one line for a problem it ends with.
 
-    The launcher (or global rank 0 of a joined job) always does, and says so in the job's store;
-    another rank of a joined job only when rank 0 did not within REPORT_WAIT_SECONDS (or cannot be
-    asked: its store is gone with it, so it reported or crashed with its own traceback).
+    The launcher (or global rank 0 of a joined job) always does, and says so in the job's store.
+    Another rank of a joined job never does for an ``agreed`` problem (every rank found the same
+    in a collective: rank 0 prints it); for its own it does only when rank 0 did not report within
+    REPORT_WAIT_SECONDS (nor can be asked: its store is gone with it, after its own line).
     """
     rank = job_rank(environ)
     store = torch_compat.default_store() if comm.is_dist() else None
     if rank == 0:
         if store is not None:
-            with contextlib.suppress(Exception):  # the store's host is gone: nobody waits for the key
+            with contextlib.suppress(Exception), _quiet_stderr():  # the store's host is gone: nobody asks
                 store.set(_REPORTED_KEY, "1")
         return True
+    if agreed:
+        return False
     if store is None:  # not started: a problem with this rank's own environment
         return True
     deadline = time.monotonic() + REPORT_WAIT_SECONDS
     try:
         while time.monotonic() < deadline:
-            if store.check([_REPORTED_KEY]):
-                return False
+            with _quiet_stderr():
+                if store.check([_REPORTED_KEY]):
+                    return False
             time.sleep(0.1)
     except Exception:
         return False
     return True
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 to /dev/null: a TCPStore whose host died logs a C++ stack on stderr
+    before it raises, and this rank's question has a plain answer (rank 0 is gone)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)

@@ -75,11 +75,19 @@ class TrainingMeter:
     # slots of the window tensor summed over ranks in one all-reduce
     _LOSS_SUM, _ITERS, _IMAGES, _SKIPPED, _NONFINITE, _LAST_LOSS, _NAN = range(7)
 
-    def __init__(self, run_dir: str, log_frequency: int, total_iterations: int, device: torch.device):
+    def __init__(
+        self,
+        run_dir: str,
+        log_frequency: int,
+        total_iterations: int,
+        device: torch.device,
+        console: bool = True,
+    ):
+        """``console`` False: the periodic lines go to log.txt only (metrics and TensorBoard as ever)."""
         if log_frequency < 1:
             raise ValueError(f"LOG_FREQUENCY must be >= 1, got {log_frequency}")
         self.run_dir, self.log_frequency, self.total = run_dir, log_frequency, total_iterations
-        self.device = device
+        self.device, self.console = device, console
         self.window = torch.zeros(7, dtype=torch.float64, device=device)
         self.window_start = self.run_start = time.perf_counter()
         self.images_seen = 0.0  # this run, all ranks
@@ -114,7 +122,9 @@ class TrainingMeter:
         bad = comm.all_reduce_sum(self.window[[self._NONFINITE, self._NAN]].clone()).tolist()
         if bad[0] > 0:
             value = "nan" if bad[1] > 0 else "inf"
-            raise NonFiniteLossError(divergence_message(f"loss became {value}", iteration, self.run_dir))
+            raise NonFiniteLossError(
+                divergence_message(f"loss became {value}", iteration, self.run_dir), agreed=True
+            )
 
     def log(self, iteration: int, epoch: int, num_epochs: int, lr: float) -> None:
         """Collective: reduce the window over ranks; rank 0 writes the line, metrics.jsonl and TensorBoard."""
@@ -149,7 +159,8 @@ class TrainingMeter:
         logger.info(
             f"epoch {record['epoch'] + 1}/{num_epochs}  it {record['iteration']}/{self.total}  "
             f"loss {record['loss']:.4f} (avg {record['loss_avg']:.4f})  lr {record['lr']:.4g}  "
-            f"{record['images_per_sec']:.1f} img/s  eta {eta}  mem {record['peak_mem_mib']:.0f} MiB{skipped}"
+            f"{record['images_per_sec']:.1f} img/s  eta {eta}  mem {record['peak_mem_mib']:.0f} MiB{skipped}",
+            extra=None if self.console else LOG_FILE_ONLY,
         )
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()

@@ -60,7 +60,8 @@ class BoundaryStop:
         note = comm.all_gather_object(note)[0]  # every rank's line says the same
         raise StopRequested(
             f"{signal_name(self.signum)} at iteration {iteration} of {self.total}: every rank stopped and "
-            f"saved {checkpoint_name(iteration)}{note}"
+            f"saved {checkpoint_name(iteration)}{note}",
+            agreed=True,
         )
 
 

@@ -280,7 +280,9 @@ def _check_finite_weights(model: nn.Module, iteration: int, run_dir: str) -> Non
         local = param.to_local() if torch_sharded else param  # fully_shard: DTensor shards
         bad += (~torch.isfinite(local.detach())).any()
     if comm.all_reduce_sum(bad).item() > 0:
-        raise NonFiniteLossError(divergence_message("model weights became nan/inf", iteration, run_dir))
+        raise NonFiniteLossError(
+            divergence_message("model weights became nan/inf", iteration, run_dir), agreed=True
+        )
 
 
 def _resume(run_dir: str, model, optimizer, criterion, scaler, layout: EpochLayout) -> Tuple[int, int]:
