@@ -28,17 +28,18 @@ def main(argv) -> int:
 
     from vistrain.checkpoint import CheckpointError, consolidate, describe, to_torchvision
     from vistrain.config import OneLineExit
+    from vistrain.config.words import plural
 
     try:
         if args.inspect:
             print(describe(args.checkpoint))
         elif args.to_consolidated:
             count = consolidate(args.checkpoint, args.to_consolidated)
-            print(f"wrote {count} tensors to {args.to_consolidated}")
+            print(f"wrote {plural(count, 'tensor')} to {args.to_consolidated}")
         else:
             state = to_torchvision(args.checkpoint, args.to_torchvision)
             print(
-                f"wrote {len(state)} trunk tensors to {args.to_torchvision} (set fc = nn.Identity() before loading)"
+                f"wrote {plural(len(state), 'trunk tensor')} to {args.to_torchvision} (set fc = nn.Identity() before loading)"
             )
     except OneLineExit as e:  # the launcher's lines: "checkpoint error: ..."
         print(e.line(), file=sys.stderr)

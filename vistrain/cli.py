@@ -122,27 +122,24 @@ def run(job, cfg) -> int:
 def _refuse(error: OneLineExit, cfg) -> int:
     """An error found before the job started: one line from the process that speaks for the job
     (in torchrun / srun, the ranks agree first: ``vistrain.distributed.launch.refuse_in_job``)."""
-    if job_rank(os.environ) == 0:
+    if job_rank(os.environ) == 0:  # answered before torch is loaded
         print(error.line(), file=sys.stderr)
         return error.exit_code
-    from vistrain.config import get_defaults
     from vistrain.distributed.launch import refuse_in_job
 
-    if refuse_in_job(error, cfg if cfg is not None else get_defaults()):
-        print(error.line(), file=sys.stderr)
+    refuse_in_job(error, cfg)
     return _leave(error.exit_code)
 
 
 def _report(error: OneLineExit, cfg) -> int:
     """The job's one line for ``error`` (printed by one process per job), then its exit code."""
-    from vistrain.distributed.launch import speaks_for_job
+    from vistrain.distributed.launch import report_for_job
 
     if isinstance(error, StopRequested):
         line = stop_line(cfg.CHECKPOINT.DIR, cfg.ENGINE_NAME, str(error))
     else:
         line = error.line()
-    if speaks_for_job(os.environ, error.agreed):
-        print(line, file=sys.stderr)
+    report_for_job(line, os.environ, error.agreed)
     return _leave(error.exit_code)
 
 

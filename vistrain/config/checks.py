@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 from fvcore.common.config import CfgNode
 
 from vistrain.config.errors import ConfigError, InputError
+from vistrain.config.words import plural
 
 # Names the launcher also checks when it is called directly from Python (not through the CLI).
 DEVICES = ("auto", "cpu", "cuda")
@@ -336,7 +337,7 @@ def _one_global_batch(cfg: CfgNode, catalog: Catalog) -> Problem:
         if split_cfg.DROP_LAST and samples < batch * world:
             fits = f"{key}.BATCHSIZE_PER_REPLICA<={samples // world}" if samples >= world else "more data"
             return (
-                f"{key} has {samples} samples, fewer than one global batch ({world} ranks x "
+                f"{key} has {plural(samples, 'sample')}, fewer than one global batch ({plural(world, 'rank')} x "
                 f"BATCHSIZE_PER_REPLICA {batch} = {batch * world}) with DROP_LAST; use {fits} "
                 f"or {key}.DROP_LAST=False"
             )

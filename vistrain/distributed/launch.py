@@ -26,6 +26,7 @@ import torch
 from fvcore.common.config import CfgNode
 
 from vistrain.config.checks import DEVICES, DIST_BACKENDS, INIT_METHODS, check_world_size
+from vistrain.config.defaults import get_defaults
 from vistrain.config.errors import ConfigError, OneLineExit
 from vistrain.config.job_env import job_rank
 from vistrain.distributed import supervise
@@ -33,10 +34,10 @@ from vistrain.distributed.join import (  # noqa: F401  first_slurm_host: public 
     first_slurm_host,
     joined_job,
 )
-from vistrain.distributed.rank import (  # noqa: F401  LaunchPlan, speaks_for_job: public here too
+from vistrain.distributed.rank import (
     LaunchPlan,
     meet_and_refuse,
-    speaks_for_job,
+    report_for_job,
     start_rank,
 )
 from vistrain.distributed.spawn import RankFailedError, spawn_and_watch  # noqa: F401  public here too
@@ -68,18 +69,18 @@ def launch(
             spawn_and_watch(main_fn, cfg, plan)
 
 
-def refuse_in_job(error: OneLineExit, cfg: CfgNode) -> bool:
-    """Whether this process should print ``error``, found before the job started. Yes for the
-    launcher and global rank 0; another rank of a joined job first meets the others so that the job
-    agrees on one line (:func:`vistrain.distributed.rank.meet_and_refuse`), and prints only when it
-    cannot reach them."""
-    if job_rank(os.environ) == 0:
-        return True
+def refuse_in_job(error: OneLineExit, cfg: Optional[CfgNode]) -> None:
+    """Print ``error``, found before the job started, once per job. The launcher and global rank
+    0 print it at once; another rank of a joined job first meets the others (with the defaults'
+    DISTRIBUTED settings where its config did not load) so that the job agrees on one line
+    (:func:`vistrain.distributed.rank.meet_and_refuse`), and prints only when it cannot reach them."""
+    cfg = cfg if cfg is not None else get_defaults()
     try:
-        plan = plan_launch(cfg.DISTRIBUTED, cfg.MACHINE, os.environ)
+        plan = None if job_rank(os.environ) == 0 else plan_launch(cfg.DISTRIBUTED, cfg.MACHINE, os.environ)
     except ConfigError:  # the job environment itself is wrong: each rank says so
-        return True
-    return plan.spawn or not meet_and_refuse(error, cfg, plan)
+        plan = None
+    met = plan is not None and not plan.spawn and meet_and_refuse(error, cfg, plan)
+    report_for_job(error.line(), os.environ, agreed=met)
 
 
 def planned_world_size(dist_cfg: CfgNode, environ: Mapping[str, str]) -> int:

@@ -72,7 +72,10 @@ def start_rank(
         rendezvous = {"init_method": plan.init_method}
     else:  # a torchrun worker: keys of this restart attempt only (see join.attempt_store)
         rendezvous = {"store": attempt_store(os.environ, rank, plan.elastic_attempt, timeout)}
-    with StopSignals(cfg.CHECKPOINT.STOP_GRACE_SECONDS, announce) as stop:
+    # a rank meeting the others only to refuse keeps the default: a signal ends it at once, even
+    # while it waits in the rendezvous for a rank 0 that is gone
+    stop = StopSignals(cfg.CHECKPOINT.STOP_GRACE_SECONDS, announce) if refused is None else None
+    with stop or contextlib.nullcontext():
         dist.init_process_group(
             plan.backend, rank=rank, world_size=plan.world_size, timeout=timeout, **rendezvous
         )
@@ -81,7 +84,7 @@ def start_rank(
         try:
             main_fn(cfg)
         except Exception as error:
-            if not stop.received or isinstance(error, OneLineExit):
+            if stop is None or not stop.received or isinstance(error, OneLineExit):
                 raise
             # a peer that stopped or gave up first broke this rank's collective: part of the stop
             raise StopRequested(f"{signal_name(stop.received)}: every rank stopped") from None
@@ -117,35 +120,38 @@ def meet_and_refuse(error: OneLineExit, cfg: CfgNode, plan: LaunchPlan) -> bool:
     return True  # not reached: agree_to_start raises
 
 
-def speaks_for_job(environ: Mapping[str, str], agreed: bool = False) -> bool:
-    """Whether this process prints the job's one line for a problem it ends with.
+def report_for_job(line: str, environ: Mapping[str, str], agreed: bool = False) -> None:
+    """Print ``line`` (stderr) if this process speaks for the job about the problem it ends with.
 
-    The launcher (or global rank 0 of a joined job) always does, and says so in the job's store.
-    Another rank of a joined job never does for an ``agreed`` problem (every rank found the same
-    in a collective: rank 0 prints it); for its own it does only when rank 0 did not report within
-    REPORT_WAIT_SECONDS (nor can be asked: its store is gone with it, after its own line).
+    The launcher (or global rank 0 of a joined job) always does, then says so in the job's store.
+    Another rank of a joined job waits up to REPORT_WAIT_SECONDS for that (so that a scheduler
+    ending the job when the first rank exits does not cut rank 0's line) and stays quiet, unless
+    the problem is its own (not ``agreed`` by every rank in a collective) and rank 0 reported
+    nothing: it alone saw it. A store that cannot be asked went with rank 0, after its line.
     """
     rank = job_rank(environ)
     store = torch_compat.default_store() if comm.is_dist() else None
-    if rank == 0:
+    if rank == 0 or store is None:  # not started: a problem with this rank's own environment
+        print(line, file=sys.stderr, flush=True)
         if store is not None:
             with contextlib.suppress(Exception), _quiet_stderr():  # the store's host is gone: nobody asks
                 store.set(_REPORTED_KEY, "1")
-        return True
-    if agreed:
-        return False
-    if store is None:  # not started: a problem with this rank's own environment
-        return True
+        return
+    if not (_rank0_reported(store) or agreed):
+        print(line, file=sys.stderr, flush=True)
+
+
+def _rank0_reported(store) -> bool:
     deadline = time.monotonic() + REPORT_WAIT_SECONDS
     try:
         while time.monotonic() < deadline:
             with _quiet_stderr():
                 if store.check([_REPORTED_KEY]):
-                    return False
-            time.sleep(0.1)
-    except Exception:
-        return False
-    return True
+                    return True
+            time.sleep(0.05)
+    except Exception:  # its host (rank 0) is gone
+        return True
+    return False
 
 
 @contextlib.contextmanager

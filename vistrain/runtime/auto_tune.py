@@ -19,6 +19,7 @@ import yaml
 
 from vistrain.config import ConfigError
 from vistrain.config.checks import get_key
+from vistrain.config.words import plural
 from vistrain.runtime.knob_search import (
     EXACT_KNOBS,
     current_knobs,
@@ -76,7 +77,7 @@ def machine_budget(device: str, ranks_on_node: int, device_index: int = 0) -> Bu
     per_rank = available / max(ranks_on_node, 1)
     return Budget(
         per_rank * (1 - MARGIN),
-        f"{available:,.0f} MiB available / {ranks_on_node} ranks here, less {MARGIN:.0%}",
+        f"{available:,.0f} MiB available / {plural(ranks_on_node, 'rank')} here, less {MARGIN:.0%}",
     )
 
 

@@ -303,7 +303,7 @@ def _resume(run_dir: str, model, optimizer, criterion, scaler, layout: EpochLayo
         restore_rng(state["rng"])
     else:
         logger.info(
-            f"{path} was saved by {meta['world_size']} ranks: per-rank loss state "
+            f"{path} was saved by {plural(meta['world_size'], 'rank')}: per-rank loss state "
             "(e.g. the SwAV queue) and RNG streams start afresh"
         )
     if scaler is not None and "grad_scaler" in extra:
