@@ -84,16 +84,22 @@ def _assert_stopped_at_a_boundary(run_dir: Path, code: int, err, took: float, si
 
 def test_stop_signals_to_the_launcher_to_one_rank_and_to_every_process_lose_nothing(tmp_path, reference):
     """One run folder, stopped three times: SIGTERM to the launcher only; SIGTERM to rank 1 only;
-    SIGUSR1 to every process of the job at once (as SLURM's --signal does). Every rerun resumes
+    SIGUSR1 to every process of the job at once, DataLoader workers included (as SLURM's --signal
+    does). Every rerun resumes
     where the last one stopped, and the losses equal the uninterrupted run's."""
     run_dir, stops = tmp_path / "run", []
     targets = [
-        ("SIGTERM", lambda job: os.kill(job.proc.pid, signal.SIGTERM)),
-        ("SIGTERM", lambda job: os.kill(job.pid(1), signal.SIGTERM)),
-        ("SIGUSR1", lambda job: os.killpg(job.proc.pid, signal.SIGUSR1)),
+        ("SIGTERM", lambda job: os.kill(job.proc.pid, signal.SIGTERM), []),
+        ("SIGTERM", lambda job: os.kill(job.pid(1), signal.SIGTERM), []),
+        # DataLoader workers get it too (and leave it to their rank); they change no number
+        (
+            "SIGUSR1",
+            lambda job: os.killpg(job.proc.pid, signal.SIGUSR1),
+            ["config.DATA.NUM_DATALOADER_WORKERS=1"],
+        ),
     ]
-    for sig, send in targets:
-        job = _job(run_dir, step_seconds=0.3)
+    for sig, send, overrides in targets:
+        job = _job(run_dir, *overrides, step_seconds=0.3)
         job.wait_for_iteration((stops[-1] if stops else 0) + 1)
         sent = time.monotonic()
         send(job)

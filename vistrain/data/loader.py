@@ -1,5 +1,6 @@
 """``build_loader``: dataset + transforms + distributed sampler + collator -> DataLoader of one rank."""
 
+import signal
 from typing import Optional, Sequence
 
 import torch
@@ -65,7 +66,16 @@ def build_loader(
         collate_fn=collate_multicrop,
         pin_memory=bool(data_cfg.PIN_MEMORY) and torch.device(device).type == "cuda",
         persistent_workers=workers > 0,
+        worker_init_fn=leave_stop_signals_to_the_rank if workers > 0 else None,
     )
+
+
+def leave_stop_signals_to_the_rank(worker_id: int) -> None:
+    """In a DataLoader worker: ignore SIGTERM and SIGUSR1. A scheduler sends them to every process
+    of the job; the rank stops at its next iteration boundary and then ends its workers itself,
+    whereas a worker killed by them would fail the rank's next batch."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def set_epoch(loader: DataLoader, epoch: int, start_iteration: int = 0) -> None:
