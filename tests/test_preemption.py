@@ -252,3 +252,25 @@ def test_job_rank_reads_torchrun_and_srun_variables():
     assert job_rank({"RANK": "3", "WORLD_SIZE": "4"}) == 3
     assert job_rank({"SLURM_PROCID": "2", "SLURM_NTASKS": "4"}) == 2
     assert job_rank({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) == 0  # one task spawns its own ranks
+
+
+def test_a_stop_signal_while_the_job_starts_is_one_line(tmp_path):
+    """SIGTERM as soon as the command says what it does (checking, planning, starting the ranks):
+    whatever it was doing, one line and exit 143."""
+    run_dir = tmp_path / "run"
+    job = Job(
+        [
+            sys.executable,
+            str(REPO / "tools" / "run_distributed.py"),
+            "config=test/simclr_tiny",
+            f"config.CHECKPOINT.DIR={run_dir}",
+        ],
+        run_dir,
+        job_env(),
+    )
+    deadline = time.monotonic() + 120
+    while not job.out.read_text() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(job.proc.pid, signal.SIGTERM)
+    code, err, _ = job.finish()
+    assert code == 143 and len(err) == 1 and err[0].startswith("stopped: SIGTERM"), err

@@ -19,7 +19,9 @@ Importing this module does not load torch: a typo is answered at once.
 
 import functools
 import os
+import signal
 import sys
+import threading
 import time
 from typing import List, Sequence
 
@@ -49,11 +51,27 @@ def usage() -> str:
 
 
 def main(argv: Sequence[str]) -> int:
+    previous = _stop_before_start()
     try:
         return _main(argv)
     except KeyboardInterrupt:  # while loading and checking: nothing started, nothing written
         print("interrupted before the run started", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _stop_before_start() -> dict:
+    """SIGTERM / SIGUSR1 while the config is checked and the memory planned (the launcher then
+    handles them itself): stop in one line, nothing started. Returns the previous handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def stop(signum, frame):
+        raise StopRequested(f"{signal.Signals(signum).name} before the run started; nothing was written")
+
+    return {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
 
 
 def _main(argv: Sequence[str]) -> int:
