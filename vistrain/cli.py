@@ -17,13 +17,14 @@ While it works it says what it is doing (checking, planning, starting the ranks)
 Importing this module does not load torch: a typo is answered at once.
 """
 
+import contextlib
 import functools
 import os
 import signal
 import sys
 import threading
 import time
-from typing import List, Sequence
+from typing import Iterator, List, Sequence
 
 from vistrain.config import OneLineExit, StopRequested, available_configs, load_config
 from vistrain.config.checks import check_config
@@ -51,27 +52,11 @@ def usage() -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    previous = _stop_before_start()
     try:
         return _main(argv)
     except KeyboardInterrupt:  # while loading and checking: nothing started, nothing written
         print("interrupted before the run started", file=sys.stderr)
         return EXIT_INTERRUPTED
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _stop_before_start() -> dict:
-    """SIGTERM / SIGUSR1 while the config is checked and the memory planned (the launcher then
-    handles them itself): stop in one line, nothing started. Returns the previous handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-
-    def stop(signum, frame):
-        raise StopRequested(f"{signal.Signals(signum).name} before the run started; nothing was written")
-
-    return {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
 
 
 def _main(argv: Sequence[str]) -> int:
@@ -80,20 +65,39 @@ def _main(argv: Sequence[str]) -> int:
         return 0 if argv else EXIT_REFUSED
     cfg = None
     try:
-        cfg = load_config(argv)
-        say(f"checking the config, its data and CHECKPOINT.DIR {cfg.CHECKPOINT.DIR} (loading torch)")
-        check_config(cfg, _catalog)
-        from vistrain.jobs import get_job
+        with _stop_signals_before_start():
+            cfg = load_config(argv)
+            check_config(cfg, functools.partial(_catalog, cfg))
+            from vistrain.jobs import get_job
 
-        job = get_job(cfg.ENGINE_NAME)
-        if cfg.ENGINE_NAME == "train" and cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:
-            say(
-                "planning the memory per rank of each setting of the exact knobs (MODEL.FSDP_CONFIG.AUTO_TUNE)"
-            )
-            cfg, job = _auto_tuned(cfg, job, argv)
+            job = get_job(cfg.ENGINE_NAME)
+            if cfg.ENGINE_NAME == "train" and cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:
+                say(
+                    "planning the memory per rank of each setting of the exact knobs (MODEL.FSDP_CONFIG.AUTO_TUNE)"
+                )
+                cfg, job = _auto_tuned(cfg, job, argv)
     except OneLineExit as e:
         return _refuse(e, cfg)
     return run(job, cfg)
+
+
+@contextlib.contextmanager
+def _stop_signals_before_start() -> Iterator[None]:
+    """SIGTERM / SIGUSR1 while the config is checked and the memory planned: stop in one line,
+    nothing started (from then on the launcher and the ranks handle them)."""
+    if threading.current_thread() is not threading.main_thread():  # only it may set handlers
+        yield
+        return
+
+    def stop(signum, frame):
+        raise StopRequested(f"{signal.Signals(signum).name} before the run started; nothing was written")
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def say(text: str) -> None:
@@ -113,8 +117,10 @@ def _auto_tuned(cfg, job, argv):
     return tuned, functools.partial(job, notes=(details,))
 
 
-def _catalog():
-    """The registries config values are checked against; imported only when a check needs them."""
+def _catalog(cfg):
+    """The registries config values are checked against; imported only when a check needs them
+    (typos and plain values are answered before, in a fraction of a second)."""
+    say(f"checking the config, its data and CHECKPOINT.DIR {cfg.CHECKPOINT.DIR} (loading torch)")
     from vistrain.jobs import catalog
 
     return catalog()

@@ -6,7 +6,7 @@ that finds a problem before the start still meets the others (:func:`meet_and_re
 thing every rank does once the process group exists is to exchange what it found
 (:func:`agree_to_start`), so that all of them raise the same error and global rank 0 alone prints
 it. A problem found once the job runs is printed by global rank 0; another rank prints its own only
-when rank 0 has not reported one within :data:`REPORT_WAIT_SECONDS` (:func:`speaks_for_job`):
+when rank 0 has not reported one within :data:`REPORT_WAIT_SECONDS` (:func:`report_for_job`):
 it alone saw it, e.g. an unreadable image in its part of the data.
 """
 
