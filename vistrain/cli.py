@@ -113,7 +113,7 @@ def _auto_tuned(cfg, job, argv):
 
     # this process imported what a rank imports (the job's module): its RSS is a rank's baseline
     tuned, details = tune_run(cfg, argv, baseline_mib=current_rss_mib())
-    say(summary_line(cfg, tuned))
+    say(summary_line(cfg, tuned, details))
     return tuned, functools.partial(job, notes=(details,))
 
 

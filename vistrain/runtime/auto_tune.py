@@ -144,9 +144,11 @@ def tune(
     return with_knobs(cfg, choice.knobs), _chosen_line(choice, budget, device, fixed) + note
 
 
-def summary_line(before, tuned) -> str:
-    """The console's short line for a tuned run: the knobs that changed from ``before``'s (the
-    detailed line of :func:`tune` goes to log.txt)."""
+def summary_line(before, tuned, details: str) -> str:
+    """The console's short line for a tuned run: the knobs that changed from ``before``'s
+    (``details``, the line of :func:`tune`, goes to log.txt)."""
+    if details.startswith("auto-tune: kept "):
+        return "auto-tune: kept the resumed run's knobs, which still fit (details in log.txt)"
     changed = _changed(exact_knobs_of(tuned), exact_knobs_of(before))
     chose = _show(changed) if changed else "the knobs as configured"
     return f"auto-tune: {chose}, the fastest that fits the memory per rank (details in log.txt)"
