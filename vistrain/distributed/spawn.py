@@ -63,14 +63,15 @@ def _run_spawned_rank(local_rank: int, launcher_pid: int, main_fn, cfg, plan, er
 def spawn_and_watch(main_fn, cfg: CfgNode, plan: LaunchPlan) -> None:
     error_dir = tempfile.mkdtemp(prefix="vistrain-ranks-")
     try:
-        with Forwarder(cfg.CHECKPOINT.STOP_GRACE_SECONDS) as stop, supervise.spawning_ignores_sigint():
-            context = mp.start_processes(
-                _run_spawned_rank,
-                args=(os.getpid(), main_fn, cfg, plan, error_dir),
-                nprocs=plan.local_ranks,
-                join=False,
-                start_method="spawn",
-            )
+        with Forwarder(cfg.CHECKPOINT.STOP_GRACE_SECONDS) as stop:
+            with supervise.spawning_ignores_sigint():
+                context = mp.start_processes(
+                    _run_spawned_rank,
+                    args=(os.getpid(), main_fn, cfg, plan, error_dir),
+                    nprocs=plan.local_ranks,
+                    join=False,
+                    start_method="spawn",
+                )
             processes = context.processes
             stop.watch([p.pid for p in processes])
             _watch(processes, stop, error_dir, plan.first_rank)
@@ -94,7 +95,7 @@ def _watch(processes, stop: Forwarder, error_dir: str, first_rank: int) -> None:
         grace = STOP_GRACE_SECONDS if stop.deadline is None else max(0.0, stop.deadline - time.monotonic())
         _stop(processes, grace)
     if failed or any(p.exitcode != 0 for p in processes):
-        raise _failure(processes, error_dir, first_rank, stop.signum)
+        raise _failure(failed, processes, error_dir, first_rank, stop.signum)
 
 
 def _wait_for_failure(processes, stop: Forwarder) -> List[int]:
@@ -156,10 +157,13 @@ def _read_reports(error_dir: str, ranks, what: str) -> Dict[int, Tuple[float, st
     return reports
 
 
-def _failure(processes, error_dir: str, first_rank: int, signum: Optional[int]) -> Exception:
-    """What to raise once every rank is stopped: the first one-line error any rank reported (its
-    peers failing after it are consequences, whenever the launcher noticed them); else, when a stop
-    signal reached the launcher or a rank, StopRequested; else a RankFailedError."""
+def _failure(
+    failed: List[int], processes, error_dir: str, first_rank: int, signum: Optional[int]
+) -> Exception:
+    """What to raise once every rank is stopped (``failed``: the ranks seen failing first): the
+    first one-line error any rank reported (its peers failing after it are consequences, whenever
+    the launcher noticed them); else, when a stop signal reached the launcher or a rank,
+    StopRequested; else a RankFailedError."""
     reports = _read_reports(error_dir, range(len(processes)), ONE_LINE)
     if reports:
         first = json.loads(min(reports.values())[1])
@@ -167,7 +171,7 @@ def _failure(processes, error_dir: str, first_rank: int, signum: Optional[int]) 
     stopped = _stopped_by_signal(processes, signum)
     if stopped is not None:
         return StopRequested(stopped)
-    failed = [i for i, p in enumerate(processes) if p.exitcode not in (None, 0)]
+    failed = failed or [i for i, p in enumerate(processes) if p.exitcode not in (None, 0)]
     return RankFailedError(_failure_report(failed, processes, error_dir, first_rank))
 
 
