@@ -22,10 +22,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torchvision.models.regnet import ResBottleneckBlock, SimpleStemIN
 
 from vistrain.distributed.testing import run_on_ranks
-from vistrain.fsdp import ShardedGradScaler, auto_wrap, by_class
+from vistrain.fsdp import KEEP_FP32, Precision, ShardedGradScaler, auto_wrap, by_class
 
 UNITS = by_class(
-    {ResBottleneckBlock: {}, SimpleStemIN: {}, nn.Linear: {}, nn.BatchNorm2d: {"keep_fp32": True}}
+    {ResBottleneckBlock: {}, SimpleStemIN: {}, nn.Linear: {}, nn.BatchNorm2d: {"precision": KEEP_FP32}}
 )
 STEPS = 6
 
@@ -94,9 +94,7 @@ def worker(rank, world):
             "fsdp",
             rank,
             world,
-            mixed_precision=True,
-            compute_dtype=dtype,
-            fp32_reduce_scatter=True,
+            precision=Precision(dtype, torch.float32),
             amp=dtype,
         )
     ref = runs["ddp"]

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from vistrain.config import load_config
 from vistrain.distributed.sync_batchnorm import convert_sync_batchnorm
 from vistrain.distributed.testing import run_on_ranks
+from vistrain.fsdp import KEEP_FP32
 from vistrain.fsdp import FullyShardedDataParallel as FSDP
 from vistrain.losses import build_loss
 from vistrain.models import build_model
@@ -226,9 +227,9 @@ def _amp_worker(rank, world, method):
     return (
         max(max_rel_diff(losses[:early], ddp_amp_losses[:early]), first_step),
         {d for s in seen for d in s},
-        all(u.keep_fp32 for u in bn_units) and len(bn_units) > 0,
+        all(u.precision == KEEP_FP32 for u in bn_units) and len(bn_units) > 0,
         {state[k].dtype for k in bn_keys},
-        model.units()[1].compute_dtype,
+        model.units()[1].precision.compute_dtype,
     )
 
 

@@ -10,10 +10,13 @@ import pytest
 import yaml
 
 from vistrain.config import ConfigError, explicit_keys, load_config
-from vistrain.runtime import auto_tune, knob_search, memory_plan
-from vistrain.runtime.auto_tune import Budget, choose, planned_settings, tune
-from vistrain.runtime.knob_search import EXACT_KNOBS, RESULT_KNOBS, exact_settings, speed_cost, with_knobs
-from vistrain.runtime.memory_plan import MIB, plan
+from vistrain.planner import auto_tune
+from vistrain.planner import knobs as planner_knobs
+from vistrain.planner import memory as planner_memory
+from vistrain.planner.auto_tune import Budget, choose, planned_settings, tune
+from vistrain.planner.knobs import EXACT_KNOBS, RESULT_KNOBS, exact_settings, speed_cost, with_knobs
+from vistrain.planner.memory import plan
+from vistrain.planner.shape import MIB
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARDED = ["config=test/simclr_tiny", "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True"]
@@ -22,7 +25,7 @@ SHARDED = ["config=test/simclr_tiny", "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=
 @pytest.fixture
 def fixed_baseline(monkeypatch):
     """The choice, not the import baseline (a subprocess), is under test."""
-    monkeypatch.setattr(memory_plan, "import_baseline_mib", lambda: 700.0)
+    monkeypatch.setattr(planner_memory, "import_baseline_mib", lambda: 700.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,7 +146,7 @@ def test_ranks_that_chose_differently_stop_with_one_line():
 def test_the_speed_order_puts_fewer_collectives_and_no_recomputation_first():
     cost = {
         k: speed_cost(dict(wrap_granularity=k[0], reshard_after_forward=k[1]), "cpu")
-        for k in knob_search.STEP_VS_DDP
+        for k in planner_knobs.STEP_VS_DDP
     }
     assert cost[("model", False)] < cost[("stage", False)] < cost[("block", False)] < cost[("block", True)]
     plain = _setting("block", True)

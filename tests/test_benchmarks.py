@@ -240,7 +240,8 @@ def _knn_on_ranks(rank, world_size):
         mine[split] = torch.tensor(order)
     bank, bank_labels = build_bank(train_x[mine["train"]], train_y[mine["train"]], mine["train"])
     t = mine["test"]
-    counts = knn_counts(test_x[t], test_y[t], t, bank, bank_labels, 5, k=4, temperature=0.1, chunk_size=3)
+    hits = knn_topk_hits(test_x[t], test_y[t], bank, bank_labels, 5, k=4, temperature=0.1, chunk_size=3)
+    counts = knn_counts(hits, t)
     return {"counts": counts, "bank": bank, "bank_labels": bank_labels}
 
 
@@ -267,7 +268,7 @@ def _engine_on_ranks(rank, world_size, engine, argv):
 
 def test_extract_features_merged_file_is_the_same_on_any_world_size(tmp_path):
     for world in (1, 2):
-        argv = _tiny(tmp_path / str(world), "config.ENGINE_NAME=extract_features")
+        argv = _tiny(tmp_path / str(world), "config.JOB=extract_features")
         run_on_ranks(_engine_on_ranks, world, extract_features, argv)
     one = torch.load(tmp_path / "1" / "features" / "test.pt", weights_only=True)
     two = torch.load(tmp_path / "2" / "features" / "test.pt", weights_only=True)
@@ -284,7 +285,7 @@ def test_extract_features_merged_file_is_the_same_on_any_world_size(tmp_path):
 def test_knn_engine_counts_every_test_image_once(tmp_path):
     from vistrain.benchmarks import knn
 
-    argv = _tiny(tmp_path, "config.ENGINE_NAME=knn")
+    argv = _tiny(tmp_path, "config.JOB=knn")
     run_on_ranks(_engine_on_ranks, 2, knn, argv)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     for result in metrics["results"].values():

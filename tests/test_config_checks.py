@@ -39,7 +39,7 @@ def _bad_values(tmp_path):
     truncated = tmp_path / "truncated.pt"
     torch.save({"w": torch.zeros(1000)}, truncated)
     truncated.write_bytes(truncated.read_bytes()[:300])
-    knn = ["config.ENGINE_NAME=knn", "config.DATA.TRAIN.DROP_LAST=False"]
+    knn = ["config.JOB=knn", "config.DATA.TRAIN.DROP_LAST=False"]
     return [
         (["config.OPTIMIZER.name=adam"], "OPTIMIZER.name must be one of adamw, lars, sgd; got 'adam'"),
         (["config.MODEL.HEAD.NAME=mlp"], "MODEL.HEAD.NAME must be one of identity, simclr, swav"),

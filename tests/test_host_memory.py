@@ -48,7 +48,7 @@ def test_zero_means_glibc_default():
 # The same retained 20 MiB, then the engine's trim (glibc malloc_trim): the heap pages go back.
 TRIMMED = """
 import torch
-from vistrain.fsdp.heap import release_free_pages
+from vistrain.fsdp.model_state import release_free_pages
 from vistrain.fsdp.memory import current_rss_mib
 first = torch.ones(6 * 2**20); del first
 before = current_rss_mib()
@@ -66,19 +66,29 @@ def test_the_engines_trim_gives_freed_heap_pages_back():
     assert kept > 15 and after_trim < 2, (kept, after_trim)
 
 
+class _CountingLibc:
+    def __init__(self):
+        self.trims = 0
+
+    def malloc_trim(self, pad):
+        self.trims += 1
+
+
 def test_heap_release_trims_once_enough_was_freed(monkeypatch):
-    from vistrain.fsdp import heap
+    from vistrain.fsdp import model_state as heap
 
     heap_release = heap.HeapRelease(enabled=True)
     if heap_release._libc is None:
         pytest.skip("not glibc")
+    libc = _CountingLibc()
+    monkeypatch.setattr(heap_release, "_libc", libc)
     heap_release.freed(heap.TRIM_AFTER_BYTES - 1)
     heap_release.at_unit_boundary()
-    assert heap_release.trims == 0
+    assert libc.trims == 0
     heap_release.freed(1)
     heap_release.at_unit_boundary()
-    assert heap_release.trims == 1 and heap_release.freed_since_trim == 0
+    assert libc.trims == 1 and heap_release.freed_since_trim == 0
     disabled = heap.HeapRelease(enabled=False)
     disabled.freed(10 * heap.TRIM_AFTER_BYTES)
     disabled.at_unit_boundary()
-    assert disabled.trims == 0
+    assert disabled._libc is None

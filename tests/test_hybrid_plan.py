@@ -4,8 +4,8 @@ per step inside its shard group, across groups and across nodes (ring accounting
 import pytest
 
 from vistrain.config import load_config
-from vistrain.runtime.memory_plan import plan
-from vistrain.runtime.traffic_plan import traffic, traffic_bytes
+from vistrain.planner.memory import plan
+from vistrain.planner.traffic import traffic, traffic_bytes
 
 
 def test_traffic_of_full_and_hybrid_sharding_by_hand():

@@ -11,7 +11,7 @@ line saying that nothing fits, with the smallest peak reached. With ``MODEL.FSDP
 on (the shipped recipes) and no ``--budget-mib``, it plans what the run would choose and prints
 its ``auto_tune`` line. A sharded run's plan also gives the
 bytes each rank sends per step inside its shard group, across groups (hybrid sharding,
-``MODEL.FSDP_CONFIG.shard_group_size``) and across nodes. See vistrain/runtime/memory_plan.py.
+``MODEL.FSDP_CONFIG.shard_group_size``) and across nodes. See vistrain/planner/memory.py.
 """
 
 import argparse
@@ -43,15 +43,15 @@ def main(argv) -> int:
 
 
 def _plan(cfg, config_args, args) -> int:
-    from vistrain.runtime.knob_search import overrides, search
-    from vistrain.runtime.memory_plan import plan
-    from vistrain.runtime.traffic_plan import traffic
+    from vistrain.planner.knobs import overrides, search
+    from vistrain.planner.memory import plan
+    from vistrain.planner.traffic import traffic
 
     device = args.device or ("cpu" if cfg.MACHINE.DEVICE == "cpu" else "cuda")
     if args.budget_mib is None:
         tuned = {}
         if cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:  # plan what the run would run
-            from vistrain.runtime.auto_tune import tune_run
+            from vistrain.planner.auto_tune import tune_run
 
             cfg, tuned["auto_tune"] = tune_run(cfg, config_args)
         out = {**tuned, **plan(cfg, device).as_mib()}

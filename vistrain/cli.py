@@ -70,8 +70,8 @@ def _main(argv: Sequence[str]) -> int:
             check_config(cfg, functools.partial(_catalog, cfg))
             from vistrain.jobs import get_job
 
-            job = get_job(cfg.ENGINE_NAME)
-            if cfg.ENGINE_NAME == "train" and cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:
+            job = get_job(cfg.JOB)
+            if cfg.JOB == "train" and cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:
                 say(
                     "planning the memory per rank of each setting of the exact knobs (MODEL.FSDP_CONFIG.AUTO_TUNE)"
                 )
@@ -107,9 +107,9 @@ def say(text: str) -> None:
 
 
 def _auto_tuned(cfg, job, argv):
-    """``cfg`` with the knobs ``vistrain.runtime.auto_tune`` chose, and the job logging the details."""
+    """``cfg`` with the knobs ``vistrain.planner.auto_tune`` chose, and the job logging the details."""
     from vistrain.fsdp.memory import current_rss_mib
-    from vistrain.runtime.auto_tune import summary_line, tune_run
+    from vistrain.planner.auto_tune import summary_line, tune_run
 
     # this process imported what a rank imports (the job's module): its RSS is a rank's baseline
     tuned, details = tune_run(cfg, argv, baseline_mib=current_rss_mib())
@@ -132,7 +132,7 @@ def run(job, cfg) -> int:
 
     say("starting the ranks: each loads torch, builds the model and reads the data")
     try:
-        launch(job, cfg, announce=functools.partial(announce_stop, cfg.CHECKPOINT.DIR, cfg.ENGINE_NAME))
+        launch(job, cfg, announce=functools.partial(announce_stop, cfg.CHECKPOINT.DIR, cfg.JOB))
     except OneLineExit as e:  # bad input, divergence, a stop signal: found by the launcher or a rank
         return _report(e, cfg)
     except RankFailedError as e:
@@ -160,7 +160,7 @@ def _report(error: OneLineExit, cfg) -> int:
     from vistrain.distributed.launch import report_for_job
 
     if isinstance(error, StopRequested):
-        line = stop_line(cfg.CHECKPOINT.DIR, cfg.ENGINE_NAME, str(error))
+        line = stop_line(cfg.CHECKPOINT.DIR, cfg.JOB, str(error))
     else:
         line = error.line()
     report_for_job(line, os.environ, error.agreed)

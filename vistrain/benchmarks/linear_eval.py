@@ -1,4 +1,4 @@
-"""Linear evaluation of a frozen trunk, one rank: ``linear_eval(cfg)`` (``ENGINE_NAME: linear_eval``).
+"""Linear evaluation of a frozen trunk, one rank: ``linear_eval(cfg)`` (``JOB: linear_eval``).
 
 The standard protocol (Goyal et al., "Scaling and Benchmarking Self-Supervised Visual
 Representation Learning", 2019, as in VISSL): the pretrained trunk is frozen and, for every

@@ -126,7 +126,7 @@ def loadable_weights(value: str, catalog: Catalog) -> Problem:
 RUN_FOLDER_KEY = "CHECKPOINT.DIR"
 
 RULES = {
-    "ENGINE_NAME": [one_of("engines")],
+    "JOB": [one_of("jobs")],
     "LOG_FREQUENCY": [at_least(1)],
     "MACHINE.DEVICE": [one_of(DEVICES)],
     "MACHINE.CPU_MMAP_THRESHOLD_MIB": [at_least(0)],
@@ -262,9 +262,9 @@ def get_key(cfg: CfgNode, key: str):
 
 
 def _splits_read(cfg: CfgNode) -> Sequence[str]:
-    if cfg.ENGINE_NAME == "extract_features":
+    if cfg.JOB == "extract_features":
         return list(cfg.BENCHMARK.EXTRACT_SPLITS)
-    return SPLITS_READ.get(cfg.ENGINE_NAME, ())
+    return SPLITS_READ.get(cfg.JOB, ())
 
 
 def _data_sources(cfg: CfgNode, catalog: Catalog) -> Problem:
@@ -310,7 +310,7 @@ def _trunk_features(cfg: CfgNode, catalog: Catalog) -> Problem:
         valid = list(catalog.trunk_features(cfg.MODEL.TRUNK))
     except ValueError as error:  # e.g. a custom RegNet with impossible design parameters
         return str(error).splitlines()[0]
-    benchmark = cfg.ENGINE_NAME in ("linear_eval", "knn", "extract_features")
+    benchmark = cfg.JOB in ("linear_eval", "knn", "extract_features")
     for key in ("MODEL.TRUNK.OUT_FEATURES", "BENCHMARK.FEATURES")[: 2 if benchmark else 1]:
         problem = each_one_of(valid)(get_key(cfg, key), catalog)
         if problem:
@@ -321,7 +321,7 @@ def _trunk_features(cfg: CfgNode, catalog: Catalog) -> Problem:
 def _head_fits_trunk(cfg: CfgNode, catalog: Catalog) -> Problem:
     """Training builds MODEL as configured (benchmarks swap the head for an identity): the head's
     input width must be the trunk's, found by building the model on the meta device."""
-    return catalog.model_problem(cfg.MODEL) if cfg.ENGINE_NAME == "train" else None
+    return catalog.model_problem(cfg.MODEL) if cfg.JOB == "train" else None
 
 
 def _one_global_batch(cfg: CfgNode, catalog: Catalog) -> Problem:
@@ -356,14 +356,14 @@ def _float16_needs_cuda(cfg: CfgNode, catalog: Catalog) -> Problem:
 
 def _warmup_within_training(cfg: CfgNode, _: Catalog) -> Problem:
     warmup, epochs = cfg.OPTIMIZER.param_schedulers.lr.warmup_epochs, cfg.OPTIMIZER.num_epochs
-    if warmup >= epochs and cfg.ENGINE_NAME in ("train", "linear_eval"):
+    if warmup >= epochs and cfg.JOB in ("train", "linear_eval"):
         return f"OPTIMIZER.param_schedulers.lr.warmup_epochs ({warmup}) must be below num_epochs ({epochs})"
     return None
 
 
 def _feature_banks_complete(cfg: CfgNode, _: Catalog) -> Problem:
     """kNN and feature extraction need every image: a dropped last batch would lose some."""
-    if cfg.ENGINE_NAME not in ("knn", "extract_features"):
+    if cfg.JOB not in ("knn", "extract_features"):
         return None
     for split in _splits_read(cfg):
         if cfg.DATA[split].DROP_LAST:
@@ -374,7 +374,7 @@ def _feature_banks_complete(cfg: CfgNode, _: Catalog) -> Problem:
 def _one_view_for_linear_eval(cfg: CfgNode, _: Catalog) -> Problem:
     """Linear evaluation trains on one view per image; extra crops would only cost time."""
     transforms = cfg.DATA.TRAIN.TRANSFORMS
-    if cfg.ENGINE_NAME != "linear_eval" or transforms.NAME != "multicrop" or sum(transforms.NUM_CROPS) == 1:
+    if cfg.JOB != "linear_eval" or transforms.NAME != "multicrop" or sum(transforms.NUM_CROPS) == 1:
         return None
     return (
         f"linear evaluation uses one view per image, but DATA.TRAIN.TRANSFORMS.NUM_CROPS is "
@@ -387,7 +387,7 @@ def _step_in_backward_is_exact(cfg: CfgNode, _: Catalog) -> Problem:
     """The step inside backward follows the built-in engine's reductions, and cannot wait for
     what needs every gradient first (the global norm, fp16 overflow checks)."""
     opt, fsdp, amp = cfg.OPTIMIZER, cfg.MODEL.FSDP_CONFIG, cfg.MODEL.AMP_PARAMS
-    if not opt.step_in_backward or cfg.ENGINE_NAME != "train":
+    if not opt.step_in_backward or cfg.JOB != "train":
         return None
     if not fsdp.AUTO_SETUP_FSDP or fsdp.BACKEND != "builtin":
         return (

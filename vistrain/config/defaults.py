@@ -10,7 +10,7 @@ _C = CN()
 # Version of this key layout. Saved config.yaml files carry it; reading one written by another
 # version is refused (keys may have changed meaning). Bump it when a key is renamed or re-meant.
 _C.VERSION = 1
-_C.ENGINE_NAME = "train"  # what a run does: train | linear_eval | knn | extract_features
+_C.JOB = "train"  # what a run does: train | linear_eval | knn | extract_features
 _C.SEED_VALUE = 0  # seeds model init, data order and augmentations (offset by rank where needed)
 _C.LOG_FREQUENCY = 10  # rank-0 log line every this many iterations
 
@@ -22,7 +22,7 @@ _C.MACHINE.DEVICE = "auto"  # auto (cuda when available) | cpu | cuda
 _C.MACHINE.CPU_MMAP_THRESHOLD_MIB = 0.0
 # Memory per rank the auto-tuner (MODEL.FSDP_CONFIG.AUTO_TUNE) plans for, in MiB. 0: what the machine
 # has: on CPU the memory available at start shared by this node's ranks, on CUDA the device's
-# memory, each less a margin (vistrain/runtime/auto_tune.py)
+# memory, each less a margin (vistrain/planner/auto_tune.py)
 _C.MACHINE.MEMORY_BUDGET_MIB = 0.0
 
 # ---------------------------------------------------------------------------------------------

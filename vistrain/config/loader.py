@@ -353,7 +353,13 @@ def _where(where: str) -> str:
     return "" if where == "command line" else f"{where}: "
 
 
+# keys VISSL users know under another name
+RENAMED_KEYS = {"ENGINE_NAME": "JOB"}
+
+
 def _unknown_key_message(key: str, value: Any = None) -> str:
+    if key in RENAMED_KEYS:
+        return f"config key {key} is called {RENAMED_KEYS[key]} here (what a run does); set {RENAMED_KEYS[key]}={value}"
     while isinstance(value, dict) and value:  # name a full leaf path: "MODEL.HAED.NAME", not "MODEL.HAED"
         sub, value = next(iter(value.items()))
         key = f"{key}.{sub}"

@@ -1,55 +1,21 @@
-"""Gradient reductions of one wrapped model: their process groups and the ones in flight.
+"""Gradient reductions of one wrapped model: the ones in flight, deferred, and finished.
 
-Collectives of one process group run in issue order, so a backward prefetch (all-gather) issued
-after a gradient reduction would wait for it. Reductions therefore run on a second group over
-the same ranks (their own gloo threads, or their own NCCL communicator and stream), and overlap.
-
-``new_group`` must be called by every rank of the world, in the same order, for every group,
-members or not. Ranks that shard over different groups (a group per node, or the subgroups of
-the engine-state tests) each know only their own, so :func:`create_reduction_groups` first
-all-gathers every rank's list over the world and then creates every group in one sorted order.
-Hybrid sharding's replica groups get their second group the same way.
-
-With replica groups a reduction has two stages, each on its own group, each overlapping the next
-unit's backward: the reduce-scatter inside the shard group, then the all-reduce of the shard over
-the replica group. A handle's ``shard.grad`` is final (``on_shard_grad_ready``) only after both.
+Reductions run on reduction groups of their own (``collectives.create_reduction_groups``), so
+they overlap the gathers and the next unit's backward. With replica groups a reduction has two
+stages, each on its own group, each overlapping the next unit's backward: the reduce-scatter
+inside the shard group, then the all-reduce of the shard over the replica group. A handle's
+``shard.grad`` is final (``on_shard_grad_ready``) only after both.
 """
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from vistrain.fsdp.collectives import Ranks, group_ranks, wait_within
 from vistrain.fsdp.flat_param import FlatParamHandle
-from vistrain.fsdp.heap import HeapRelease
-from vistrain.fsdp.timeouts import wait_within
-
-Ranks = Tuple[int, ...]
-
-
-def group_ranks(group) -> Ranks:
-    return tuple(dist.get_process_group_ranks(group))
-
-
-def create_reduction_groups(groups: Sequence) -> Dict[Ranks, object]:
-    """A reduction group for each of ``groups`` (this rank's units' groups), keyed by ranks.
-
-    Collective over the whole world: every rank calls it once per wrapped model, at the root's
-    first forward. Groups of one rank need no second group and get their own.
-    """
-    mine = sorted({group_ranks(g) for g in groups})
-    everyone = [mine]
-    if dist.get_world_size() > 1:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-    created = {}
-    for ranks in sorted({tuple(r) for lists in everyone for r in lists}):
-        if len(ranks) > 1:
-            created[ranks] = dist.new_group(list(ranks))  # every rank, members or not
-    by_ranks = {group_ranks(g): g for g in groups}
-    return {ranks: created.get(ranks, group) for ranks, group in by_ranks.items()}
 
 
 @dataclass
@@ -67,9 +33,9 @@ class PendingReduction:
 class ReductionQueue:
     """The model's gradient reductions: in flight, deferred to the end of backward, finished."""
 
-    def __init__(self, reduction_groups: Dict[Ranks, object], heap: HeapRelease):
+    def __init__(self, reduction_groups: Dict[Ranks, object], on_freed: Callable[[int], None]):
         self.reduction_groups = reduction_groups
-        self.heap = heap  # told of the full gradients freed
+        self.on_freed = on_freed  # told the bytes of each full gradient dropped (the heap release)
         # called with each handle whose shard gradient is final for this backward (the optimizer
         # step in backward); None: gradients wait in ``shard.grad`` for ``optimizer.step()``
         self.on_shard_grad_ready: Optional[Callable[[FlatParamHandle], None]] = None
@@ -84,7 +50,7 @@ class ReductionQueue:
         # (gloo reduces the full vector in place: its buffer lives until the reduce-scatter is
         # waited); a cross-replica all-reduce holds only a shard.
         self._advance()
-        group = self.reduction_groups[group_ranks(handle.group)]
+        group = self.reduction_groups[group_ranks(handle.groups.shard)]
         work, reduced, source = handle.start_reduce_scatter(grad, group)
         self.pending.append(PendingReduction(handle, work, reduced, source))
 
@@ -106,12 +72,12 @@ class ReductionQueue:
         pending, self.pending = self.pending, []
         for reduction in pending:
             self._wait(reduction, _reduction_description)
-            self.heap.freed(reduction.source.untyped_storage().nbytes())  # the full gradient, now dropped
+            self.on_freed(reduction.source.untyped_storage().nbytes())  # the full gradient, now dropped
             handle = reduction.handle
-            if handle.replica_group is None:
+            if handle.groups.replica is None:
                 self._finish(reduction)
                 continue
-            group = self.reduction_groups[group_ranks(handle.replica_group)]
+            group = self.reduction_groups[group_ranks(handle.groups.replica)]
             work, shard = handle.start_replica_all_reduce(reduction.reduced, group)
             self.across.append(PendingReduction(handle, work, shard, shard))
 

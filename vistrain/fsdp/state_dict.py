@@ -1,4 +1,4 @@
-"""Full (consolidated) and local (per-rank shard) state dicts of a sharded model.
+"""Full (consolidated) state dicts of a sharded model, and the full parameters on demand.
 
 The full state dict has exactly the keys and shapes of the unwrapped module, so it loads into
 the plain model (and back). Building it is collective: every rank gathers every unit.
@@ -10,8 +10,8 @@ from typing import List, NamedTuple
 
 import torch
 
-from vistrain.fsdp.names import clean_name, is_shard_key
-from vistrain.fsdp.phases import Phase
+from vistrain.fsdp.ownership import clean_name, is_shard_key
+from vistrain.fsdp.unit import Phase
 
 
 class IncompatibleKeys(NamedTuple):
@@ -67,14 +67,3 @@ def load_full_state_dict(fsdp, state_dict, strict: bool, module_state_dict):
                     )
                 target.copy_(value)
     return IncompatibleKeys(missing, unexpected)
-
-
-@contextlib.contextmanager
-def local_mode(fsdp):
-    """Within the block, state_dict()/load_state_dict() of every unit deal in local shards."""
-    if fsdp.model_state is not None:
-        fsdp.model_state.recover_if_interrupted()
-    with contextlib.ExitStack() as stack:
-        for unit in fsdp.units():
-            stack.enter_context(unit.unit_state.local())
-        yield

@@ -5,7 +5,7 @@ every batch: forward under autocast -> loss -> backward (accumulating over ``upd
 micro-batches without gradient sync) -> clip -> step -> log -> checkpoint. Method state (SwAV
 queue, prototype freezing and normalisation) lives on the criterion and is called explicitly.
 With ``OPTIMIZER.step_in_backward`` the sharded engine runs the step inside the last micro-batch's
-backward, shard by shard (``vistrain.fsdp.optim_in_backward``); the loop then only tells it which
+backward, shard by shard (``vistrain.fsdp.grads``); the loop then only tells it which
 parameters are frozen this step.
 
 Iterations are counted per data batch; ``iteration`` in logs, metrics and checkpoint names is the
@@ -44,8 +44,8 @@ from vistrain.fsdp import (
 from vistrain.losses import build_loss
 from vistrain.models import build_model
 from vistrain.optim import build_lr_schedule, build_optimizer, param_group_key, set_lr
+from vistrain.planner.auto_tune import check_same_knobs, exact_knobs_of
 from vistrain.runtime import precision
-from vistrain.runtime.auto_tune import check_same_knobs, exact_knobs_of
 from vistrain.runtime.logger import (
     LOG_FILE_ONLY,
     NonFiniteLossError,
@@ -71,17 +71,53 @@ class StepSettings:
     in_backward: Optional[OptimizerInBackward]  # the step runs inside backward (sharded engine)
 
 
+@dataclasses.dataclass
+class _Run:
+    """What a training run builds before its loop."""
+
+    loader: object
+    model: nn.Module
+    criterion: nn.Module
+    optimizer: torch.optim.Optimizer
+    lr_schedule: object
+    settings: StepSettings
+    layout: EpochLayout
+    num_epochs: int
+
+    @property
+    def total_iterations(self) -> int:
+        return self.num_epochs * self.layout.iters_per_epoch
+
+
 def train(cfg, notes: Sequence[str] = ()) -> None:
     """Pre-train ``cfg.MODEL`` with ``cfg.LOSS`` on ``cfg.DATA.TRAIN``; call on every rank (see
     launch). ``notes``: lines rank 0 writes first to log.txt (what the auto-tuner chose, in detail)."""
-    run_dir = cfg.CHECKPOINT.DIR
     device = start_run(cfg)
     for note in notes:
         logger.info(note, extra=LOG_FILE_ONLY)  # the console had the launcher's short line
     if cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:  # nodes that planned for different budgets would disagree
         check_same_knobs(comm.all_gather_object(exact_knobs_of(cfg)))
+    run = _build(cfg, device)
+    iteration, resumed_from = 0, 0
+    if cfg.CHECKPOINT.AUTO_RESUME:
+        iteration, resumed_from = _resume(cfg.CHECKPOINT.DIR, run)
+    iters_per_epoch = run.layout.iters_per_epoch
+    if iteration >= run.total_iterations:
+        logger.info(
+            f"nothing to do: {cfg.CHECKPOINT.DIR} already holds {plural(iteration / iters_per_epoch, 'epoch')} "
+            f"of the {run.num_epochs} asked for (raise OPTIMIZER.num_epochs to train on)"
+        )
+        return
+    record_config(cfg, trained_until=resumed_from)
+    logger.info(
+        f"training {plural(run.num_epochs, 'epoch')} x {plural(iters_per_epoch, 'iteration')} on "
+        f"{plural(comm.get_world_size(), 'rank')} ({device.type}), from iteration {iteration}"
+    )
+    _train_epochs(cfg, run, iteration)
 
-    # ---- build
+
+def _build(cfg, device: torch.device) -> _Run:
+    """Data, model (sharded or DDP), loss, optimizer, schedule and step settings of ``cfg``."""
     loader = build_loader(cfg.DATA, "TRAIN", seed=cfg.SEED_VALUE, device=device)
     iters_per_epoch = len(loader)
     if iters_per_epoch == 0:
@@ -91,49 +127,34 @@ def train(cfg, notes: Sequence[str] = ()) -> None:
     if cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE:
         load_pretrained(model, cfg.MODEL.WEIGHTS_INIT)  # before sharding (deferred when on meta)
     model = parallelize(model, cfg.MODEL, device, group_key)
-    criterion = build_loss(cfg.LOSS).to(device)
     optimizer = build_optimizer(cfg.OPTIMIZER, model)
-    lr_schedule = build_lr_schedule(cfg.OPTIMIZER, iters_per_epoch)
     settings = _step_settings(cfg, model, optimizer, device)
-    layout = EpochLayout(
-        iters_per_epoch,
-        cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA * comm.get_world_size(),
-        len(loader.dataset),
-        settings.update_freq,
-    )
-    num_epochs = cfg.OPTIMIZER.num_epochs
-    total_iterations = num_epochs * iters_per_epoch
+    global_batch = cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA * comm.get_world_size()
+    layout = EpochLayout(iters_per_epoch, global_batch, len(loader.dataset), settings.update_freq)
+    return _Run(
+        loader, model, build_loss(cfg.LOSS).to(device), optimizer,
+        build_lr_schedule(cfg.OPTIMIZER, iters_per_epoch), settings, layout, cfg.OPTIMIZER.num_epochs,
+    )  # fmt: skip
 
-    # ---- resume
-    iteration, resumed_from = 0, 0
-    if cfg.CHECKPOINT.AUTO_RESUME:
-        iteration, resumed_from = _resume(run_dir, model, optimizer, criterion, settings.scaler, layout)
-    if iteration >= total_iterations:
-        logger.info(
-            f"nothing to do: {run_dir} already holds {plural(iteration / iters_per_epoch, 'epoch')} of the "
-            f"{num_epochs} asked for (raise OPTIMIZER.num_epochs to train on)"
-        )
-        return
-    record_config(cfg, trained_until=resumed_from)
-    logger.info(
-        f"training {plural(num_epochs, 'epoch')} x {plural(iters_per_epoch, 'iteration')} on "
-        f"{plural(comm.get_world_size(), 'rank')} "
-        f"({device.type}), from iteration {iteration}"
-    )
 
-    # ---- loop
-    meter = TrainingMeter(run_dir, cfg.LOG_FREQUENCY, total_iterations, device)
-    stop = BoundaryStop(cfg, total_iterations)  # SIGTERM / SIGUSR1: stop and save at a boundary
+def _train_epochs(cfg, run: _Run, iteration: int) -> None:
+    """The loop, from ``iteration`` to the last epoch: per batch set the lr, forward and backward
+    (accumulating), step at the end of each accumulation group, log, checkpoint."""
+    model, criterion, optimizer, settings = run.model, run.criterion, run.optimizer, run.settings
+    iters_per_epoch = run.layout.iters_per_epoch
+    meter = TrainingMeter(cfg.CHECKPOINT.DIR, cfg.LOG_FREQUENCY, run.total_iterations, settings.device)
+    stop = BoundaryStop(cfg, run.total_iterations)  # SIGTERM / SIGUSR1: stop and save at a boundary
     saved_at = iteration
     start_epoch, skip = divmod(iteration, iters_per_epoch)
-    for epoch in range(start_epoch, num_epochs):
-        set_epoch(loader, epoch, start_iteration=skip if epoch == start_epoch else 0)
+    for epoch in range(start_epoch, run.num_epochs):
+        set_epoch(run.loader, epoch, start_iteration=skip if epoch == start_epoch else 0)
         criterion.set_epoch(epoch)
-        for batch in loader:
-            lr = lr_schedule(iteration)
+        for batch in run.loader:
+            lr = run.lr_schedule(iteration)
             set_lr(optimizer, lr)
-            in_epoch = iteration - epoch * iters_per_epoch
-            group = _accumulation_group(in_epoch, iters_per_epoch, settings.update_freq)
+            group = _accumulation_group(
+                iteration - epoch * iters_per_epoch, iters_per_epoch, settings.update_freq
+            )
             if settings.in_backward is not None and group.is_last:
                 settings.in_backward.freeze(criterion.frozen_params(model, iteration))
             loss = _forward_backward(model, criterion, batch, settings, group)
@@ -142,15 +163,16 @@ def train(cfg, notes: Sequence[str] = ()) -> None:
                 _optimizer_step(model, criterion, optimizer, settings, iteration)
             iteration += 1
             if meter.should_log(iteration):
-                meter.log(iteration, epoch, num_epochs, lr)
+                meter.log(iteration, epoch, run.num_epochs, lr)
             if group.is_last and _crossed(saved_at, iteration, cfg.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY):
-                saved_at = _checkpoint(cfg, meter, model, optimizer, criterion, settings, iteration, layout)
+                saved_at = _checkpoint(cfg, meter, run, iteration)
             if group.is_last and stop.requested():
-                save = (cfg, meter, model, optimizer, criterion, settings, iteration, layout)
-                stop.save_and_stop(iteration, saved_at, functools.partial(_checkpoint, *save))
-        last_epoch = epoch + 1 == num_epochs
+                stop.save_and_stop(
+                    iteration, saved_at, functools.partial(_checkpoint, cfg, meter, run, iteration)
+                )
+        last_epoch = epoch + 1 == run.num_epochs
         if saved_at != iteration and (last_epoch or _every(epoch + 1, cfg.CHECKPOINT.CHECKPOINT_FREQUENCY)):
-            saved_at = _checkpoint(cfg, meter, model, optimizer, criterion, settings, iteration, layout)
+            saved_at = _checkpoint(cfg, meter, run, iteration)
     meter.summary()
 
 
@@ -246,18 +268,17 @@ def _crossed(saved_at: int, iteration: int, frequency: int) -> bool:
     return frequency > 0 and iteration // frequency > saved_at // frequency
 
 
-def _checkpoint(
-    cfg, meter, model, optimizer, criterion, s: StepSettings, iteration: int, layout: EpochLayout
-) -> int:
+def _checkpoint(cfg, meter, run: _Run, iteration: int) -> int:
     """Save ``checkpoint_<iteration>`` (collective); returns ``iteration``."""
+    layout, scaler = run.layout, run.settings.scaler
     epoch, in_epoch = divmod(iteration, layout.iters_per_epoch)
     # never save a run that diverged: the loss window, and the weights (a step can make them NaN
     # before any loss shows it)
     meter.check_finite(iteration, epoch)
-    _check_finite_weights(model, iteration, cfg.CHECKPOINT.DIR)
-    extra = {"loss": criterion.state_dict()}  # per rank: the SwAV queue differs between ranks
-    if s.scaler is not None:
-        extra["grad_scaler"] = s.scaler.state_dict()
+    _check_finite_weights(run.model, iteration, cfg.CHECKPOINT.DIR)
+    extra = {"loss": run.criterion.state_dict()}  # per rank: the SwAV queue differs between ranks
+    if scaler is not None:
+        extra["grad_scaler"] = scaler.state_dict()
     meta = {
         "epoch": epoch,
         "iteration_in_epoch": in_epoch,
@@ -266,7 +287,13 @@ def _checkpoint(
         "config": cfg.dump(),
     }
     path = save_sharded_checkpoint(
-        cfg.CHECKPOINT.DIR, iteration, model, optimizer, extra, meta, keep_last=cfg.CHECKPOINT.KEEP_LAST
+        cfg.CHECKPOINT.DIR,
+        iteration,
+        run.model,
+        run.optimizer,
+        extra,
+        meta,
+        keep_last=cfg.CHECKPOINT.KEEP_LAST,
     )
     logger.info(f"saved {path}")
     return iteration
@@ -285,7 +312,7 @@ def _check_finite_weights(model: nn.Module, iteration: int, run_dir: str) -> Non
         )
 
 
-def _resume(run_dir: str, model, optimizer, criterion, scaler, layout: EpochLayout) -> Tuple[int, int]:
+def _resume(run_dir: str, run: _Run) -> Tuple[int, int]:
     """Load the most advanced complete checkpoint of ``run_dir`` (saved on any world size).
 
     Returns (the iteration to continue from, the resumed checkpoint's own iteration); (0, 0) when
@@ -295,19 +322,19 @@ def _resume(run_dir: str, model, optimizer, criterion, scaler, layout: EpochLayo
     path = comm.all_gather_object(_pick_checkpoint(run_dir) if comm.is_main_process() else None)[0]
     if path is None:
         return 0, 0
-    state = load_sharded_checkpoint(path, model, optimizer)
+    state = load_sharded_checkpoint(path, run.model, run.optimizer)
     meta, extra = state["metadata"], state["extra"]
-    iteration = resume_iteration(meta, layout, path)
+    iteration = resume_iteration(meta, run.layout, path)
     if state["same_world_size"]:  # per-rank state: rank r continues rank r's RNG streams and queue
-        criterion.load_state_dict(extra["loss"])
+        run.criterion.load_state_dict(extra["loss"])
         restore_rng(state["rng"])
     else:
         logger.info(
             f"{path} was saved by {plural(meta['world_size'], 'rank')}: per-rank loss state "
             "(e.g. the SwAV queue) and RNG streams start afresh"
         )
-    if scaler is not None and "grad_scaler" in extra:
-        scaler.load_state_dict(extra["grad_scaler"])
+    if run.settings.scaler is not None and "grad_scaler" in extra:
+        run.settings.scaler.load_state_dict(extra["grad_scaler"])
     logger.info(f"resumed from {path} at iteration {iteration}")
     return iteration, meta["iteration"]
 

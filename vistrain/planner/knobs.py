@@ -21,7 +21,8 @@ import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from vistrain.config.checks import get_key
-from vistrain.runtime.memory_plan import MIB, MemoryPlan, plan
+from vistrain.planner.memory import MemoryPlan, plan
+from vistrain.planner.shape import MIB, ModelShapes
 
 # knob -> config key. Exact: the tuner may set these.
 EXACT_KNOBS = {
@@ -40,6 +41,7 @@ RESULT_KNOBS = {
     "batch_per_replica": "DATA.TRAIN.BATCHSIZE_PER_REPLICA",
     "ranks": "DISTRIBUTED.NUM_PROC_PER_NODE",
 }
+KNOB_KEYS = {**EXACT_KNOBS, **RESULT_KNOBS}
 
 # Measured (dev/bench_fsdp.py, first run of 2026-12-01; docs/memory.md): step time over DDP's per
 # (wrap granularity, reshard_after_forward). "model" keeps the root gathered, so ZeRO-3 there
@@ -115,7 +117,7 @@ def step_in_backward_allowed(cfg) -> bool:
 
 def current_knobs(cfg, names: Sequence[str]) -> Dict[str, object]:
     """The values ``cfg`` holds for the knobs ``names``."""
-    return {name: get_key(cfg, EXACT_KNOBS.get(name) or RESULT_KNOBS[name]) for name in names}
+    return {name: get_key(cfg, KNOB_KEYS[name]) for name in names}
 
 
 def exact_settings(cfg, device: str, fixed: Sequence[str] = ()) -> List[Dict[str, object]]:
@@ -137,14 +139,16 @@ def exact_settings(cfg, device: str, fixed: Sequence[str] = ()) -> List[Dict[str
 
 
 def with_knobs(cfg, knobs: Dict[str, object]):
-    """A copy of ``cfg`` (frozen like it) with the knobs set; ``ranks`` sets NUM_PROC_PER_NODE."""
+    """A copy of ``cfg`` (frozen like it) with the knobs set, in order; ``ranks`` sets
+    NUM_PROC_PER_NODE over the NUM_NODES set by then; a name that is not a knob is a dotted
+    config key (``DISTRIBUTED.NUM_NODES``, ``MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP``)."""
     out = copy.deepcopy(cfg)
     out.defrost()
     for name, value in knobs.items():
         if name == "ranks":
             out.DISTRIBUTED.NUM_PROC_PER_NODE = math.ceil(value / out.DISTRIBUTED.NUM_NODES)
-        elif name in EXACT_KNOBS or name in RESULT_KNOBS:
-            set_key(out, EXACT_KNOBS.get(name) or RESULT_KNOBS[name], value)
+        else:
+            set_key(out, KNOB_KEYS.get(name, name), value)
     out.freeze()
     return out
 
@@ -179,14 +183,14 @@ def search(
         sharded.OPTIMIZER.step_in_backward = step_in_backward
     sharded.freeze()
     fixed = ("step_in_backward",) if step_in_backward is not None else ()
-    smallest, cache = None, {}
+    smallest, shapes = None, ModelShapes(cfg.MODEL)
     for r, b in itertools.product(ranks, batches):
         settings = [
             {**knobs, "mixed_precision": mixed, "batch_per_replica": b, "ranks": r}
             for mixed in (False, True)
             for knobs in exact_settings(sharded, device, fixed)
         ]
-        plans = [plan(with_knobs(sharded, knobs), device, cache) for knobs in settings]
+        plans = [plan(with_knobs(sharded, knobs), device, shapes) for knobs in settings]
         by_setting = {tuple(knobs.items()): p for knobs, p in zip(settings, plans)}
         for knobs, peak in ranked(settings, [p.peak for p in plans], device):
             if smallest is None or peak < smallest[1].peak:
@@ -202,8 +206,8 @@ def overrides(knobs: Dict[str, object], nodes: int = 1) -> List[str]:
     for name, value in knobs.items():
         if name == "ranks":
             out.append(f"config.DISTRIBUTED.NUM_PROC_PER_NODE={math.ceil(value / nodes)}")
-        elif name in EXACT_KNOBS or name in RESULT_KNOBS:
-            out.append(f"config.{EXACT_KNOBS.get(name) or RESULT_KNOBS[name]}={value}")
+        elif name in KNOB_KEYS:
+            out.append(f"config.{KNOB_KEYS[name]}={value}")
     return out
 
 

@@ -21,29 +21,22 @@ ceil(n / W) elements, p = fp32 master bytes 4, c = compute bytes: 2 under mixed 
                     and allocator; CUDA: 0 (the CUDA context is not allocated memory)
 
 On CPU the plan is for glibc's default allocator: the engine gives freed heap pages back at unit
-boundaries (``vistrain/fsdp/heap.py``) and ``GRADIENT_COPIES`` holds what glibc keeps until the
+boundaries (``vistrain/fsdp/model_state.py``) and ``GRADIENT_COPIES`` holds what glibc keeps until the
 next trim. The measurements the terms were fitted to and checked against: docs/memory.md.
 
 ``move_params_to_cpu`` on CUDA moves params, grads and optimizer state out of GPU memory.
-Which knobs fit a budget and which of them is fastest: ``knob_search.py`` and ``auto_tune.py``.
+Which knobs fit a budget and which of them is fastest: ``knobs.py`` and ``auto_tune.py``.
 """
 
 import functools
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
-
-import torch
-from torch import nn
-from torchvision.models.regnet import AnyStage, ResBottleneckBlock
+from typing import Dict, Optional, Sequence, Tuple
 
 from vistrain.fsdp.flat_param import shard_size
-from vistrain.models import build_meta_model
-from vistrain.runtime.sharding import wrap_policy
-from vistrain.torch_compat import storage_id
+from vistrain.planner.shape import MIB, ModelShapes, RunShape, meta_crops, run_shape, shapes_for
 
-MIB = 2**20
 # gloo threads and buffers, data loader, glibc arenas: what the quick start's peak RSS holds beyond
 # the import baseline and its model terms (docs/memory.md)
 CPU_ALLOWANCE_MIB = 75
@@ -74,28 +67,6 @@ class MemoryPlan:
         out = {"peak_mib_per_rank": round(self.peak / MIB, 1)}
         out["breakdown_mib"] = {k: round(v / MIB, 1) for k, v in asdict(self).items()}
         return out
-
-
-def unit_sizes(model: nn.Module, is_unit: Callable[[nn.Module], bool]) -> List[int]:
-    """Elements of each sharded unit, in module (execution) order, nested units before the
-    unit holding them; the root last.
-
-    Mirrors ``auto_wrap``: every module ``is_unit`` selects holds its parameters not inside a
-    nested unit; the root holds the rest.
-    """
-    sizes: List[int] = []
-
-    def owned(module: nn.Module) -> int:
-        total = sum(p.numel() for p in module.parameters(recurse=False))
-        for child in module.children():
-            if is_unit(child):
-                sizes.append(owned(child))
-            else:
-                total += owned(child)
-        return total
-
-    sizes.append(owned(model))
-    return sizes
 
 
 def sharded_state_bytes(
@@ -155,108 +126,71 @@ def checkpointed_activations(total: int, per_module: Sequence[int], inputs: Sequ
     return total - sum(per_module) + sum(inputs) + max(per_module)
 
 
-def measure_activations(model: nn.Module, crops: List[torch.Tensor], granularity: Optional[str]):
-    """(total saved bytes, [saved bytes per checkpoint module], [input bytes per module]) of one
-    forward on the meta device: autograd's saved tensors, each storage once, weights excluded."""
-    weights = {storage_id(p) for p in model.parameters()}
-    seen, counter = set(), [0]
+def plan(cfg, device: str = "cpu", shapes: Optional[ModelShapes] = None) -> MemoryPlan:
+    """Peak memory per rank of a training run of ``cfg`` on ``device`` ("cpu" or "cuda"): the
+    larger of the worst moment of backward and (the ordinary step) the moment after it.
 
-    def pack(t):
-        key = storage_id(t)
-        if key not in weights and key not in seen:
-            seen.add(key)
-            counter[0] += t.untyped_storage().nbytes()
-        return t
-
-    targets = {"block": ResBottleneckBlock, "stage": AnyStage}.get(granularity or "", ())
-    per_module, inputs, started_at = [], [], {}
-
-    def pre(module, args):
-        started_at[id(module)] = counter[0]
-        inputs.append(sum(a.untyped_storage().nbytes() for a in args if isinstance(a, torch.Tensor)))
-
-    def post(module, args, output):
-        per_module.append(counter[0] - started_at[id(module)])
-
-    handles = []
-    for m in model.modules():
-        if targets and isinstance(m, targets):
-            handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(crops)
-    for h in handles:
-        h.remove()
-    return counter[0], per_module, inputs
-
-
-def _meta_crops(data_cfg, batch: int) -> List[torch.Tensor]:
-    transforms = data_cfg.TRANSFORMS
-    return [
-        torch.empty(batch, 3, size, size, device="meta")
-        for count, size in zip(transforms.NUM_CROPS, transforms.SIZE_CROPS)
-        for _ in range(count)
-    ]
-
-
-def plan(cfg, device: str = "cpu", cache: Optional[dict] = None) -> MemoryPlan:
-    """Peak memory per rank of a training run of ``cfg`` on ``device`` ("cpu" or "cuda").
-
-    ``cache`` (a dict) shares the meta model and activation measurements between plans of
-    the same model (the knob search); ``cache["baseline_mib"]``, when set, is the import baseline
-    (the launcher's own RSS: it imported what a rank imports), else it is measured."""
-    cache = {} if cache is None else cache
-    model_cfg, fsdp = cfg.MODEL, cfg.MODEL.FSDP_CONFIG
-    world = cfg.DISTRIBUTED.NUM_NODES * cfg.DISTRIBUTED.NUM_PROC_PER_NODE
-    sharded = bool(fsdp.AUTO_SETUP_FSDP)
-    low = bool(sharded and fsdp.mixed_precision or model_cfg.AMP_PARAMS.USE_AMP)
-    if "model" not in cache:
-        cache["model"] = build_meta_model(model_cfg)
-    model = cache["model"]
-    sizes_key = ("sizes", sharded, low, fsdp.wrap_granularity)
-    if sharded and sizes_key not in cache:
-        policy = wrap_policy(low, fsdp.wrap_granularity)
-        cache[sizes_key] = unit_sizes(model, lambda m: policy(m) is not None)
-    sizes = cache[sizes_key] if sharded else [sum(p.numel() for p in model.parameters())]
-    momentum = cfg.OPTIMIZER.momentum > 0 or cfg.OPTIMIZER.name == "adamw"
-    states = OPTIMIZER_STATES.get(cfg.OPTIMIZER.name, 1) if momentum else 0
-    shard_ranks = fsdp.shard_group_size or world  # hybrid sharding: shards over a group of k ranks
-    state = sharded_state_bytes(sizes, shard_ranks, states, sharded)
+    ``shapes`` shares the meta model and its measurements between plans of one model (a search).
+    """
+    shapes = shapes_for(cfg, shapes)
+    shape = run_shape(cfg, shapes)
+    states = optimizer_states(cfg.OPTIMIZER)
+    state = sharded_state_bytes(shape.unit_sizes, shape.groups.shard_ranks, states, shape.sharded)
     all_grads = state["grads"]
-    if device == "cuda" and sharded and fsdp.move_params_to_cpu:
+    if device == "cuda" and shape.sharded and cfg.MODEL.FSDP_CONFIG.move_params_to_cpu:
         state = dict.fromkeys(state, 0)
-    compute = 2 if sharded and fsdp.mixed_precision else 4
-    reduce = 4 if not (sharded and fsdp.mixed_precision) or fsdp.fp32_reduce_scatter else 2
     gathered = 0
-    if sharded:
-        in_backward = bool(cfg.OPTIMIZER.step_in_backward)
-        mmapped = device == "cpu" and cfg.MACHINE.CPU_MMAP_THRESHOLD_MIB > 0
-        copies = GRADIENT_COPIES_MMAPPED if mmapped else GRADIENT_COPIES
-        gathered, state["grads"] = backward_peak_bytes(
-            sizes, shard_ranks, compute, reduce, fsdp.reshard_after_forward, in_backward,
-            fsdp.prefetch_depth, copies,
-        )  # fmt: skip
-    checkpointing = model_cfg.ACTIVATION_CHECKPOINTING
-    granularity = checkpointing.GRANULARITY if checkpointing.USE_ACTIVATION_CHECKPOINTING else None
-    crops = _meta_crops(cfg.DATA.TRAIN, cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA)
-    key = ("activations", cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA, granularity)
-    if key not in cache:
-        cache[key] = measure_activations(model, crops, granularity)
-    total, per_module, inputs = cache[key]
-    activations = checkpointed_activations(total, per_module, inputs) * (0.5 if low else 1.0)
-    activations += sum(c.numel() * 4 for c in crops)  # the batch itself
-    baseline = cache.get("baseline_mib") or import_baseline_mib() if device == "cpu" else 0
-    runtime = (baseline + CPU_ALLOWANCE_MIB) * MIB if device == "cpu" else 0
+    if shape.sharded:
+        gathered, state["grads"] = _backward_moment(cfg, shape, device)
+    runtime = runtime_bytes(device, shapes)
     backward_peak = MemoryPlan(
-        gathered_units=gathered, activations=activations, runtime_overhead=runtime, **state
+        gathered_units=gathered,
+        activations=activation_bytes(cfg, shapes, shape.precision.low),
+        runtime_overhead=runtime,
+        **state,
     )
-    if not sharded or cfg.OPTIMIZER.step_in_backward:
+    if not shape.sharded or cfg.OPTIMIZER.step_in_backward:
         return backward_peak
     # the ordinary step, after backward: every shard gradient, one update temporary, no weights
     # gathered and the activations freed
-    temporary = max(shard_size(n, shard_ranks) for n in sizes) * 4
+    temporary = max(shard_size(n, shape.groups.shard_ranks) for n in shape.unit_sizes) * 4
     step_peak = MemoryPlan(**{**state, "grads": all_grads + temporary}, gathered_units=0,
                            activations=0, runtime_overhead=runtime)  # fmt: skip
     return max(backward_peak, step_peak, key=lambda plan: plan.peak)
+
+
+def optimizer_states(optim_cfg) -> int:
+    """Optimizer state tensors per parameter: momentum buffers, AdamW's two moments."""
+    momentum = optim_cfg.momentum > 0 or optim_cfg.name == "adamw"
+    return OPTIMIZER_STATES.get(optim_cfg.name, 1) if momentum else 0
+
+
+def _backward_moment(cfg, shape: RunShape, device: str) -> Tuple[int, int]:
+    """:func:`backward_peak_bytes` with ``cfg``'s knobs."""
+    fsdp = cfg.MODEL.FSDP_CONFIG
+    mmapped = device == "cpu" and cfg.MACHINE.CPU_MMAP_THRESHOLD_MIB > 0
+    return backward_peak_bytes(
+        shape.unit_sizes, shape.groups.shard_ranks, shape.precision.compute_bytes,
+        shape.precision.reduce_bytes, shape.reshard_after_forward, bool(cfg.OPTIMIZER.step_in_backward),
+        fsdp.prefetch_depth, GRADIENT_COPIES_MMAPPED if mmapped else GRADIENT_COPIES,
+    )  # fmt: skip
+
+
+def activation_bytes(cfg, shapes: ModelShapes, low: bool) -> float:
+    """Autograd's saved bytes of one forward (halved in 16 bits) plus the batch itself."""
+    checkpointing = cfg.MODEL.ACTIVATION_CHECKPOINTING
+    granularity = checkpointing.GRANULARITY if checkpointing.USE_ACTIVATION_CHECKPOINTING else None
+    data, batch = cfg.DATA.TRAIN, cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA
+    total, per_module, inputs = shapes.activations(data, batch, granularity)
+    saved = checkpointed_activations(total, per_module, inputs) * (0.5 if low else 1.0)
+    return saved + sum(c.numel() * 4 for c in meta_crops(data, batch))
+
+
+def runtime_bytes(device: str, shapes: ModelShapes) -> float:
+    """CPU: the import baseline plus ``CPU_ALLOWANCE_MIB``; CUDA: 0."""
+    if device != "cpu":
+        return 0
+    return ((shapes.baseline_mib or import_baseline_mib()) + CPU_ALLOWANCE_MIB) * MIB
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,4 +1,4 @@
-"""Keeping ranks in agreement: the units' execution order and the first step's order check.
+"""The units' execution order, and the first step's check that every rank runs the same one.
 
 Sharded units exchange weights and gradients in collectives matched by issue order, so every
 rank must run the same units in the same order. Two same-size units run in a rank-dependent
@@ -22,7 +22,7 @@ from typing import Callable, List, Sequence
 import torch
 import torch.distributed as dist
 
-from vistrain.fsdp.timeouts import wait_within
+from vistrain.fsdp.collectives import wait_within
 
 END = -1  # announced when a root forward returns / a backward ends
 

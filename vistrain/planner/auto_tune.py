@@ -1,8 +1,8 @@
 """``MODEL.FSDP_CONFIG.AUTO_TUNE``: the run picks its exact knobs from a plan of itself.
 
 Before a training run starts its ranks, :func:`tune` plans every setting of the exact knobs
-(``knob_search.EXACT_KNOBS``: they never change the numbers) with the memory planner, ranks them
-by measured speed (``knob_search.speed_cost``) and takes the fastest whose planned peak per rank
+(``knobs.EXACT_KNOBS``: they never change the numbers) with the memory planner, ranks them
+by measured speed (``knobs.speed_cost``) and takes the fastest whose planned peak per rank
 fits the budget: ``MACHINE.MEMORY_BUDGET_MIB``, or with 0 what the machine has (CPU: the memory
 available now shared by this node's ranks; CUDA: the device's memory), less ``MARGIN``. Knobs the
 recipe or the command line set keep their value. A run resuming from a checkpoint keeps the knobs
@@ -20,15 +20,9 @@ import yaml
 from vistrain.config import ConfigError
 from vistrain.config.checks import get_key
 from vistrain.config.words import plural
-from vistrain.runtime.knob_search import (
-    EXACT_KNOBS,
-    current_knobs,
-    exact_settings,
-    ranked,
-    speed_cost,
-    with_knobs,
-)
-from vistrain.runtime.memory_plan import MIB, plan
+from vistrain.planner.knobs import EXACT_KNOBS, current_knobs, exact_settings, ranked, speed_cost, with_knobs
+from vistrain.planner.memory import plan
+from vistrain.planner.shape import MIB, ModelShapes
 
 MARGIN = 0.10  # of the machine's memory, left for what the plan does not hold (page cache, spikes)
 Setting = Dict[str, object]
@@ -53,7 +47,7 @@ class Choice:
 
 def choose(settings: Sequence[Setting], peaks: Sequence[float], budget_bytes: float, device: str) -> Choice:
     """The fastest of ``settings`` whose peak (same order) fits ``budget_bytes``; ties as
-    :func:`knob_search.ranked` (smaller peak, then the preferred values)."""
+    :func:`knobs.ranked` (smaller peak, then the preferred values)."""
     order = ranked(settings, peaks, device)
     smallest = min(order, key=lambda item: item[1])
     fitting = [i for i, (_, peak) in enumerate(order) if peak <= budget_bytes]
@@ -127,14 +121,14 @@ def tune(
     """
     planned = _for_world(cfg, world)
     fixed = [name for name, key in EXACT_KNOBS.items() if key in explicit]
-    cache: dict = {"baseline_mib": baseline_mib} if baseline_mib else {}
-    settings, peaks = planned_settings(planned, device, fixed, cache)
+    shapes = ModelShapes(cfg.MODEL, baseline_mib)
+    settings, peaks = planned_settings(planned, device, fixed, shapes)
     choice = choose(settings, peaks, budget.mib * MIB, device)
     if choice.knobs is None:
-        raise ConfigError(_refusal(planned, choice, budget, device, fixed, cache))
+        raise ConfigError(_refusal(planned, choice, budget, device, fixed, shapes))
     kept = _resumed_knobs(cfg, settings[0].keys(), fixed)
     if kept is not None:
-        peak = plan(with_knobs(planned, kept), device, cache).peak
+        peak = plan(with_knobs(planned, kept), device, shapes).peak
         if peak <= budget.mib * MIB:
             line = f"auto-tune: kept the resumed run's {_show(kept)} (planned {peak / MIB:,.0f} MiB"
             return with_knobs(cfg, kept), f"{line} per rank, budget {budget.mib:,.0f} MiB: {budget.source})"
@@ -154,11 +148,11 @@ def summary_line(before, tuned, details: str) -> str:
     return f"auto-tune: {chose}, the fastest that fits the memory per rank (details in log.txt)"
 
 
-def planned_settings(cfg, device: str, fixed: Sequence[str] = (), cache: Optional[dict] = None):
+def planned_settings(cfg, device: str, fixed: Sequence[str] = (), shapes: Optional[ModelShapes] = None):
     """``(settings, planned peak bytes of each)``: every exact setting with ``fixed`` kept."""
-    cache = {} if cache is None else cache
+    shapes = shapes if shapes is not None else ModelShapes(cfg.MODEL)
     settings = exact_settings(cfg, device, fixed)
-    return settings, [plan(with_knobs(cfg, knobs), device, cache).peak for knobs in settings]
+    return settings, [plan(with_knobs(cfg, knobs), device, shapes).peak for knobs in settings]
 
 
 def check_same_knobs(gathered: List[Setting]) -> None:
@@ -183,11 +177,7 @@ def _for_world(cfg, world: int):
     """``cfg`` planned for the ``world`` ranks the launcher will run (torchrun may decide it)."""
     if world == cfg.DISTRIBUTED.NUM_NODES * cfg.DISTRIBUTED.NUM_PROC_PER_NODE:
         return cfg
-    out = cfg.clone()
-    out.defrost()
-    out.DISTRIBUTED.NUM_NODES, out.DISTRIBUTED.NUM_PROC_PER_NODE = 1, world
-    out.freeze()
-    return out
+    return with_knobs(cfg, {"DISTRIBUTED.NUM_NODES": 1, "ranks": world})
 
 
 def _resumed_knobs(cfg, names, fixed: Sequence[str]) -> Optional[Setting]:
@@ -243,7 +233,9 @@ def _chosen_line(choice: Choice, budget: Budget, device: str, fixed: Sequence[st
     return line
 
 
-def _refusal(cfg, choice: Choice, budget: Budget, device: str, fixed: Sequence[str], cache: dict) -> str:
+def _refusal(
+    cfg, choice: Choice, budget: Budget, device: str, fixed: Sequence[str], shapes: ModelShapes
+) -> str:
     """Nothing fits: the smallest reachable peak and the result knobs that would make it fit."""
     levers = []
     ranks = cfg.DISTRIBUTED.NUM_NODES * cfg.DISTRIBUTED.NUM_PROC_PER_NODE
@@ -256,11 +248,11 @@ def _refusal(cfg, choice: Choice, budget: Budget, device: str, fixed: Sequence[s
     if fsdp.AUTO_SETUP_FSDP and not fsdp.mixed_precision:
         trials.append(("mixed_precision", True, "MODEL.FSDP_CONFIG.mixed_precision=True"))
     elif not fsdp.AUTO_SETUP_FSDP:
-        trials.append(("AUTO_SETUP_FSDP", True, "MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True"))
+        trials.append(("MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP", True, "MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True"))
     for name, value, text in trials:
         if name == "batch_per_replica" and value < 1:
             continue
-        peak = _smallest_peak_with(cfg, name, value, device, fixed, cache)
+        peak = _smallest_peak_with(cfg, name, value, device, fixed, shapes)
         if peak <= budget.mib * MIB:
             levers.append(f"{text} ({peak / MIB:,.0f} MiB)")
             if name == "ranks":
@@ -277,16 +269,12 @@ def _refusal(cfg, choice: Choice, budget: Budget, device: str, fixed: Sequence[s
     )
 
 
-def _smallest_peak_with(cfg, name: str, value, device: str, fixed: Sequence[str], cache: dict) -> float:
-    changed = cfg.clone()
-    changed.defrost()
+def _smallest_peak_with(
+    cfg, name: str, value, device: str, fixed: Sequence[str], shapes: ModelShapes
+) -> float:
+    """The smallest planned peak of the exact settings once result knob ``name`` is ``value``."""
     if name == "ranks":
-        changed.DISTRIBUTED.NUM_NODES, changed.DISTRIBUTED.NUM_PROC_PER_NODE = 1, value
-    elif name == "batch_per_replica":
-        changed.DATA.TRAIN.BATCHSIZE_PER_REPLICA = value
-    elif name == "mixed_precision":
-        changed.MODEL.FSDP_CONFIG.mixed_precision = True
+        changed = with_knobs(cfg, {"DISTRIBUTED.NUM_NODES": 1, "ranks": value})
     else:
-        changed.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP = True
-    changed.freeze()
-    return min(planned_settings(changed, device, fixed, cache)[1])
+        changed = with_knobs(cfg, {name: value})
+    return min(planned_settings(changed, device, fixed, shapes)[1])

@@ -1,14 +1,36 @@
-"""Gradient norms over sharded parameters: global clipping and per-original-parameter norms (LARS)."""
+"""Gradients of flat shards: global clipping, per-original-parameter norms (LARS), and the
+optimizer step inside backward.
+
+**The step inside backward.** ``optimizer.step()`` after backward needs every shard's gradient at once: a rank holds its whole
+gradient shard (as many bytes as its parameter shards) at the end of every backward. Here the
+model's reductions call :meth:`OptimizerInBackward.step_shard` for each flat parameter once its
+reduce-scatter has finished and been added to ``shard.grad``; the bound optimizer updates that
+shard alone and the gradient is freed. A rank then holds the shard gradients of at most the unit
+whose reduction just finished and the one in flight, and never the rest.
+
+The update is the ordinary one: ``optimizer.step()`` runs with its parameter groups restricted to
+the one shard (same hyperparameters, same ``optimizer.state`` entries, so checkpoints look alike
+and a run may resume with the step in backward switched on or off). Element-wise optimizers
+(SGD, AdamW) therefore give the same numbers; LARS computes each shard's per-original-parameter
+norms with one all-reduce per shard instead of one per step, which sums in another order (a
+rounding difference, not another formula).
+
+What needs every gradient before any step cannot run inside backward: the global gradient norm
+(``clip_grad_norm_``) and fp16 loss scaling (a step skipped on overflow). Gradient accumulation
+works: under ``no_sync()`` nothing is reduced and nothing steps; the synced backward steps.
+"""
 
 import math
 from dataclasses import dataclass
-from typing import List
+from typing import Iterable, List
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
 
-from vistrain.fsdp.flat_param import shard_slices
-from vistrain.fsdp.registry import handle_of
+from vistrain.fsdp.flat_param import FlatParamHandle, shard_slices
+from vistrain.fsdp.ownership import handle_of
 
 
 def clip_grad_norm_(
@@ -102,7 +124,7 @@ def origin_sq_sums(params: List[torch.Tensor], tensors: List[torch.Tensor]) -> L
         sums = torch.zeros(len(handle.origins), dtype=torch.float32, device=t.device)
         for idx, s_start, _, length in slices:
             sums[idx] = t.detach()[s_start : s_start + length].float().pow(2).sum()
-        by_group.setdefault(handle.group, []).append((i, slices, sums))
+        by_group.setdefault(handle.groups.shard, []).append((i, slices, sums))
     for group, entries in by_group.items():
         flat = torch.cat([sums for _, _, sums in entries])
         if dist.get_world_size(group) > 1:
@@ -121,3 +143,46 @@ def origin_sq_norms(params: List[torch.Tensor], tensors: List[torch.Tensor]) -> 
     holds ||W_j||^2 of the original W_j element i belongs to (padding: 0). Builds one tensor per
     param: LARS uses the sums directly."""
     return [s.spread().view_as(p) for p, s in zip(params, origin_sq_sums(params, tensors))]
+
+
+class OptimizerInBackward:
+    """Runs ``optimizer`` on each flat shard of a wrapped model when its gradient is final.
+
+    Shards the optimizer does not hold keep their gradient (nothing is dropped silently);
+    shards passed to :meth:`freeze` have their gradient dropped and are not updated (SwAV's
+    frozen prototypes: as when the ordinary loop sets their ``.grad`` to None before the step).
+    """
+
+    def __init__(self, optimizer: Optimizer):
+        self.optimizer = optimizer
+        self._frozen = set()
+        self._group_index = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+
+    def freeze(self, params: Iterable[nn.Parameter]) -> None:
+        """Skip these shards in the following backward passes (until the next call)."""
+        self._frozen = {id(p) for p in params}
+
+    def step_shard(self, handle: FlatParamHandle) -> None:
+        shard = handle.shard
+        index = self._group_index.get(id(shard))
+        if index is None or shard.grad is None:
+            return
+        if id(shard) not in self._frozen:
+            groups = self.optimizer.param_groups
+            self.optimizer.param_groups = [{**groups[index], "params": [shard]}]
+            try:
+                self.optimizer.step()
+            finally:
+                self.optimizer.param_groups = groups
+        shard.grad = None
+
+
+def apply_optimizer_in_backward(model: nn.Module, optimizer: Optimizer) -> OptimizerInBackward:
+    """``model.apply_optimizer_in_backward(optimizer)`` for the root unit ``model`` (see there)."""
+    apply = getattr(type(model), "apply_optimizer_in_backward", None)
+    if apply is None:
+        raise TypeError(
+            "apply_optimizer_in_backward needs the root FullyShardedDataParallel of the model "
+            f"(got {type(model).__name__}): the step in backward follows the engine's reductions"
+        )
+    return apply(model, optimizer)

@@ -1,6 +1,6 @@
 """Bytes each rank sends per training step, by process group: full vs hybrid sharding.
 
-The communication side of the planner (``vistrain/runtime/memory_plan.py`` is the memory side);
+The communication side of the planner (``memory.py`` is the memory side);
 ``tools/plan_memory.py`` prints :func:`traffic` for every sharded recipe and
 ``dev/plan_hybrid.py`` the SEER RegNetY-10B case of the README.
 """
@@ -8,11 +8,9 @@ The communication side of the planner (``vistrain/runtime/memory_plan.py`` is th
 from dataclasses import asdict, dataclass
 from typing import Dict, Optional, Sequence
 
+from vistrain.fsdp.collectives import replica_group_ranks, shard_group_ranks
 from vistrain.fsdp.flat_param import shard_size
-from vistrain.fsdp.hybrid import replica_group_ranks, shard_group_ranks
-from vistrain.models import build_meta_model
-from vistrain.runtime.memory_plan import MIB, unit_sizes
-from vistrain.runtime.sharding import wrap_policy
+from vistrain.planner.shape import MIB, ModelShapes, RunShape, run_shape, shapes_for
 
 
 @dataclass
@@ -59,19 +57,15 @@ def _spans_nodes(ranks: Sequence[int], ranks_per_node: int) -> bool:
     return len({r // ranks_per_node for r in ranks}) > 1
 
 
-def traffic(cfg, cache: Optional[dict] = None) -> Traffic:
-    """:func:`traffic_bytes` of a sharded training run of ``cfg`` (its wrap policy and groups)."""
-    cache = {} if cache is None else cache
-    fsdp = cfg.MODEL.FSDP_CONFIG
-    per_node = cfg.DISTRIBUTED.NUM_PROC_PER_NODE
-    if "model" not in cache:
-        cache["model"] = build_meta_model(cfg.MODEL)
-    low = bool(fsdp.mixed_precision or cfg.MODEL.AMP_PARAMS.USE_AMP)
-    policy = wrap_policy(low, cfg.MODEL.FSDP_CONFIG.wrap_granularity)
-    sizes = unit_sizes(cache["model"], lambda m: policy(m) is not None)
-    compute = 2 if fsdp.mixed_precision else 4
-    reduce = 4 if not fsdp.mixed_precision or fsdp.fp32_reduce_scatter else 2
-    world = cfg.DISTRIBUTED.NUM_NODES * per_node
+def traffic(cfg, shapes: Optional[ModelShapes] = None) -> Traffic:
+    """:func:`traffic_bytes` of a sharded training run of ``cfg`` (its units and groups)."""
+    return traffic_of(run_shape(cfg, shapes_for(cfg, shapes)))
+
+
+def traffic_of(shape: RunShape) -> Traffic:
+    """:func:`traffic_bytes` of a :class:`RunShape`."""
+    groups, precision = shape.groups, shape.precision
     return traffic_bytes(
-        sizes, world, fsdp.shard_group_size, per_node, compute, reduce, fsdp.reshard_after_forward
-    )
+        shape.unit_sizes, groups.world, groups.shard_ranks, groups.ranks_per_node,
+        precision.compute_bytes, precision.reduce_bytes, shape.reshard_after_forward,
+    )  # fmt: skip
