@@ -151,11 +151,8 @@ def linear_eval(cfg) -> None:
     trunk, dims = common.build_frozen_trunk(cfg, device)
     record_config(cfg)  # built and loaded: the job really starts
     source = FrozenFeatures(trunk, list(dims), cfg.BENCHMARK.POOL_SIZE, amp_dtype(cfg.MODEL), device)
-    grid = [float(lr) for lr in cfg.BENCHMARK.LINEAR_LRS]
-    splits = _lr_splits(cfg, train_loader.dataset.targets) if grid else []
-    fit_loaders = [_fit_loader(cfg, fit, device) for fit, _ in splits]
+    grid, (splits, fit_loaders), total = _passes(cfg, train_loader, device)
     epochs = cfg.OPTIMIZER.num_epochs
-    total = epochs * (len(train_loader) + sum(len(loader) for loader in fit_loaders))
     logger.info(
         linear_report.header(
             source.names, dims, num_classes, epochs, len(train_loader), comm.get_world_size()
@@ -180,11 +177,7 @@ def linear_eval(cfg) -> None:
     iterations = train_heads(train_source, heads, train_loader, cfg.OPTIMIZER, meter, iterations)
     logger.info(f"final fit on DATA.TRAIN done ({clock.elapsed()})")
     train_seconds = time.perf_counter() - start
-    results = evaluate(source, heads, test_loader)
-    for name in source.names:
-        results[name]["dim"] = dims[name]
-        if grid:
-            results[name].update(lr=lrs[name], holdout_top1=selection[name])
+    results = _with_choices(evaluate(source, heads, test_loader), dims, lrs, selection)
     record = {
         "engine": "linear_eval",
         "weights": cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE,
@@ -200,6 +193,25 @@ def linear_eval(cfg) -> None:
     if comm.is_main_process():
         torch.save(unwrap(heads).state_dict(), os.path.join(run_dir, "linear_heads.pt"))
     meter.summary()
+
+
+def _with_choices(results: Dict[str, dict], dims: Dict[str, int], lrs: dict, selection: Optional[dict]):
+    """Each feature's test results with its width and, after an lr grid, its lr and held-out top-1."""
+    for name, result in results.items():
+        result["dim"] = dims[name]
+        if selection is not None:
+            result.update(lr=lrs[name], holdout_top1=selection[name])
+    return results
+
+
+def _passes(cfg, train_loader, device):
+    """(the lr grid, ([(fit, held-out) indices of DATA.TRAIN], their fit loaders), the iterations of
+    the whole job: every grid round's and the final fit's, each ``num_epochs`` long)."""
+    grid = [float(lr) for lr in cfg.BENCHMARK.LINEAR_LRS]
+    splits = _lr_splits(cfg, train_loader.dataset.targets) if grid else []
+    fit_loaders = [_fit_loader(cfg, fit, device) for fit, _ in splits]
+    total = cfg.OPTIMIZER.num_epochs * (len(train_loader) + sum(len(loader) for loader in fit_loaders))
+    return grid, (splits, fit_loaders), total
 
 
 def _lr_splits(cfg, labels) -> List[Tuple[List[int], List[int]]]:
