@@ -2,7 +2,7 @@
 
     python dev/plan_hybrid.py [--nodes 64] [--per-node 8]
 
-The README's SEER-10B recipe (SwAV, head [28280, 8192, 256], 16000 prototypes, 2x224 + 4x96
+The SEER-10B recipe of docs/engine.md (SwAV, head [28280, 8192, 256], 16000 prototypes, 2x224 + 4x96
 crops, 8 images per GPU, LARS, bf16 with fp32 reductions, activation checkpointing) planned with
 ``MODEL.FSDP_CONFIG.shard_group_size`` 0 (shards over all GPUs) and the GPUs of one node (and
 two), ZeRO-3 and ZeRO-2: per-GPU memory (``vistrain.planner.memory.plan``, CUDA) and the

@@ -24,12 +24,13 @@ from vistrain.fsdp.unit import Phase
 TOL = 1e-5
 
 
-def _reference_and_sharded(make, rank, world, run, ddp_kwargs=None, **fsdp_kwargs):
+def _reference_and_sharded(make, rank, world, run, **options):
     """(DDP result, DDP state dict, sharded result, sharded state dict) of ``run(model, optimizer)``
-    on two identical models; the sharded one has a unit per Block and Linear."""
-    ref = DDP(make(), **(ddp_kwargs or {}))
+    on two identical models; the sharded one has a unit per Block and Linear. ``options``: DDP's
+    (``broadcast_buffers``, ``find_unused_parameters``), the sharded root's of the same name."""
+    ref = DDP(make(), **options)
     ref_out = run(ref, make_optimizer("sgd", ref.parameters()))
-    model = auto_wrap(make(), by_class([Block, nn.Linear]), **fsdp_kwargs)
+    model = auto_wrap(make(), by_class([Block, nn.Linear]), root=RootOptions(**options))
     out = run(model, make_optimizer("sgd", model.parameters()))
     return ref_out, ref.module.state_dict(), out, model.state_dict()
 
@@ -268,12 +269,7 @@ def _skip_worker(rank, world):
         return losses, leftover
 
     ref, ref_state, (losses, leftover), state = _reference_and_sharded(
-        _make_skipping,
-        rank,
-        world,
-        run,
-        dict(find_unused_parameters=True),
-        root=RootOptions(find_unused_parameters=True),
+        _make_skipping, rank, world, run, find_unused_parameters=True
     )
     return max_rel_diff(losses, ref[0]), max_rel_diff(state, ref_state), leftover
 
@@ -310,12 +306,7 @@ def _buffers_worker(rank, world):
     out = {}
     for broadcast in (True, False):
         ref, ref_state, losses, state = _reference_and_sharded(
-            _make_bn_net,
-            rank,
-            world,
-            run,
-            dict(broadcast_buffers=broadcast),
-            root=RootOptions(broadcast_buffers=broadcast),
+            _make_bn_net, rank, world, run, broadcast_buffers=broadcast
         )
         out[broadcast] = (max_rel_diff(losses, ref), max_rel_diff(state, ref_state))
     return out
@@ -393,12 +384,7 @@ def _side_loss(model, x, y):
 def _unused_worker(rank, world):
     run = _run_steps(rank, world, _side_loss, steps=3)
     ref, ref_state, losses, state = _reference_and_sharded(
-        _make_side_net,
-        rank,
-        world,
-        run,
-        dict(find_unused_parameters=True),
-        root=RootOptions(find_unused_parameters=True),
+        _make_side_net, rank, world, run, find_unused_parameters=True
     )
     parity = (max_rel_diff(losses, ref), max_rel_diff(state, ref_state))
     # Without the option the ranks' backward collectives would not match: the first step's

@@ -20,7 +20,7 @@ LAYERS: List[Set[str]] = [
     {"checkpoint"},
     {"runtime"},
     {"planner"},
-    {"training", "benchmarks"},
+    {"training", "benchmarks", "integrations"},
     {"jobs", "cli"},
 ]
 

@@ -45,7 +45,7 @@ def usage() -> str:
             "",
             "shipped configs: " + ", ".join(available_configs()),
             "every key, its default and meaning: vistrain/config/defaults.py; allowed values: "
-            "vistrain/config/checks.py; README.md, section Configs",
+            "vistrain/config/checks.py; docs/getting-started.md, section Configs",
             f"example: {COMMAND} config=regnet_fsdp config.OPTIMIZER.num_epochs=2",
         ]
     )

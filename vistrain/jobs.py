@@ -8,8 +8,6 @@ that values are checked against (:func:`catalog`).
 import os
 from typing import Callable, Dict, Optional
 
-import torch
-
 from vistrain.benchmarks import extract_features, knn, linear_eval
 from vistrain.checkpoint.files import CheckpointError
 from vistrain.checkpoint.pretrained import check_weights_file
@@ -68,7 +66,6 @@ def catalog() -> Catalog:
         model_problem=_model_problem,
         num_samples=count_samples,
         world_size=lambda cfg: planned_world_size(cfg.DISTRIBUTED, os.environ),
-        cuda_available=torch.cuda.is_available(),
     )
 
 

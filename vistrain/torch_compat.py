@@ -19,6 +19,8 @@ what we rely on, so an upgrade that changes it fails loudly there instead of sil
   children for units in place, and finds the gathered tensor a saved view belongs to.
 * ``default_store`` (``torch.distributed.distributed_c10d._get_default_store``): the rendezvous
   store of the default process group; the ranks of a joined job use it to agree who prints an error.
+* ``version_counter`` (``Tensor._version``): bumped by every in-place change; the engine tells a
+  ``shard.grad`` that ``zero_grad(set_to_none=False)`` zeroed from one left alone.
 * ``current_saved_tensors_hooks`` / ``saved_tensors_hooks_enabled``
   (``torch._C._autograd._top_saved_tensors_default_hooks`` / ``_saved_tensors_hooks_is_enabled``):
   the engine's saved-tensor hooks wrap those already active (activation checkpointing's).
@@ -93,6 +95,11 @@ def persistent_buffer_names(module: nn.Module) -> List[str]:
 def view_base(t: torch.Tensor) -> Optional[torch.Tensor]:
     """The tensor ``t`` is a view of (``t._base``: public in use, private by name), or None."""
     return t._base
+
+
+def version_counter(t: torch.Tensor) -> int:
+    """How many in-place changes ``t``'s data has seen (``t._version``)."""
+    return t._version
 
 
 def current_saved_tensors_hooks() -> Optional[Tuple[Callable, Callable]]:

@@ -45,7 +45,6 @@ class Catalog:
     model_problem: Callable[[CfgNode], Problem]  # MODEL -> what keeps it from being built (on meta)
     num_samples: Callable[[CfgNode], int]  # DATA.<split> -> its samples (InputError when it has none)
     world_size: Callable[[CfgNode], int]  # the whole config -> ranks of the job it starts or joins
-    cuda_available: bool
 
 
 Choices = Union[str, Sequence[str]]  # a registry key of the Catalog, or the names themselves
@@ -82,6 +81,10 @@ def at_least(low) -> Callable:
 
 def above(low) -> Callable:
     return lambda value, _: None if value > low else f"must be > {low}; got {value}"
+
+
+def below(high) -> Callable:
+    return lambda value, _: None if value < high else f"must be < {high}; got {value}"
 
 
 def probability(value, _) -> Problem:
@@ -154,6 +157,10 @@ RULES = {
     "MODEL.FSDP_CONFIG.wrap_granularity": [one_of(("block", "stage", "model"))],
     "MODEL.FSDP_CONFIG.prefetch_depth": [at_least(0)],
     "MODEL.AMP_PARAMS.AMP_DTYPE": [one_of("amp dtypes")],
+    "MODEL.AMP_PARAMS.INIT_SCALE": [above(0)],
+    "MODEL.AMP_PARAMS.GROWTH_FACTOR": [above(1)],
+    "MODEL.AMP_PARAMS.BACKOFF_FACTOR": [above(0), below(1)],
+    "MODEL.AMP_PARAMS.GROWTH_INTERVAL": [at_least(1)],
     "MODEL.SYNC_BN_CONFIG.GROUP_SIZE": [at_least(0)],
     "MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY": [one_of(("block", "stage"))],
     "MODEL.WEIGHTS_INIT.PARAMS_FILE": [loadable_weights],
@@ -344,16 +351,6 @@ def _one_global_batch(cfg: CfgNode, catalog: Catalog) -> Problem:
     return None
 
 
-def _float16_needs_cuda(cfg: CfgNode, catalog: Catalog) -> Problem:
-    amp, device = cfg.MODEL.AMP_PARAMS, cfg.MACHINE.DEVICE
-    if not (amp.USE_AMP and amp.AMP_DTYPE == "float16"):
-        return None
-    on_cuda = device == "cuda" or (device == "auto" and catalog.cuda_available)
-    if not on_cuda:
-        return "MODEL.AMP_PARAMS.AMP_DTYPE=float16 needs CUDA; use bfloat16 on CPU"
-    return None
-
-
 def _warmup_within_training(cfg: CfgNode, _: Catalog) -> Problem:
     warmup, epochs = cfg.OPTIMIZER.param_schedulers.lr.warmup_epochs, cfg.OPTIMIZER.num_epochs
     if warmup >= epochs and cfg.JOB in ("train", "linear_eval"):
@@ -415,7 +412,6 @@ CROSS_RULES = (
     _one_global_batch,
     _trunk_features,
     _head_fits_trunk,
-    _float16_needs_cuda,
     _warmup_within_training,
     _feature_banks_complete,
     _one_view_for_linear_eval,

@@ -134,7 +134,13 @@ _C.MODEL.FSDP_CONFIG.AUTO_TUNE = False
 
 _C.MODEL.AMP_PARAMS = CN()
 _C.MODEL.AMP_PARAMS.USE_AMP = False  # autocast the forward and the loss
-_C.MODEL.AMP_PARAMS.AMP_DTYPE = "bfloat16"  # bfloat16 | float16 (float16 adds a grad scaler; CUDA only)
+_C.MODEL.AMP_PARAMS.AMP_DTYPE = "bfloat16"  # bfloat16 | float16 (float16 adds a grad scaler)
+# float16's loss scaling (torch's GradScaler): the first scale; after GROWTH_INTERVAL steps without
+# inf/NaN gradients it is multiplied by GROWTH_FACTOR, after a skipped step by BACKOFF_FACTOR
+_C.MODEL.AMP_PARAMS.INIT_SCALE = 65536.0
+_C.MODEL.AMP_PARAMS.GROWTH_FACTOR = 2.0
+_C.MODEL.AMP_PARAMS.BACKOFF_FACTOR = 0.5
+_C.MODEL.AMP_PARAMS.GROWTH_INTERVAL = 2000
 
 _C.MODEL.SYNC_BN_CONFIG = CN()
 _C.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN = False  # BatchNorm statistics over the global batch

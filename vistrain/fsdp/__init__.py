@@ -6,8 +6,10 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.1)   # holds only this rank
 
 The engine's parts: ``fully_sharded`` (the ``nn.Module`` shell), ``unit`` (one unit's state and
 phases), ``model_state`` (what a model's units share; :class:`RootOptions`), ``unit_order`` (the
-execution order and its first-step check), ``flat_param`` (flat padded shards), ``reductions``
-(gradient reductions in flight), ``collectives`` (:class:`ShardGroups`, hybrid groups, waits),
+execution order and its first-step check), ``flat_param`` (flat padded shards), ``shard_grad``
+(what a shard's gradient carries: no_sync micro-batches, parameters without gradient),
+``reductions`` (gradient reductions in flight), ``collectives`` (:class:`ShardGroups`, hybrid
+groups, waits),
 ``precision``, ``ownership`` (which unit owns what; the registry), ``wrap`` (policies),
 ``state_dict``, ``grads`` (clipping, LARS norms, the step in backward), ``deferred_init``
 (meta-device builds), ``memory`` (storage bytes, RSS), ``backends`` (how a model is distributed).
@@ -33,6 +35,7 @@ from vistrain.fsdp.deferred_init import build_on_meta, materialize  # noqa: F401
 from vistrain.fsdp.fully_sharded import FullyShardedDataParallel  # noqa: F401
 from vistrain.fsdp.grads import (  # noqa: F401
     OptimizerInBackward,
+    PartialStepError,
     SegmentValues,
     apply_optimizer_in_backward,
     origin_sq_norms,

@@ -32,6 +32,7 @@ from vistrain.fsdp.collectives import (
 from vistrain.fsdp.deferred_init import materialize
 from vistrain.fsdp.ownership import register_shard
 from vistrain.fsdp.precision import Precision
+from vistrain.fsdp.shard_grad import ShardGrad, own_shard_grad
 from vistrain.torch_compat import own_parameters
 
 
@@ -95,18 +96,6 @@ class InFlightGather:
     source: torch.Tensor  # the shard in compute dtype/device; must live until the wait
 
 
-def own_shard_grad(reduced: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``reduced`` as a tensor with its own shard-sized storage on ``device`` in ``dtype``.
-
-    A view into a larger buffer (gloo's all-reduced full gradient) would keep that whole buffer
-    alive as long as the gradient lives: storage bytes, not element counts, are what a rank holds.
-    """
-    out = reduced.to(device, dtype)
-    if out.untyped_storage().nbytes() != out.numel() * out.element_size():
-        out = out.clone()
-    return out
-
-
 class FlatParamHandle:
     """Shard storage, gather and gradient reduction for a list of original parameters."""
 
@@ -150,7 +139,9 @@ class FlatParamHandle:
         self._set_attributes(self._placeholders)
         self.gather: Optional[InFlightGather] = None
         self.is_unsharded = False
-        self.unsharded_grad_acc: Optional[torch.Tensor] = None  # summed full grads under no_sync
+        # no_sync micro-batches, origins without gradient, recovery (shard_grad.py)
+        slices = shard_slices(origins, self.world_size, self.rank)
+        self.shard_grad = ShardGrad(self.shard, [(i, start, n) for i, start, _, n in slices], len(origins))
 
     # -- the groups ---------------------------------------------------------------------------
     @property
@@ -166,9 +157,10 @@ class FlatParamHandle:
         """Every tensor this handle keeps alive: the shard and its gradient, the gathered weights
         and their gradient, the ``no_sync`` accumulator, an in-flight gather's source."""
         yield self.shard
-        for tensor in (self.shard.grad, self.full, self.full.grad, self.unsharded_grad_acc):
+        for tensor in (self.shard.grad, self.full, self.full.grad):
             if tensor is not None:
                 yield tensor
+        yield from self.shard_grad.tensors()
         if self.gather is not None:
             yield self.gather.source
 
@@ -255,6 +247,10 @@ class FlatParamHandle:
         """
         sizes = [o.numel for o in self.origins]
         pieces = torch.split(self.full, sizes + [self.full.numel() - self.numel])
+        if self.shard_grad.track_origin_use and pieces[0].grad_fn is not None:
+            # the split's backward gets None for each view that received no gradient: one hook
+            # per gather tells which original parameters this rank used
+            pieces[0].grad_fn.register_prehook(self.shard_grad.note_used)
         self._set_attributes([piece.view(o.shape) for piece, o in zip(pieces, self.origins)])
 
     def restore_attributes(self) -> None:
@@ -302,10 +298,7 @@ class FlatParamHandle:
         (the ranks of the shard group, its own queue); returns (work, output shard, kept input).
         Without replicas the output is the average; with them, :meth:`start_replica_all_reduce`
         completes it."""
-        if self.unsharded_grad_acc is not None:
-            grad = self.unsharded_grad_acc.add_(grad)
-            self.unsharded_grad_acc = None
-        grad = grad.to(self.reduce_dtype)
+        grad = self.shard_grad.with_accumulated(grad).to(self.reduce_dtype)
         if self.world_size * self.groups.replicas > 1:
             # Dividing before the sum keeps fp16 sums in range; DDP divides after. Same maths.
             grad.div_(self.world_size * self.groups.replicas)
@@ -321,17 +314,7 @@ class FlatParamHandle:
         shard = own_shard_grad(reduced, reduced.device, reduced.dtype)
         return dist.all_reduce(shard, group=reduce_group, async_op=True), shard
 
-    def accumulate_shard_grad(self, reduced: torch.Tensor) -> None:
-        """Add a finished reduction to ``shard.grad`` (created as its own shard-sized tensor)."""
-        if self.shard.grad is None:
-            self.shard.grad = own_shard_grad(reduced, self.shard.device, self.shard.dtype)
-        else:
-            self.shard.grad.add_(reduced.to(self.shard.device, self.shard.dtype))
-
     def accumulate_unsharded(self, grad: torch.Tensor) -> None:
-        """no_sync: keep the full gradient locally (fp32), reduce it with the next synced backward."""
-        grad = grad.to(self.param_dtype)
-        if self.unsharded_grad_acc is None:
-            self.unsharded_grad_acc = grad.clone()
-        else:
-            self.unsharded_grad_acc.add_(grad)
+        """no_sync: keep the full gradient locally (param dtype), reduce it with the next synced
+        backward (kept with ``shard.grad``: clearing it drops them, ``shard_grad.py``)."""
+        self.shard_grad.keep_unsharded(grad.to(self.param_dtype))

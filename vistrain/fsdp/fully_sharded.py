@@ -34,8 +34,20 @@ from vistrain.fsdp.ownership import (
     owned_params,
     set_owner,
 )
-from vistrain.fsdp.precision import FULL_PRECISION, Precision, cast_floating, low_precision_dtype
-from vistrain.fsdp.state_dict import full_state_dict, load_full_state_dict, summon
+from vistrain.fsdp.precision import (
+    FULL_PRECISION,
+    Precision,
+    ShardedGradScaler,
+    cast_floating,
+    low_precision_dtype,
+)
+from vistrain.fsdp.state_dict import (
+    full_state_dict,
+    load_as_child,
+    load_full_state_dict,
+    positional_state_dict_args,
+    summon,
+)
 from vistrain.fsdp.unit import Phase, UnitState, build_handles, name_from_root, prepare_buffers
 
 
@@ -198,8 +210,9 @@ class FullyShardedDataParallel(nn.Module):
         gradient is final in backward, then free that gradient (``grads.py``); do not
         call ``optimizer.step()`` / ``zero_grad()`` yourself. Root only; collective the first
         time (every rank binds at the same point). Returns the binding (``freeze(params)``)."""
-        binding = OptimizerInBackward(optimizer)
-        self._root_model_state("apply_optimizer_in_backward()").step_in_backward(binding.step_shard)
+        model = self._root_model_state("apply_optimizer_in_backward()")
+        binding = OptimizerInBackward(optimizer, list(self.parameters()))
+        model.step_in_backward(binding)
         return binding
 
     # -- full parameters ------------------------------------------------------------------------
@@ -216,21 +229,54 @@ class FullyShardedDataParallel(nn.Module):
             yield
 
     # -- state dicts, gradients (implemented in state_dict.py / grads.py) ---------------------------
-    def state_dict(self, *args, **kwargs):
-        """The full state dict: keys and shapes of the unwrapped module. Collective."""
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The full state dict: keys and shapes of the unwrapped module. Collective.
+
+        As ``nn.Module.state_dict``: entries go into ``destination`` (a new ``OrderedDict`` when
+        None) under ``prefix``, so a plain module holding this unit (``self.net = FSDP(...)``)
+        gets every key. The values are gathered copies; ``keep_vars`` has no live tensor to keep.
+        """
+        destination, prefix, keep_vars = positional_state_dict_args(args, destination, prefix, keep_vars)
         if self._unit.phase is Phase.SUMMONED:
-            return super().state_dict(*args, **kwargs)
+            return super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         if self._unit.model is not None:
             self._unit.model.recover_if_interrupted()
-        return full_state_dict(self, super().state_dict)
+        return full_state_dict(self, super().state_dict, destination, prefix)
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load a full (unwrapped-module) state dict. Collective."""
         return load_full_state_dict(self, state_dict, strict, super().state_dict)
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        # Reached by a plain parent's load_state_dict (as a child, under ``prefix``): load the
+        # unwrapped module's keys here, then leave what the parent's recursion expects below
+        # this unit (shards and buffers at their internal names, holding the loaded values).
+        if WRAPPED_NAME not in prefix and self._unit.phase is Phase.IDLE:
+            load_as_child(self, state_dict, prefix, missing, unexpected)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+
+    def grad_scaler(self, **growth) -> ShardedGradScaler:
+        """fp16 loss scaling for this model: torch's ``ShardedGradScaler`` on this model's device,
+        found-inf flags summed over the shard group; ``growth``: ``init_scale``,
+        ``growth_factor``, ``backoff_factor``, ``growth_interval`` (torch's defaults).
+
+        One rank's overflow may land in another rank's shard only (the reduce-scatter puts each
+        element on one rank), so every rank must learn it before stepping. The shard group is
+        enough: with hybrid sharding every replica holds the same world-averaged shard
+        gradients, so an overflow anywhere is in some shard of every shard group."""
+        return ShardedGradScaler(self._device.type, process_group=self._groups.shard, **growth)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the global gradient norm over every shard on every rank; returns the norm.
 
         Reduced over the shard group only: with hybrid sharding every replica holds the same
-        (already world-averaged) shard gradients, so one replica's shards are the whole model."""
+        (already world-averaged) shard gradients, so one replica's shards are the whole model.
+        Not with the step in backward (every shard stepped and freed its gradient already)."""
+        model = self._unit.model
+        if model is not None and model.binding is not None:
+            raise RuntimeError(
+                "clip_grad_norm_() cannot clip with the step in backward: each shard was updated and "
+                "its gradient freed inside backward (the global norm needs every gradient first); "
+                "clip without apply_optimizer_in_backward"
+            )
         return clip_grad_norm_(list(self.parameters()), max_norm, norm_type, self._groups.shard, self._device)

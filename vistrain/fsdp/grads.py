@@ -16,10 +16,17 @@ norms with one all-reduce per shard instead of one per step, which sums in anoth
 rounding difference, not another formula).
 
 What needs every gradient before any step cannot run inside backward: the global gradient norm
-(``clip_grad_norm_``) and fp16 loss scaling (a step skipped on overflow). Gradient accumulation
-works: under ``no_sync()`` nothing is reduced and nothing steps; the synced backward steps.
+(``clip_grad_norm_`` refuses) and fp16 loss scaling (a step skipped on overflow). Gradient
+accumulation works: under ``no_sync()`` nothing is reduced and nothing steps; the synced backward
+steps.
+
+**A backward that fails after some shards stepped** cannot be undone: their weights and optimizer
+state moved, their gradients are gone, and no snapshot is kept (it would cost more memory than the
+gradients the step in backward saves). The engine then refuses to go on silently: recovering from
+that step raises :class:`PartialStepError` naming the units that stepped.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Iterable, List
@@ -30,7 +37,12 @@ from torch import nn
 from torch.optim import Optimizer
 
 from vistrain.fsdp.flat_param import FlatParamHandle, shard_slices
-from vistrain.fsdp.ownership import handle_of
+from vistrain.fsdp.ownership import handle_of, replaced_by
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Norms and squared sums of tensors of ``dtype``: its own dtype, fp32 for fp16/bf16."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def clip_grad_norm_(
@@ -40,21 +52,23 @@ def clip_grad_norm_(
 
     total = (sum over ranks and shards of sum |g|^p)^(1/p)  (max |g| for p = inf); padding
     elements of a shard carry zero gradient, so they do not count. Same arithmetic as
-    ``torch.nn.utils.clip_grad_norm_`` on the unsharded model. Returns the total norm (fp32).
+    ``torch.nn.utils.clip_grad_norm_`` on the unsharded model, in the gradients' dtype (at least
+    fp32). Returns the total norm.
     """
     norm_type = float(norm_type)
     grads = [p.grad for p in params if p.grad is not None]
+    dtype = functools.reduce(torch.promote_types, [accumulation_dtype(g.dtype) for g in grads], torch.float32)
     if norm_type == math.inf:
-        local = (
-            torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else torch.zeros(())
-        )
+        local = torch.zeros((), dtype=dtype)
+        if grads:
+            local = torch.stack([g.detach().abs().max().to(dtype) for g in grads]).max()
         local = local.to(device)
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         total = local
     else:
         local = sum(
-            (torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type for g in grads),
-            torch.zeros(()),
+            (torch.linalg.vector_norm(g.detach().to(dtype), norm_type) ** norm_type for g in grads),
+            torch.zeros((), dtype=dtype),
         ).to(device)
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
         total = local ** (1.0 / norm_type)
@@ -71,7 +85,7 @@ class SegmentValues:
     original-parameter slice and padding elements have none; a plain parameter is one segment.
     """
 
-    values: torch.Tensor  # (len(starts),) fp32
+    values: torch.Tensor  # (len(starts),) in the tensor's accumulation_dtype
     starts: List[int]
     lengths: List[int]
     numel: int  # elements of the tensor
@@ -97,7 +111,7 @@ class SegmentValues:
         return t
 
     def spread(self) -> torch.Tensor:
-        """(numel,) fp32 with each segment's value on its elements and 0 on padding."""
+        """(numel,) with each segment's value on its elements and 0 on padding."""
         values = torch.cat([self.values, self.values.new_zeros(1)])
         counts = torch.tensor(self.lengths + [self.numel - sum(self.lengths)], device=values.device)
         return torch.repeat_interleave(values, counts, output_size=self.numel)
@@ -110,22 +124,23 @@ def origin_sq_sums(params: List[torch.Tensor], tensors: List[torch.Tensor]) -> L
     or ``p.grad``): ||W_j||^2 (summed over every rank's slice of W_j) for each original W_j with a
     slice in this shard, one segment per slice. For a plain parameter: one segment, (t*t).sum().
     Slices come from rank arithmetic (``shard_slices``): nothing per element is built; all shards
-    share one all-reduce per process group.
+    share one all-reduce per process group and dtype. Sums are in the tensors' dtype (at least fp32).
     """
     out: List[SegmentValues] = [None] * len(params)
     by_group = {}
     for i, (p, t) in enumerate(zip(params, tensors)):
+        dtype = accumulation_dtype(t.dtype)  # float64 models keep float64 norms
         handle = handle_of(p)
         if handle is None:
-            out[i] = SegmentValues.whole(t.detach().float().pow(2).sum(), t.numel())
+            out[i] = SegmentValues.whole(t.detach().to(dtype).pow(2).sum(), t.numel())
             continue
         slices = shard_slices(handle.origins, handle.world_size, handle.rank)
         # one entry per origin (not per local slice): every rank all-reduces the same layout
-        sums = torch.zeros(len(handle.origins), dtype=torch.float32, device=t.device)
+        sums = torch.zeros(len(handle.origins), dtype=dtype, device=t.device)
         for idx, s_start, _, length in slices:
-            sums[idx] = t.detach()[s_start : s_start + length].float().pow(2).sum()
-        by_group.setdefault(handle.groups.shard, []).append((i, slices, sums))
-    for group, entries in by_group.items():
+            sums[idx] = t.detach()[s_start : s_start + length].to(dtype).pow(2).sum()
+        by_group.setdefault((handle.groups.shard, dtype), []).append((i, slices, sums))
+    for (group, _), entries in by_group.items():
         flat = torch.cat([sums for _, _, sums in entries])
         if dist.get_world_size(group) > 1:
             dist.all_reduce(flat, group=group)
@@ -145,18 +160,34 @@ def origin_sq_norms(params: List[torch.Tensor], tensors: List[torch.Tensor]) -> 
     return [s.spread().view_as(p) for p, s in zip(params, origin_sq_sums(params, tensors))]
 
 
+class PartialStepError(RuntimeError):
+    """A backward failed after the step in backward had updated some units: the model is partly
+    updated (those units' weights and optimizer state moved, the others' did not)."""
+
+    def __init__(self, stepped_units: List[str]):
+        self.stepped_units = stepped_units
+        super().__init__(
+            f"FullyShardedDataParallel: the backward failed after the step in backward had updated "
+            f"{len(stepped_units)} unit(s) ({', '.join(repr(u) for u in stepped_units)}); the model is "
+            "partly updated: restore the weights and optimizer state from a checkpoint"
+        )
+
+
 class OptimizerInBackward:
     """Runs ``optimizer`` on each flat shard of a wrapped model when its gradient is final.
 
     Shards the optimizer does not hold keep their gradient (nothing is dropped silently);
     shards passed to :meth:`freeze` have their gradient dropped and are not updated (SwAV's
     frozen prototypes: as when the ordinary loop sets their ``.grad`` to None before the step).
+    ``stepped`` lists the handles updated in the current backward (cleared when one begins).
     """
 
-    def __init__(self, optimizer: Optimizer):
+    def __init__(self, optimizer: Optimizer, shards: List[nn.Parameter]):
+        check_binds_shards(optimizer, shards)
         self.optimizer = optimizer
         self._frozen = set()
         self._group_index = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self.stepped: List[FlatParamHandle] = []
 
     def freeze(self, params: Iterable[nn.Parameter]) -> None:
         """Skip these shards in the following backward passes (until the next call)."""
@@ -174,7 +205,25 @@ class OptimizerInBackward:
                 self.optimizer.step()
             finally:
                 self.optimizer.param_groups = groups
+            self.stepped.append(handle)
         shard.grad = None
+
+
+def check_binds_shards(optimizer: Optimizer, shards: List[nn.Parameter]) -> None:
+    """An optimizer bound in backward must hold shards of the model (``shards``), never the
+    original parameters the engine replaced (it would train nothing, silently)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(replaced_by(p) is not None for p in params):
+        raise ValueError(
+            "apply_optimizer_in_backward: the optimizer holds parameters that FullyShardedDataParallel "
+            "replaced by shards (it would train nothing): build it on model.parameters() after wrapping"
+        )
+    mine = {id(s) for s in shards}
+    if not any(id(p) in mine for p in params):
+        raise ValueError(
+            "apply_optimizer_in_backward: the optimizer holds none of this model's shards (it would "
+            "train nothing): build it on model.parameters() of the model you bind it to"
+        )
 
 
 def apply_optimizer_in_backward(model: nn.Module, optimizer: Optimizer) -> OptimizerInBackward:

@@ -11,8 +11,12 @@ The model moves through :class:`~vistrain.fsdp.unit.Phase`::
 An exception can leave it in FORWARD or BACKWARD (autograd drops the queued final callback
 when backward raises). The next root forward, ``state_dict()``, ``summon_full_params()`` or an
 explicit ``reset_iter_state()`` then waits for and discards the aborted step's reductions,
-frees every gathered weight and returns to IDLE with a warning: the aborted step's gradients
-never reach ``.grad``, so training goes on as if the step had been skipped.
+frees every gathered weight and returns to IDLE with a warning. The aborted accumulation
+group's gradients are dropped: the ``no_sync()`` micro-batches' and every ``shard.grad`` the
+group created, so training goes on as if the step had been skipped (gradients it added to an
+older ``shard.grad`` stay there, as in DDP's ``.grad``, until ``zero_grad()``). With the step in
+backward, units that already stepped cannot be undone: the reset then raises
+:class:`~vistrain.fsdp.grads.PartialStepError` naming them.
 """
 
 import contextlib
@@ -21,7 +25,7 @@ import datetime
 import platform
 import warnings
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Union
+from typing import List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -34,6 +38,7 @@ from vistrain.fsdp.collectives import (
     wait_within,
 )
 from vistrain.fsdp.flat_param import FlatParamHandle
+from vistrain.fsdp.grads import OptimizerInBackward, PartialStepError
 from vistrain.fsdp.ownership import owned_modules
 from vistrain.fsdp.reductions import ReductionQueue
 from vistrain.fsdp.unit import MODEL_TRANSITIONS, Phase, UnitState, checked_transition
@@ -55,7 +60,9 @@ class RootOptions:
         (DDP's default), so BatchNorm statistics and ``state_dict()`` agree.
     find_unused_parameters: allow units whose outputs do not reach the loss on some ranks (as
         DDP's option): weights stay gathered until the end of backward (ZeRO-2) and gradients are
-        reduced at its end, after agreeing which ones any rank produced.
+        reduced at its end, after agreeing which ones any rank produced, per unit and per
+        original parameter; optimizer steps leave the parameters no rank gave a gradient alone,
+        as DDP's ``.grad = None`` does (``shard_grad.py``).
     collective_timeout: seconds (or a timedelta) after which a waited collective of a training
         step raises instead of hanging (ranks that ran different units). Default 5 minutes.
     release_host_memory: on CPU, give free heap pages back to the OS at unit boundaries once
@@ -99,6 +106,7 @@ class ModelState:
         self.modules = modules
         self.phase = Phase.IDLE
         self.require_grad_sync = True
+        self.binding: Optional[OptimizerInBackward] = None  # the optimizer stepping in backward
         self.order = UnitOrder(names, groups.data_parallel(), device, options.collective_timeout)
         self.heap = HeapRelease(options.release_host_memory and device.type == "cpu")
         handle_groups = [g for unit in units for h in unit.handles for g in h.groups.data_parallel()]
@@ -143,6 +151,8 @@ class ModelState:
         if self.phase is not Phase.BACKWARD:
             self._enter(Phase.BACKWARD)
             self.order.begin_backward()
+            if self.binding is not None:
+                self.binding.stepped.clear()
             queue_autograd_callback(self.finish_backward)
 
     def record_backward(self, unit_index: int) -> None:
@@ -167,12 +177,26 @@ class ModelState:
         self.reductions.finish_all()
         for unit in self.units:
             unit.end_backward()
+        if self.require_grad_sync:
+            for handle in self.handles():
+                handle.shard_grad.end_step()
+        if self.binding is not None:
+            self.binding.stepped.clear()
         self.heap.at_unit_boundary()
         self._enter(Phase.IDLE)
 
-    def step_in_backward(self, step_shard: Optional[Callable[[FlatParamHandle], None]]) -> None:
-        """Call ``step_shard(handle)`` once each handle's shard gradient is final (None: stop)."""
-        self.reductions.on_shard_grad_ready = step_shard
+    def step_in_backward(self, binding: Optional[OptimizerInBackward]) -> None:
+        """Have ``binding`` step each handle's shard once its gradient is final (None: stop).
+        One optimizer steps the whole model: binding a second one is refused."""
+        bound = self.binding
+        if binding is not None and bound is not None and bound.optimizer is not binding.optimizer:
+            raise ValueError(
+                "apply_optimizer_in_backward: another optimizer is already bound to this model (a "
+                "second one would replace it, and the first would train nothing): bind one optimizer "
+                "over model.parameters(), with param groups for different settings"
+            )
+        self.binding = binding
+        self.reductions.on_shard_grad_ready = binding.step_shard if binding is not None else None
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -203,6 +227,11 @@ class ModelState:
         for unit in self.units:
             unit.recover()
         self._enter(Phase.IDLE, recovering=True)
+        stepped = self.binding.stepped if self.binding is not None else []
+        if stepped:
+            names = [self.order.names[u.index] for u in self.units if any(h in stepped for h in u.handles)]
+            stepped.clear()
+            raise PartialStepError(names)
 
     def recover_if_interrupted(self) -> None:
         """Before gathering full parameters (state dicts): reset a stale step, refuse a running one."""
@@ -310,7 +339,7 @@ def broadcast_buffers(wrapped_modules, group, timeout: datetime.timedelta) -> No
 # copy, which otherwise leave the heaps at almost the training peak before the first step. Fixing the threshold instead (``MACHINE.CPU_MMAP_THRESHOLD_MIB``) returns memory at
 # every free, at the price of a page fault storm on every large allocation.
 # Freed since the last trim: the quick start's model is trimmed every few steps, a big model's
-# every unit or two (step-time A/B in docs/memory.md).
+# every unit or two (step-time A/B in docs/notes/memory.md).
 TRIM_AFTER_BYTES = 256 * 2**20
 
 

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from vistrain.torch_compat import child_modules, own_parameters
@@ -53,6 +53,11 @@ class _Registry:
         self.checked_optimizers = WeakIdKeyDictionary()  # optimizer -> param counts when checked
         self.init_recipe = WeakIdKeyDictionary()  # meta tensor -> how to create its values
         self.optimizer_hook = None
+        # shards (their ShardGrad) holding slices of parameters no rank gave a gradient, and what
+        # an optimizer step in progress saved of them (find_unused_parameters)
+        self.held_shards = weakref.WeakSet()
+        self.held_snapshots = WeakIdKeyDictionary()  # optimizer -> [(shard, state, slices)]
+        self.hold_hooks = None
 
 
 _REGISTRY = _Registry()
@@ -119,6 +124,68 @@ def _check_optimizer(optimizer, args, kwargs) -> None:
                     "shards: build the optimizer on model.parameters() after wrapping"
                 )
     _REGISTRY.checked_optimizers[optimizer] = counts
+
+
+# -- parameters without gradient inside a flat shard (find_unused_parameters) ---------------------
+# DDP leaves a parameter no rank gave a gradient at ``.grad = None``, and torch's optimizers skip
+# it: no weight decay, no momentum, no Adam moments. A flat shard steps as one tensor, so the
+# slices of such parameters get a zero gradient; every optimizer step (the ordinary one and the
+# step in backward alike) saves those slices of the shard and of its per-element optimizer state
+# before it runs and puts them back after. State the step created is zeroed there (a fresh
+# momentum or moment). The hooks are installed the first time a shard holds such slices and cost
+# one check of an empty set per step otherwise.
+
+
+def hold_slices_without_grad(shard_grad, held: bool) -> None:
+    """``shard_grad.slices_without_grad()`` of ``shard_grad.shard`` (a ``shard_grad.ShardGrad``)
+    are (``held``) or are no longer kept unchanged by every optimizer step."""
+    if not held:
+        _REGISTRY.held_shards.discard(shard_grad)
+        return
+    _REGISTRY.held_shards.add(shard_grad)
+    if _REGISTRY.hold_hooks is None:
+        _REGISTRY.hold_hooks = (
+            register_optimizer_step_pre_hook(_save_held_slices),
+            register_optimizer_step_post_hook(_restore_held_slices),
+        )
+
+
+def _save_held_slices(optimizer, args, kwargs) -> None:
+    if not _REGISTRY.held_shards:
+        return
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    saved = []
+    for shard_grad in list(_REGISTRY.held_shards):
+        shard = shard_grad.shard
+        if id(shard) not in stepped or shard.grad is None:
+            continue
+        state = optimizer.state.get(shard, {})
+        per_slice = []
+        for start, length in shard_grad.slices_without_grad():
+            values = {
+                key: value[start : start + length].clone()
+                for key, value in state.items()
+                if torch.is_tensor(value) and value.shape == shard.shape
+            }
+            per_slice.append((start, length, shard.detach()[start : start + length].clone(), values))
+        saved.append((shard, per_slice))
+    _REGISTRY.held_snapshots[optimizer] = saved
+
+
+def _restore_held_slices(optimizer, args, kwargs) -> None:
+    saved = _REGISTRY.held_snapshots.pop(optimizer, None)
+    for shard, per_slice in saved or ():
+        state = optimizer.state.get(shard, {})
+        with torch.no_grad():
+            for start, length, weights, values in per_slice:
+                shard[start : start + length].copy_(weights)
+                for key, value in state.items():
+                    if torch.is_tensor(value) and value.shape == shard.shape:
+                        before = values.get(key)  # None: this step created the state
+                        if before is None:
+                            value[start : start + length].zero_()
+                        else:
+                            value[start : start + length].copy_(before)
 
 
 def set_init_recipe(tensor, recipe) -> None:

@@ -9,7 +9,7 @@ inside the shard group, then the all-reduce of the shard over the replica group.
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,7 @@ class PendingReduction:
     work: dist.Work
     reduced: torch.Tensor  # (shard_numel,) this rank's slice of the averaged gradient
     source: torch.Tensor  # (padded_numel,) the full gradient being reduced; alive until the wait
+    without_grad: Tuple[int, ...] = ()  # origins no rank gave a gradient (find_unused_parameters)
 
 
 class ReductionQueue:
@@ -44,7 +45,7 @@ class ReductionQueue:
         # find_unused_parameters: full gradients kept until the end of backward, by handle.
         self.deferred: Dict[FlatParamHandle, torch.Tensor] = {}
 
-    def start(self, handle: FlatParamHandle, grad: torch.Tensor) -> None:
+    def start(self, handle: FlatParamHandle, grad: torch.Tensor, without_grad: Tuple[int, ...] = ()) -> None:
         # The previous reduction had this handle's whole backward to overlap with; moving it on now
         # bounds the full-size gradient buffers alive at any time to this one's and one in flight
         # (gloo reduces the full vector in place: its buffer lives until the reduce-scatter is
@@ -52,7 +53,7 @@ class ReductionQueue:
         self._advance()
         group = self.reduction_groups[group_ranks(handle.groups.shard)]
         work, reduced, source = handle.start_reduce_scatter(grad, group)
-        self.pending.append(PendingReduction(handle, work, reduced, source))
+        self.pending.append(PendingReduction(handle, work, reduced, source, without_grad))
 
     def defer(self, handle: FlatParamHandle, grad: torch.Tensor) -> None:
         self.deferred[handle] = grad
@@ -79,7 +80,7 @@ class ReductionQueue:
                 continue
             group = self.reduction_groups[group_ranks(handle.groups.replica)]
             work, shard = handle.start_replica_all_reduce(reduction.reduced, group)
-            self.across.append(PendingReduction(handle, work, shard, shard))
+            self.across.append(PendingReduction(handle, work, shard, shard, reduction.without_grad))
 
     @staticmethod
     def _wait(reduction: PendingReduction, describe: Callable[[FlatParamHandle], str]) -> None:
@@ -92,7 +93,7 @@ class ReductionQueue:
 
     def _finish(self, reduction: PendingReduction) -> None:
         """The shard gradient is averaged over the whole world: add it, announce it."""
-        reduction.handle.accumulate_shard_grad(reduction.reduced)
+        reduction.handle.shard_grad.add_reduced(reduction.reduced, reduction.without_grad)
         if self.on_shard_grad_ready is not None:
             self.on_shard_grad_ready(reduction.handle)
 
@@ -108,15 +109,18 @@ class ReductionQueue:
     def reduce_deferred(self, handles: List[FlatParamHandle], groups: Sequence) -> None:
         """find_unused_parameters: reduce, in the canonical unit order, every handle some rank used.
 
-        A MAX all-reduce of per-handle "has a gradient here" flags (over the shard group, then
-        the replica group: ``groups``) tells every rank which handles to reduce; a rank that did
-        not use one contributes zeros. Handles no rank used keep ``.grad`` as it was, as DDP
-        leaves globally unused parameters.
+        A MAX all-reduce of per-handle "has a gradient here" flags and per-origin "got a
+        gradient here" flags (over the shard group, then the replica group: ``groups``) tells
+        every rank which handles to reduce, and inside them which original parameters no rank
+        used; a rank that did not use a handle contributes zeros. Handles no rank used keep
+        ``.grad`` as it was, as DDP leaves globally unused parameters; origins no rank used are
+        recorded with the shard gradient (the optimizer step leaves them alone).
         """
         handles = [h for h in handles if h.shard.requires_grad]
-        local = [h in self.deferred or h.unsharded_grad_acc is not None for h in handles]
+        local = [h in self.deferred or h.shard_grad.accumulated() is not None for h in handles]
+        origins = [used for h in handles for used in h.shard_grad.used_origins()]
         device = handles[0].compute_device if handles else torch.device("cpu")
-        flags = torch.tensor(local, dtype=torch.uint8, device=device)
+        flags = torch.tensor(local + origins, dtype=torch.uint8, device=device)
         for group in groups:
             if not handles or dist.get_world_size(group) == 1:
                 continue
@@ -124,12 +128,18 @@ class ReductionQueue:
             wait_within(
                 work, handles[0].timeout, "the used-parameter flags of find_unused_parameters", flags.device
             )
-        for handle, used in zip(handles, flags.tolist()):
+        flags = flags.tolist()
+        used_origins = flags[len(handles) :]
+        for handle, used in zip(handles, flags):
+            origin_flags, used_origins = (
+                used_origins[: len(handle.origins)],
+                used_origins[len(handle.origins) :],
+            )
             if used:
                 grad = self.deferred.pop(handle, None)
                 if grad is None:
                     grad = torch.zeros_like(handle.full, dtype=handle.compute_dtype).detach()
-                self.start(handle, grad)
+                self.start(handle, grad, tuple(i for i, u in enumerate(origin_flags) if not u))
         self.deferred.clear()
 
     def tensors(self):

@@ -117,6 +117,7 @@ class UnitState:
         self.model, self.index, self.is_root = model, index, is_root
         for handle in self.handles:
             handle.timeout = model.options.collective_timeout
+            handle.shard_grad.track_origin_use = model.options.find_unused_parameters
 
     @property
     def keeps_gathered(self) -> bool:
@@ -220,6 +221,7 @@ class UnitState:
         """After an interrupted step: drop the gradients, free the weights, back to IDLE."""
         for handle in self.handles:
             handle.take_full_grad()
+            handle.shard_grad.drop_step()
             self._reshard_handle(handle)
         self._enter(Phase.IDLE, recovering=True)
 

@@ -8,7 +8,7 @@ rank, the number of ranks. The auto-tuner (``auto_tune.py``) chooses exact knobs
 search of ``tools/plan_memory.py`` (:func:`search`) may also move the result knobs.
 
 Speed is measured side by side on this project's 2-core CPU machine (``dev/bench_fsdp.py``, 2
-ranks, one thread each, RegNetY-400MF; docs/memory.md has the runs): ``STEP_VS_DDP`` per (wrap
+ranks, one thread each, RegNetY-400MF; docs/notes/memory.md has the runs): ``STEP_VS_DDP`` per (wrap
 granularity, reshard) as the step time over DDP's, times the cost of prefetch depth and the step
 in backward, plus the recomputation of checkpointing, times the allocator threshold's cost.
 Factors not measurable here (no GPU: mixed precision on CUDA, CPU offload) are common practice
@@ -43,7 +43,7 @@ RESULT_KNOBS = {
 }
 KNOB_KEYS = {**EXACT_KNOBS, **RESULT_KNOBS}
 
-# Measured (dev/bench_fsdp.py, first run of 2026-12-01; docs/memory.md): step time over DDP's per
+# Measured (dev/bench_fsdp.py, first run of 2026-12-01; docs/notes/memory.md): step time over DDP's per
 # (wrap granularity, reshard_after_forward). "model" keeps the root gathered, so ZeRO-3 there
 # differs from ZeRO-2 only for the fp32 units.
 STEP_VS_DDP = {

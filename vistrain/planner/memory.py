@@ -22,7 +22,7 @@ ceil(n / W) elements, p = fp32 master bytes 4, c = compute bytes: 2 under mixed 
 
 On CPU the plan is for glibc's default allocator: the engine gives freed heap pages back at unit
 boundaries (``vistrain/fsdp/model_state.py``) and ``GRADIENT_COPIES`` holds what glibc keeps until the
-next trim. The measurements the terms were fitted to and checked against: docs/memory.md.
+next trim. The measurements the terms were fitted to and checked against: docs/notes/memory.md.
 
 ``move_params_to_cpu`` on CUDA moves params, grads and optimizer state out of GPU memory.
 Which knobs fit a budget and which of them is fastest: ``knobs.py`` and ``auto_tune.py``.
@@ -38,11 +38,11 @@ from vistrain.fsdp.flat_param import shard_size
 from vistrain.planner.shape import MIB, ModelShapes, RunShape, meta_crops, run_shape, shapes_for
 
 # gloo threads and buffers, data loader, glibc arenas: what the quick start's peak RSS holds beyond
-# the import baseline and its model terms (docs/memory.md)
+# the import baseline and its model terms (docs/notes/memory.md)
 CPU_ALLOWANCE_MIB = 75
 OPTIMIZER_STATES = {"sgd": 1, "lars": 1, "adamw": 2}
 # A unit's full gradient at its backward peak: per parameter, concatenated, and half of it again
-# for what glibc keeps until the next trim (fitted at glibc's default, docs/memory.md).
+# for what glibc keeps until the next trim (fitted at glibc's default, docs/notes/memory.md).
 GRADIENT_COPIES = 2.5
 # With MACHINE.CPU_MMAP_THRESHOLD_MIB set glibc keeps nothing freed: the two copies autograd holds
 GRADIENT_COPIES_MMAPPED = 2.0

@@ -2,7 +2,7 @@
 
 The communication side of the planner (``memory.py`` is the memory side);
 ``tools/plan_memory.py`` prints :func:`traffic` for every sharded recipe and
-``dev/plan_hybrid.py`` the SEER RegNetY-10B case of the README.
+``dev/plan_hybrid.py`` the SEER RegNetY-10B case of docs/engine.md (hybrid sharding).
 """
 
 from dataclasses import asdict, dataclass

@@ -3,7 +3,9 @@
 Per iteration the trainer only adds tensors on the device (no host sync). Every LOG_FREQUENCY
 iterations :meth:`TrainingMeter.log` reduces the window over ranks in one all-reduce and rank 0
 writes one line, one JSON object and the TensorBoard scalars. The same reduction catches a NaN/inf
-loss on any rank in the window and stops every rank with the same error.
+loss on any rank in the window and stops every rank with the same error. Under fp16 loss scaling
+the record also holds the scale and the steps skipped on overflow so far (``loss_scale``,
+``skipped_steps``; the same on every rank).
 """
 
 import datetime
@@ -20,6 +22,7 @@ from vistrain.config.errors import DivergedError
 from vistrain.config.words import plural
 from vistrain.distributed import comm
 from vistrain.fsdp.memory import peak_rss_mib
+from vistrain.runtime.precision import LossScaling
 
 logger = logging.getLogger("vistrain")
 LOG_FILE_ONLY = {"log_file_only": True}  # logger.info(line, extra=LOG_FILE_ONLY): log.txt, not the console
@@ -81,13 +84,14 @@ class TrainingMeter:
         log_frequency: int,
         total_iterations: int,
         device: torch.device,
+        scaling: Optional[LossScaling] = None,
         console: bool = True,
     ):
         """``console`` False: the periodic lines go to log.txt only (metrics and TensorBoard as ever)."""
         if log_frequency < 1:
             raise ValueError(f"LOG_FREQUENCY must be >= 1, got {log_frequency}")
         self.run_dir, self.log_frequency, self.total = run_dir, log_frequency, total_iterations
-        self.device, self.console = device, console
+        self.device, self.scaling, self.console = device, scaling, console
         self.window = torch.zeros(7, dtype=torch.float64, device=device)
         self.window_start = self.run_start = time.perf_counter()
         self.images_seen = 0.0  # this run, all ranks
@@ -150,12 +154,16 @@ class TrainingMeter:
             "peak_mem_mib": peak,
             "skipped_images": int(self.skipped_total),
         }
+        if self.scaling is not None:
+            record.update(loss_scale=self.scaling.scale, skipped_steps=self.scaling.skipped_steps)
         if comm.is_main_process():
             self._write(record, num_epochs)
 
     def _write(self, record: dict, num_epochs: int) -> None:
         eta = datetime.timedelta(seconds=int(record["eta_seconds"]))
         skipped = f"  skipped {record['skipped_images']}" if record["skipped_images"] else ""
+        if "loss_scale" in record:
+            skipped += f"  scale {record['loss_scale']:g} ({record['skipped_steps']} steps skipped)"
         logger.info(
             f"epoch {record['epoch'] + 1}/{num_epochs}  it {record['iteration']}/{self.total}  "
             f"loss {record['loss']:.4f} (avg {record['loss_avg']:.4f})  lr {record['lr']:.4g}  "
@@ -164,8 +172,10 @@ class TrainingMeter:
         )
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
-        for name in ("loss", "loss_avg", "lr", "images_per_sec", "peak_mem_mib", "skipped_images"):
-            self.writer.add_scalar(f"train/{name}", record[name], record["iteration"])
+        names = ("loss", "loss_avg", "lr", "images_per_sec", "peak_mem_mib", "skipped_images")
+        for name in names + ("loss_scale", "skipped_steps"):
+            if name in record:
+                self.writer.add_scalar(f"train/{name}", record[name], record["iteration"])
         self.writer.flush()
 
     def summary(self) -> None:

@@ -145,9 +145,10 @@ def shard_model(model: nn.Module, model_cfg, param_group_fn: Optional[Callable] 
 
 def unit_precision(fsdp_cfg) -> Precision:
     """The engine's :class:`Precision` for ``MODEL.FSDP_CONFIG``: ``compute_dtype`` under
-    ``mixed_precision``, gradients reduced in fp32 with ``fp32_reduce_scatter``."""
+    ``mixed_precision``, gradients reduced in fp32 with ``fp32_reduce_scatter``. Without mixed
+    precision gradients are reduced in the parameters' own dtype (a float64 model in float64)."""
     dtype = compute_dtype(fsdp_cfg)
-    reduce = torch.float32 if fsdp_cfg.fp32_reduce_scatter else None
+    reduce = torch.float32 if fsdp_cfg.fp32_reduce_scatter and dtype is not None else None
     return Precision(dtype, reduce)
 
 

@@ -30,14 +30,14 @@ from vistrain.checkpoint import (
     save_sharded_checkpoint,
     set_aside,
 )
-from vistrain.config import ConfigError
+from vistrain.config import ConfigError, InputError
 from vistrain.config.words import plural
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed import comm
 from vistrain.fsdp import (
     Backend,
     OptimizerInBackward,
-    ShardedGradScaler,
+    PartialStepError,
     apply_optimizer_in_backward,
     backend_of,
 )
@@ -65,7 +65,7 @@ class StepSettings:
 
     device: torch.device
     amp_dtype: Optional[torch.dtype]  # None: no autocast
-    scaler: Optional[torch.amp.GradScaler]  # float16 only
+    scaling: Optional[precision.LossScaling]  # float16 only
     update_freq: int
     clip_grad_norm: float
     in_backward: Optional[OptimizerInBackward]  # the step runs inside backward (sharded engine)
@@ -142,7 +142,9 @@ def _train_epochs(cfg, run: _Run, iteration: int) -> None:
     (accumulating), step at the end of each accumulation group, log, checkpoint."""
     model, criterion, optimizer, settings = run.model, run.criterion, run.optimizer, run.settings
     iters_per_epoch = run.layout.iters_per_epoch
-    meter = TrainingMeter(cfg.CHECKPOINT.DIR, cfg.LOG_FREQUENCY, run.total_iterations, settings.device)
+    meter = TrainingMeter(
+        cfg.CHECKPOINT.DIR, cfg.LOG_FREQUENCY, run.total_iterations, settings.device, settings.scaling
+    )
     stop = BoundaryStop(cfg, run.total_iterations)  # SIGTERM / SIGUSR1: stop and save at a boundary
     saved_at = iteration
     start_epoch, skip = divmod(iteration, iters_per_epoch)
@@ -157,7 +159,9 @@ def _train_epochs(cfg, run: _Run, iteration: int) -> None:
             )
             if settings.in_backward is not None and group.is_last:
                 settings.in_backward.freeze(criterion.frozen_params(model, iteration))
-            loss = _forward_backward(model, criterion, batch, settings, group)
+            loss = _forward_backward(
+                model, criterion, batch, settings, group, (cfg.CHECKPOINT.DIR, iteration)
+            )
             meter.update(loss, num_images=batch["index"].shape[0], num_skipped=batch.get("num_skipped", 0))
             if group.is_last:
                 _optimizer_step(model, criterion, optimizer, settings, iteration)
@@ -194,10 +198,18 @@ def _accumulation_group(in_epoch: int, iters_per_epoch: int, update_freq: int) -
     return _Group(size=size, is_last=in_epoch + 1 == start + size)
 
 
+class PartlyUpdatedError(InputError):
+    """A backward failed after the step in backward had updated some units: training stops in
+    one line (the checkpoints on disk are whole; a rerun resumes from the last one)."""
+
+    kind = "training stopped"
+
+
 def _forward_backward(
-    model: nn.Module, criterion, batch: dict, s: StepSettings, group: _Group
+    model: nn.Module, criterion, batch: dict, s: StepSettings, group: _Group, where: Tuple[str, int]
 ) -> torch.Tensor:
-    """Forward + loss under autocast, backward of loss / group size. Returns the (unscaled) loss."""
+    """Forward + loss under autocast, backward of loss / group size. Returns the (unscaled) loss.
+    ``where``: (run folder, iteration), named if a failed backward left the model partly updated."""
     crops = [c.to(s.device, non_blocking=True) for c in batch["crops"]]
     # DDP and the sharded engine skip the gradient all-reduce / reduce-scatter inside no_sync()
     sync = contextlib.nullcontext() if group.is_last else model.no_sync()
@@ -208,8 +220,34 @@ def _forward_backward(
             loss = criterion(model(crops), len(crops))
         # dividing by the group size makes the accumulated gradient the mean over its micro-batches
         scaled = loss / group.size
-        (s.scaler.scale(scaled) if s.scaler is not None else scaled).backward()
+        try:
+            (s.scaling.scaler.scale(scaled) if s.scaling is not None else scaled).backward()
+        except Exception as error:
+            if s.in_backward is not None:
+                _stop_if_partly_updated(model, error, *where)
+            raise
     return loss.detach()
+
+
+def _stop_if_partly_updated(model: nn.Module, error: Exception, run_dir: str, iteration: int) -> None:
+    """With the step in backward: raise :class:`PartlyUpdatedError` (one line) when ``error``
+    stopped a backward after some units stepped; the original traceback goes to the log."""
+    try:
+        model.reset_iter_state()
+        return  # nothing had stepped: the original error stands
+    except PartialStepError as partial:
+        stepped = partial.stepped_units
+    except Exception:  # recovery failed too (peers gone): the original error says more
+        return
+    logger.error("the backward failed", exc_info=error)
+    latest = find_latest_checkpoint(run_dir)
+    resume = f"from {latest}" if latest else f"from the start (no checkpoint in {run_dir} yet)"
+    first_line = (str(error).splitlines() or [""])[0]
+    raise PartlyUpdatedError(
+        f"the backward of iteration {iteration + 1} failed ({type(error).__name__}: {first_line}) after the "
+        f"step in backward had updated units {', '.join(stepped)}: the weights are partly updated and "
+        f"were not saved; rerun the same command to resume {resume}"
+    ) from error
 
 
 def _optimizer_step(model: nn.Module, criterion, optimizer, s: StepSettings, iteration: int) -> None:
@@ -218,15 +256,14 @@ def _optimizer_step(model: nn.Module, criterion, optimizer, s: StepSettings, ite
         return
     criterion.before_optimizer_step(model, iteration)
     if s.clip_grad_norm > 0:
-        if s.scaler is not None:
-            s.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+        if s.scaling is not None:
+            s.scaling.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
         if backend_of(model) is not Backend.REPLICATED:  # sharded: the norm spans all shards
             model.clip_grad_norm_(s.clip_grad_norm)
         else:
             torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip_grad_norm)
-    if s.scaler is not None:
-        s.scaler.step(optimizer)
-        s.scaler.update()
+    if s.scaling is not None:
+        s.scaling.step(optimizer)  # skipped when some rank found an inf/NaN gradient
     else:
         optimizer.step()
     criterion.after_optimizer_step(model)
@@ -240,19 +277,12 @@ def _optimizer_step(model: nn.Module, criterion, optimizer, s: StepSettings, ite
 def _step_settings(cfg, model: nn.Module, optimizer, device: torch.device) -> StepSettings:
     amp_dtype = precision.amp_dtype(cfg.MODEL)  # name and device were checked before launch
     update_freq = cfg.OPTIMIZER.update_freq
-    scaler = _grad_scaler(model) if amp_dtype == torch.float16 else None
+    scaling = precision.loss_scaling(model, cfg.MODEL, device)
     # checked before launch: the built-in engine, no clipping, no fp16 scaler
     in_backward = apply_optimizer_in_backward(model, optimizer) if cfg.OPTIMIZER.step_in_backward else None
     return StepSettings(
-        device, amp_dtype, scaler, update_freq, float(cfg.OPTIMIZER.clip_grad_norm), in_backward
+        device, amp_dtype, scaling, update_freq, float(cfg.OPTIMIZER.clip_grad_norm), in_backward
     )
-
-
-def _grad_scaler(model: nn.Module) -> torch.amp.GradScaler:
-    """float16 loss scaling; the sharded engine needs its own scaler (inf checks across shards)."""
-    if backend_of(model) is Backend.BUILTIN:
-        return ShardedGradScaler()
-    return torch.amp.GradScaler("cuda")
 
 
 # --------------------------------------------------------------------------------------------
@@ -270,15 +300,15 @@ def _crossed(saved_at: int, iteration: int, frequency: int) -> bool:
 
 def _checkpoint(cfg, meter, run: _Run, iteration: int) -> int:
     """Save ``checkpoint_<iteration>`` (collective); returns ``iteration``."""
-    layout, scaler = run.layout, run.settings.scaler
+    layout, scaling = run.layout, run.settings.scaling
     epoch, in_epoch = divmod(iteration, layout.iters_per_epoch)
     # never save a run that diverged: the loss window, and the weights (a step can make them NaN
     # before any loss shows it)
     meter.check_finite(iteration, epoch)
     _check_finite_weights(run.model, iteration, cfg.CHECKPOINT.DIR)
     extra = {"loss": run.criterion.state_dict()}  # per rank: the SwAV queue differs between ranks
-    if scaler is not None:
-        extra["grad_scaler"] = scaler.state_dict()
+    if scaling is not None:
+        extra.update(scaling.state_dict())  # "grad_scaler", "skipped_steps": an exact resume
     meta = {
         "epoch": epoch,
         "iteration_in_epoch": in_epoch,
@@ -333,8 +363,8 @@ def _resume(run_dir: str, run: _Run) -> Tuple[int, int]:
             f"{path} was saved by {plural(meta['world_size'], 'rank')}: per-rank loss state "
             "(e.g. the SwAV queue) and RNG streams start afresh"
         )
-    if run.settings.scaler is not None and "grad_scaler" in extra:
-        run.settings.scaler.load_state_dict(extra["grad_scaler"])
+    if run.settings.scaling is not None:
+        run.settings.scaling.load_state_dict(extra)
     logger.info(f"resumed from {path} at iteration {iteration}")
     return iteration, meta["iteration"]
 
