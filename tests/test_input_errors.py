@@ -149,6 +149,24 @@ def test_an_int_key_given_an_exponent_is_one_line_naming_the_integer(capsys):
     )
 
 
+def test_counted_nouns_agree_with_their_count(tmp_path, caplog):
+    """ "1 epoch", "1 corrupt image": the issue's "1 epochs", "1 corrupt images" (also the closing
+    line of a run that skipped one image)."""
+    import torch
+
+    from vistrain.config.words import plural
+    from vistrain.runtime.logger import TrainingMeter
+
+    assert [plural(1, "epoch"), plural(2, "epoch"), plural(0, "rank")] == ["1 epoch", "2 epochs", "0 ranks"]
+    assert plural(1.5, "epoch") == "1.5 epochs" and plural(1234, "image") == "1,234 images"
+    meter = TrainingMeter(str(tmp_path), 1, 1, torch.device("cpu"))
+    meter.update(torch.tensor(1.0), num_images=4, num_skipped=1)
+    meter.log(1, 0, 1, 0.1)
+    with caplog.at_level("INFO", logger="vistrain"):
+        meter.summary()
+    assert caplog.messages[-1].endswith("img/s overall, skipped 1 corrupt image")
+
+
 # --------------------------------------------------------------------------------------------
 # image folders with links
 

@@ -164,7 +164,8 @@ def _check_sizes(dist_cfg: CfgNode):
 def _check_local_devices(device: str, needed: int) -> None:
     if device == "cuda" and needed > torch.cuda.device_count():
         raise ConfigError(
-            f"{needed} ranks on this machine need {needed} GPUs; {torch.cuda.device_count()} visible"
+            f"{needed} ranks on this machine need {needed} GPUs; {torch.cuda.device_count()} visible: set "
+            f"DISTRIBUTED.NUM_PROC_PER_NODE={torch.cuda.device_count()} or MACHINE.DEVICE=cpu"
         )
 
 
