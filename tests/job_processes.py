@@ -111,6 +111,19 @@ class Job:
         took = time.monotonic() - since if since is not None else 0.0
         return self.proc.returncode, self.err.read_text().splitlines(), took
 
+    def outlived_by(self, seconds: float) -> bool:
+        """Whether any process of the job (a rank, a DataLoader worker, multiprocessing's resource
+        tracker) still lives ``seconds`` after the launcher exited (call after :meth:`finish`)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return False
+            time.sleep(0.05)
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        return True
+
 
 def last_iteration(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"

@@ -104,6 +104,10 @@ def test_stop_signals_to_the_launcher_to_one_rank_and_to_every_process_lose_noth
         sent = time.monotonic()
         send(job)
         stops.append(_assert_stopped_at_a_boundary(run_dir, *job.finish(since=sent), sig))
+        # nothing of the job lingers (DataLoader workers die with their rank) to print after its
+        # line (the resource tracker's "leaked semaphore objects" warning)
+        assert not job.outlived_by(3.0)
+        assert len(job.err.read_text().splitlines()) == 1, job.err.read_text()
     assert stops == sorted(stops) and stops[-1] < ITERATIONS
     log = (run_dir / "log.txt").read_text()
     for stopped in stops[:-1]:

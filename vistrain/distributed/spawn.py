@@ -28,6 +28,12 @@ from vistrain.distributed.rank import LaunchPlan, start_rank
 from vistrain.distributed.stop_signals import STOP_SIGNALS, Forwarder, signal_name
 
 STOP_GRACE_SECONDS = 5.0  # after a failure, time the other ranks get to exit on their own, then SIGKILL
+# A spawned rank's DataLoader queues register their semaphores with the launcher's multiprocessing
+# resource tracker. A rank that ends the job (a one-line error, a stop signal) leaves at once
+# (os._exit) without unregistering them: the tracker unlinks them when the job ends, and would add a
+# two-line "leaked semaphore objects" UserWarning after the job's one line. Python starts the
+# tracker (and the ranks) with the launcher's -W options, so this filter reaches it.
+_QUIET_TRACKER = "ignore::UserWarning:multiprocessing.resource_tracker"
 
 
 class RankFailedError(RuntimeError):
@@ -62,6 +68,8 @@ def _run_spawned_rank(local_rank: int, launcher_pid: int, main_fn, cfg, plan, er
 
 def spawn_and_watch(main_fn, cfg: CfgNode, plan: LaunchPlan) -> None:
     error_dir = tempfile.mkdtemp(prefix="vistrain-ranks-")
+    if _QUIET_TRACKER not in sys.warnoptions:
+        sys.warnoptions.append(_QUIET_TRACKER)
     try:
         with Forwarder(cfg.CHECKPOINT.STOP_GRACE_SECONDS) as stop:
             with supervise.spawning_ignores_sigint():
