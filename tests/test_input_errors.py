@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from vistrain import cli
@@ -152,8 +153,6 @@ def test_an_int_key_given_an_exponent_is_one_line_naming_the_integer(capsys):
 def test_counted_nouns_agree_with_their_count(tmp_path, caplog):
     """ "1 epoch", "1 corrupt image": the issue's "1 epochs", "1 corrupt images" (also the closing
     line of a run that skipped one image)."""
-    import torch
-
     from vistrain.config.words import plural
     from vistrain.runtime.logger import TrainingMeter
 
@@ -222,6 +221,19 @@ def test_plan_memory_and_convert_checkpoint_give_the_launchers_one_line_errors(t
     done = _tool("convert_checkpoint.py", str(tmp_path), "--inspect")
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1
     assert done.stderr.startswith(f"checkpoint error: {tmp_path}: holds no complete checkpoint")
+    # an output that cannot be written names its folder (it said "/proc/x.pt.tmp: no such file")
+    torch.save({"trunk.w": torch.zeros(2)}, tmp_path / "small.pt")
+    for out, why in [
+        ("/proc/x.pt", "making a file in /proc fails (No such file or directory); choose another path"),
+        (
+            f"{tmp_path}/none/x.pt",
+            f"its folder {tmp_path}/none does not exist; create it or choose another path",
+        ),
+    ]:
+        done = _tool("convert_checkpoint.py", str(tmp_path / "small.pt"), "--to-consolidated", out)
+        assert done.returncode == 2 and done.stderr.splitlines() == [
+            f"input error: cannot write {out}: {why}"
+        ]
 
 
 # --------------------------------------------------------------------------------------------
