@@ -11,6 +11,7 @@ in every rank: a short sleep per step gives the test a window to send its signal
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -278,3 +279,33 @@ def test_a_stop_signal_while_the_job_starts_is_one_line(tmp_path):
     os.kill(job.proc.pid, signal.SIGTERM)
     code, err, _ = job.finish()
     assert code == 143 and len(err) == 1 and err[0].startswith("stopped: SIGTERM"), err
+
+
+_SIGNAL_WHILE_LAUNCHING = """
+import os, signal, sys, time
+from vistrain import cli
+from vistrain.config import load_config
+from vistrain.distributed import launch
+
+def launch_hit_by_sigterm(job, cfg, announce=None):  # before the launcher installs its handlers
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+
+launch.launch = launch_hit_by_sigterm
+sys.exit(cli.run(print, load_config(["config=test/simclr_tiny", "config.CHECKPOINT.DIR=" + sys.argv[1]])))
+"""
+
+
+def test_a_stop_signal_before_the_launcher_handles_it_is_one_line(tmp_path):
+    """Between the checks and the launcher's own handlers a SIGTERM ended the command silently."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGNAL_WHILE_LAUNCHING, str(tmp_path / "run")],
+        cwd=REPO,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 143 and done.stderr.splitlines() == [
+        f"stopped: SIGTERM before the run started; nothing was written; no checkpoint in {tmp_path / 'run'} yet"
+    ]

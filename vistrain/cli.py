@@ -83,8 +83,9 @@ def _main(argv: Sequence[str]) -> int:
 
 @contextlib.contextmanager
 def _stop_signals_before_start() -> Iterator[None]:
-    """SIGTERM / SIGUSR1 while the config is checked and the memory planned: stop in one line,
-    nothing started (from then on the launcher and the ranks handle them)."""
+    """SIGTERM / SIGUSR1 while the config is checked, the memory planned and the launcher starts:
+    stop in one line, nothing started (the launcher and the ranks install their own handlers
+    inside, see ``vistrain.distributed.stop_signals``)."""
     if threading.current_thread() is not threading.main_thread():  # only it may set handlers
         yield
         return
@@ -132,7 +133,9 @@ def run(job, cfg) -> int:
 
     say("starting the ranks: each loads torch, builds the model and reads the data")
     try:
-        launch(job, cfg, announce=functools.partial(announce_stop, cfg.CHECKPOINT.DIR, cfg.JOB))
+        # until the launcher (or the rank, in-process) installs its own answer to SIGTERM / SIGUSR1
+        with _stop_signals_before_start():
+            launch(job, cfg, announce=functools.partial(announce_stop, cfg.CHECKPOINT.DIR, cfg.JOB))
     except OneLineExit as e:  # bad input, divergence, a stop signal: found by the launcher or a rank
         return _report(e, cfg)
     except RankFailedError as e:
