@@ -215,6 +215,29 @@ def test_torchrun_restarts_workers_stopped_by_sigterm_and_loses_nothing(tmp_path
 # the pieces, in one process
 
 
+def test_the_stop_line_says_how_to_resume(tmp_path):
+    """With AUTO_RESUME off the same command would start afresh: the line names the key."""
+    import json
+
+    from vistrain.checkpoint.files import FORMAT
+    from vistrain.cli import stop_line
+    from vistrain.config import load_config
+
+    checkpoint = tmp_path / "checkpoint_4"
+    checkpoint.mkdir()
+    torch.save({"w": torch.zeros(1)}, checkpoint / "rank0.pt")
+    meta = {"format": FORMAT, "iteration": 4, "samples_seen": 32, "rank_files": ["rank0.pt"]}
+    (checkpoint / "metadata.json").write_text(json.dumps(meta))
+    cfg = load_config(["config=test/simclr_tiny", f"config.CHECKPOINT.DIR={tmp_path}"])
+    assert stop_line(cfg, "SIGTERM at iteration 4") == (
+        f"stopped: SIGTERM at iteration 4; rerun the same command to resume from {checkpoint}"
+    )
+    cfg.CHECKPOINT.AUTO_RESUME = False
+    assert stop_line(cfg, "SIGTERM at iteration 4") == (
+        f"stopped: SIGTERM at iteration 4; rerun with config.CHECKPOINT.AUTO_RESUME=True to resume from {checkpoint}"
+    )
+
+
 def test_a_stop_signal_outside_a_loop_raises_and_inside_one_is_only_recorded():
     from vistrain.config import StopRequested
     from vistrain.distributed.stop_signals import StopSignals

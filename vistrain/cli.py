@@ -135,7 +135,7 @@ def run(job, cfg) -> int:
     try:
         # until the launcher (or the rank, in-process) installs its own answer to SIGTERM / SIGUSR1
         with _stop_signals_before_start():
-            launch(job, cfg, announce=functools.partial(announce_stop, cfg.CHECKPOINT.DIR, cfg.JOB))
+            launch(job, cfg, announce=functools.partial(announce_stop, cfg))
     except OneLineExit as e:  # bad input, divergence, a stop signal: found by the launcher or a rank
         return _report(e, cfg)
     except RankFailedError as e:
@@ -163,7 +163,7 @@ def _report(error: OneLineExit, cfg) -> int:
     from vistrain.distributed.launch import report_for_job
 
     if isinstance(error, StopRequested):
-        line = stop_line(cfg.CHECKPOINT.DIR, cfg.JOB, str(error))
+        line = stop_line(cfg, str(error))
     else:
         line = error.line()
     report_for_job(line, os.environ, error.agreed)
@@ -182,23 +182,27 @@ def _leave(code: int) -> int:
     return code
 
 
-def stop_line(run_dir: str, engine: str, detail: str) -> str:
+def stop_line(cfg, detail: str) -> str:
     """The line of a job stopped by a signal: what happened (``detail``) and where the same command
-    continues from."""
-    if engine != "train":
+    continues from (with AUTO_RESUME off a rerun would start afresh: the line says so)."""
+    if cfg.JOB != "train":
         return f"stopped: {detail}; rerun the same command to run it again"
     from vistrain.checkpoint import find_latest_checkpoint
 
+    run_dir = cfg.CHECKPOINT.DIR
     latest = find_latest_checkpoint(run_dir)
-    resume = (
-        f"rerun the same command to resume from {latest}" if latest else f"no checkpoint in {run_dir} yet"
-    )
+    if not latest:
+        resume = f"no checkpoint in {run_dir} yet"
+    elif cfg.CHECKPOINT.AUTO_RESUME:
+        resume = f"rerun the same command to resume from {latest}"
+    else:
+        resume = f"rerun with config.CHECKPOINT.AUTO_RESUME=True to resume from {latest}"
     return f"stopped: {detail}; {resume}"
 
 
-def announce_stop(run_dir: str, engine: str, detail: str) -> None:
+def announce_stop(cfg, detail: str) -> None:
     """Print the job's stop line (the rank that ends the process when a stop's grace runs out)."""
-    print(stop_line(run_dir, engine, detail), file=sys.stderr, flush=True)
+    print(stop_line(cfg, detail), file=sys.stderr, flush=True)
 
 
 def _exit_interrupted(run_dir: str) -> None:
