@@ -232,7 +232,13 @@ def test_the_stop_line_says_how_to_resume(tmp_path):
     assert stop_line(cfg, "SIGTERM at iteration 4") == (
         f"stopped: SIGTERM at iteration 4; rerun the same command to resume from {checkpoint}"
     )
-    cfg.CHECKPOINT.AUTO_RESUME = False
+    cfg = load_config(
+        [
+            "config=test/simclr_tiny",
+            f"config.CHECKPOINT.DIR={tmp_path}",
+            "config.CHECKPOINT.AUTO_RESUME=False",
+        ]
+    )
     assert stop_line(cfg, "SIGTERM at iteration 4") == (
         f"stopped: SIGTERM at iteration 4; rerun with config.CHECKPOINT.AUTO_RESUME=True to resume from {checkpoint}"
     )
