@@ -105,7 +105,7 @@ def test_torchrun_decides_the_layout_and_names_the_keys_it_overrides():
         "config.DISTRIBUTED.NUM_PROC_PER_NODE=8", "config.DISTRIBUTED.RUN_ID=n0:1234", environ=env
     ).notes
     assert note == (
-        "torchrun decides the layout (2 node(s), 2 rank(s) on this node, world size 4, rendezvous env://); "
+        "torchrun decides the layout (2 nodes, 2 ranks on this node, world size 4, rendezvous env://); "
         "ignoring DISTRIBUTED.NUM_NODES=1, NUM_PROC_PER_NODE=8, RUN_ID=n0:1234"
     )
     agreeing = _plan("config.DISTRIBUTED.NUM_NODES=2", "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", environ=env)
@@ -181,7 +181,7 @@ def test_joins_slurm_tasks():
     assert plan.init_method == f"tcp://gpu007:{20000 + 12345 % 20000}"
     # a recipe written for one node: srun's layout wins, with a note
     (note,) = _plan(environ=_slurm_env(procid=3, localid=1, nodeid=1)).notes
-    assert note.startswith("srun decides the layout (2 node(s), 2 rank(s) on this node, world size 4")
+    assert note.startswith("srun decides the layout (2 nodes, 2 ranks on this node, world size 4")
     assert note.endswith("ignoring DISTRIBUTED.NUM_NODES=1, NUM_PROC_PER_NODE=1")
 
 
