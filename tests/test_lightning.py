@@ -58,7 +58,14 @@ def fit(strategy, make_module, devices=2, ckpt_path=None, **kwargs):
     os.environ["MASTER_PORT"] = str(find_free_port())
     module = make_module()
     trainer = pl.Trainer(**trainer_kwargs(strategy=strategy, devices=devices, **kwargs))
-    trainer.fit(module, ckpt_path=ckpt_path)
+    # forked ranks inherit one OpenMP thread: a pool the suite's earlier tests started in this
+    # process does not survive fork (libgomp), and the ranks' first parallel region can hang on it
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer.fit(module, ckpt_path=ckpt_path)
+    finally:
+        torch.set_num_threads(threads)
     return trainer, module
 
 

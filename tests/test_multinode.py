@@ -34,6 +34,8 @@ TINY = [
     "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=2",
     "config.CHECKPOINT.KEEP_LAST=10",
 ]
+# a shard group per "node" (hybrid sharding): the 4-rank jobs below cross nodes with it
+HYBRID = ("config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True", "config.MODEL.FSDP_CONFIG.shard_group_size=2")
 TIMEOUT = 240  # per job; a hung rendezvous fails the test instead of the suite
 _JOB_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
@@ -87,16 +89,17 @@ def _free_port_between(low: int, high: int) -> int:
 
 @pytest.fixture(scope="module")
 def spawn_reference(tmp_path_factory):
-    """world size -> losses of the spawn launcher's run (computed once per module and world size)."""
+    """(world size, overrides) -> losses of the spawn launcher's run on one node (each computed once
+    per module)."""
     cache = {}
 
-    def losses(world: int) -> dict:
-        if world not in cache:
+    def losses(world: int, *overrides) -> dict:
+        if (world, overrides) not in cache:
             run_dir = tmp_path_factory.mktemp("reference") / f"world{world}"
-            command = [sys.executable, RUN, *_args(run_dir, f"config.DISTRIBUTED.NUM_PROC_PER_NODE={world}")]
-            _run_together([command], run_dir)
-            cache[world] = _losses(run_dir)
-        return cache[world]
+            layout = f"config.DISTRIBUTED.NUM_PROC_PER_NODE={world}"
+            _run_together([[sys.executable, RUN, *_args(run_dir, layout, *overrides)]], run_dir)
+            cache[world, overrides] = _losses(run_dir)
+        return cache[world, overrides]
 
     return losses
 
@@ -133,7 +136,8 @@ def test_torchrun_standalone_two_processes(tmp_path, spawn_reference):
 
 
 def test_two_torchrun_nodes_with_c10d_rendezvous(tmp_path, spawn_reference):
-    """Two agents (nodes) of 2 workers each meet in a c10d rendezvous on 127.0.0.1: world size 4."""
+    """Two agents (nodes) of 2 workers each meet in a c10d rendezvous on 127.0.0.1: world size 4,
+    a shard group per node."""
     run_dir, port = tmp_path / "run", find_free_port()
     commands = [
         [
@@ -146,12 +150,12 @@ def test_two_torchrun_nodes_with_c10d_rendezvous(tmp_path, spawn_reference):
             f"--rdzv_conf=is_host={int(node == 0)}",  # who serves the store: no race between the two
             "--local_addr=127.0.0.1",
             RUN,
-            *_args(run_dir),
+            *_args(run_dir, *HYBRID),
         ]
         for node in range(2)
     ]
     outputs = _run_together(commands, run_dir)
-    _assert_same_losses(run_dir, spawn_reference(4), iterations=4)
+    _assert_same_losses(run_dir, spawn_reference(4, *HYBRID), iterations=4)
     _assert_rank0_side_effects(run_dir, iterations=4)
     # the recipe's NUM_PROC_PER_NODE: 2 is right per node, NUM_NODES: 1 is not: one note, once
     notes = [line for out in outputs for line in out.splitlines() if "ignoring DISTRIBUTED." in line]
@@ -238,12 +242,13 @@ def test_sbatch_script_with_two_srun_tasks_on_one_node(tmp_path, spawn_reference
 
 
 def test_launcher_two_nodes_of_two_ranks(tmp_path, spawn_reference):
+    """The launcher's own multi-node mode, a shard group per node."""
     run_dir, port = tmp_path / "run", find_free_port()
     commands = [
         [
             sys.executable,
             RUN,
-            *_args(run_dir),
+            *_args(run_dir, *HYBRID),
             "config.DISTRIBUTED.NUM_NODES=2",
             f"config.DISTRIBUTED.NODE_ID={node}",
             f"config.DISTRIBUTED.RUN_ID=127.0.0.1:{port}",
@@ -251,8 +256,20 @@ def test_launcher_two_nodes_of_two_ranks(tmp_path, spawn_reference):
         for node in range(2)
     ]
     _run_together(commands, run_dir)
-    _assert_same_losses(run_dir, spawn_reference(4), iterations=4)
+    _assert_same_losses(run_dir, spawn_reference(4, *HYBRID), iterations=4)
     _assert_rank0_side_effects(run_dir, iterations=4)
+
+
+def test_a_shard_group_per_node_equals_ddp_on_one_node(spawn_reference):
+    """The hybrid reference the 4-rank jobs above match is itself DDP's run (other sums: close)."""
+    hybrid, ddp = spawn_reference(4, *HYBRID), spawn_reference(4)
+    assert sorted(hybrid) == sorted(ddp) == [1, 2, 3, 4]
+    torch.testing.assert_close(
+        torch.tensor([hybrid[i] for i in sorted(hybrid)], dtype=torch.float64),
+        torch.tensor([ddp[i] for i in sorted(ddp)], dtype=torch.float64),
+        rtol=1e-5,
+        atol=0,
+    )
 
 
 # --------------------------------------------------------------------------------------------
