@@ -221,6 +221,18 @@ def test_plan_memory_and_convert_checkpoint_give_the_launchers_one_line_errors(t
     done = _tool("convert_checkpoint.py", str(tmp_path), "--inspect")
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1
     assert done.stderr.startswith(f"checkpoint error: {tmp_path}: holds no complete checkpoint")
+    # a file that is no checkpoint at all, or one holding code: words, not "KeyError: 101" or
+    # torch's advice to load with weights_only=False
+    (tmp_path / "notes.pt").write_text("hello\n")
+    torch.save({"layer": torch.nn.Linear(1, 1)}, tmp_path / "module.pt")
+    for name, why in [
+        ("notes.pt", "not a whole zip archive as torch.save writes, nor a legacy file of plain tensors"),
+        ("module.pt", "it holds objects other than tensors and plain containers; loading never runs code"),
+    ]:
+        done = _tool("convert_checkpoint.py", str(tmp_path / name), "--inspect")
+        assert done.returncode == 2 and done.stderr.splitlines() == [
+            f"checkpoint error: {tmp_path / name}: corrupt, truncated or unsafe checkpoint file ({why})"
+        ]
     # an output that cannot be written names its folder (it said "/proc/x.pt.tmp: no such file")
     torch.save({"trunk.w": torch.zeros(2)}, tmp_path / "small.pt")
     for out, why in [

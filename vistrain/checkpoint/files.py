@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shutil
+import zipfile
 from typing import List, Optional, Tuple
 
 import torch
@@ -65,9 +66,18 @@ def _load(path: str, **kwargs):
         return torch.load(path, weights_only=True, **kwargs)
     except Exception as error:  # zip, pickle, EOF, weights_only refusals: all mean "bad file"
         raise CheckpointError(
-            f"{path}: corrupt, truncated or unsafe checkpoint file "
-            f"({type(error).__name__}: {_first_line(error)})"
+            f"{path}: corrupt, truncated or unsafe checkpoint file ({_why(path, error)})"
         ) from None
+
+
+def _why(path: str, error: Exception) -> str:
+    """What was wrong with a file torch.load refused, in words (torch's own message for a file that
+    is no checkpoint at all is "KeyError: 101", or advice to turn the safety check off)."""
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; the end of a truncated one is missing
+        return "not a whole zip archive as torch.save writes, nor a legacy file of plain tensors"
+    if str(error).startswith("Weights only load failed"):
+        return "it holds objects other than tensors and plain containers; loading never runs code"
+    return f"{type(error).__name__}: {_first_line(error)}"
 
 
 def _first_line(error: Exception) -> str:
