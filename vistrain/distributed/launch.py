@@ -83,7 +83,7 @@ def launch(main_fn: Callable[[CfgNode], object], cfg: CfgNode) -> None:
         if not plan.spawn:
             _start_rank(0, main_fn, cfg, plan)
         elif plan.local_ranks == 1:
-            _start_rank(0, main_fn, cfg, plan)  # in-process: faster start, debuggers work
+            _run_in_this_process(main_fn, cfg, plan)
         else:
             _spawn_and_watch(main_fn, cfg, plan)
 
@@ -267,6 +267,23 @@ def _start_rank(index: int, main_fn, cfg: CfgNode, plan: LaunchPlan) -> None:
     # (rank 0 publishing the last checkpoint) could leave that peer's gloo threads to abort.
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _run_in_this_process(main_fn, cfg: CfgNode, plan: LaunchPlan) -> None:
+    """The only rank, in the caller's process (faster start, debuggers work). The caller lives on
+    (a notebook, a test suite), so the rank leaves nothing behind, also when it fails: its process
+    group (a second run would find one initialised; a process forked later would inherit it and
+    skip its own rendezvous) and its LOCAL_RANK."""
+    local_rank = os.environ.get("LOCAL_RANK")
+    try:
+        _start_rank(0, main_fn, cfg, plan)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()  # one rank: no peer to wait for
+        if local_rank is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = local_rank
 
 
 def _run_folder_lock(cfg: CfgNode, plan: LaunchPlan):
