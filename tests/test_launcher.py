@@ -332,3 +332,23 @@ if __name__ == "__main__":
     mode, run_dir = sys.argv[1], sys.argv[2]
     job = _cfg("config.DISTRIBUTED.NUM_PROC_PER_NODE=2", f"config.CHECKPOINT.DIR={run_dir}")
     sys.exit(cli.run(MODES[mode], job))
+
+
+def _fail_in_rank(cfg):
+    raise RuntimeError("the rank's own failure")
+
+
+def _world_size_in_rank(cfg):
+    return torch.distributed.get_world_size()
+
+
+def test_a_failed_in_process_rank_leaves_no_process_group_and_its_local_rank_unset(tmp_path, monkeypatch):
+    """One rank runs in the caller's process: after it fails, a second run in the same process
+    starts (no 'default process group already initialised'), and a later fork inherits no group."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    cfg = _cfg("config.DISTRIBUTED.NUM_PROC_PER_NODE=1", f"config.CHECKPOINT.DIR={tmp_path / 'run'}")
+    with pytest.raises(RuntimeError, match="the rank's own failure"):
+        launch(_fail_in_rank, cfg)
+    assert not torch.distributed.is_initialized() and "LOCAL_RANK" not in os.environ
+    launch(_world_size_in_rank, cfg)
+    assert not torch.distributed.is_initialized() and "LOCAL_RANK" not in os.environ

@@ -41,14 +41,19 @@ TOL_DEVICES = 1e-5  # another device count sums each global batch in another ord
 
 # a lost rank fails the fit in two minutes instead of hanging for torch's default 30
 RENDEZVOUS = timedelta(seconds=120)
+# Ranks start as fresh interpreters: forked from pytest's own process, a rank's first OpenMP
+# region (MKL's tanh) hung on the thread pool earlier tests had started there, which does not
+# survive fork (libgomp). Not "forkserver": Lightning restores the seeded global RNG state only in
+# spawned ranks, and DDP's losses then differ from the same fit under fork or spawn by 3%.
+START_METHOD = "spawn"
 
 
 def ddp(**options):
-    return DDPStrategy(process_group_backend="gloo", start_method="fork", timeout=RENDEZVOUS, **options)
+    return DDPStrategy(process_group_backend="gloo", start_method=START_METHOD, timeout=RENDEZVOUS, **options)
 
 
 def sharded(**options):
-    return VistrainFSDPStrategy(start_method="fork", timeout=RENDEZVOUS, **options)
+    return VistrainFSDPStrategy(start_method=START_METHOD, timeout=RENDEZVOUS, **options)
 
 
 def fit(strategy, make_module, devices=2, ckpt_path=None, **kwargs):
@@ -58,14 +63,7 @@ def fit(strategy, make_module, devices=2, ckpt_path=None, **kwargs):
     os.environ["MASTER_PORT"] = str(find_free_port())
     module = make_module()
     trainer = pl.Trainer(**trainer_kwargs(strategy=strategy, devices=devices, **kwargs))
-    # forked ranks inherit one OpenMP thread: a pool the suite's earlier tests started in this
-    # process does not survive fork (libgomp), and the ranks' first parallel region can hang on it
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        trainer.fit(module, ckpt_path=ckpt_path)
-    finally:
-        torch.set_num_threads(threads)
+    trainer.fit(module, ckpt_path=ckpt_path)
     return trainer, module
 
 

@@ -23,6 +23,7 @@ import tempfile
 from typing import Callable, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 from fvcore.common.config import CfgNode
 
 from vistrain.config.checks import DEVICES, DIST_BACKENDS, INIT_METHODS, check_world_size
@@ -63,8 +64,10 @@ def launch(
     check_world_size(cfg, plan.world_size)  # hybrid sharding's groups must tile the job
     _print_notes(plan)
     with _run_folder_lock(cfg, plan):
-        if not plan.spawn or plan.local_ranks == 1:  # joined, or in-process: faster start, debuggers work
+        if not plan.spawn:  # one rank of a joined job
             start_rank(0, main_fn, cfg, plan, announce if plan.first_rank == 0 else None)
+        elif plan.local_ranks == 1:
+            _run_in_this_process(main_fn, cfg, plan, announce)
         else:
             spawn_and_watch(main_fn, cfg, plan)
 
@@ -222,6 +225,22 @@ def find_free_port() -> int:
 # --------------------------------------------------------------------------------------------
 # running ranks
 
+
+def _run_in_this_process(main_fn, cfg: CfgNode, plan: LaunchPlan, announce) -> None:
+    """The only rank, in the caller's process (faster start, debuggers work). The caller lives on
+    (a notebook, a test suite), so the rank leaves nothing behind, also when it fails: its process
+    group (a second run would find one initialised; a process forked later would inherit it and
+    skip its own rendezvous) and its LOCAL_RANK."""
+    local_rank = os.environ.get("LOCAL_RANK")
+    try:
+        start_rank(0, main_fn, cfg, plan, announce)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()  # one rank: no peer to wait for
+        if local_rank is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = local_rank
 
 def _run_folder_lock(cfg: CfgNode, plan: LaunchPlan):
     """One run per CHECKPOINT.DIR: held by the process that is, or spawns, global rank 0."""

@@ -41,7 +41,7 @@ class RankFailedError(RuntimeError):
 
 
 def _run_rank(local_rank: int, main_fn, cfg: CfgNode, plan: LaunchPlan, error_dir: str) -> None:
-    """Body of every spawned rank: ``_start_rank``; on failure its one-line error (kind, line, exit
+    """Body of every spawned rank: ``start_rank``; on failure its one-line error (kind, line, exit
     code) or its traceback written to ``error_dir`` for the launcher."""
     try:
         start_rank(local_rank, main_fn, cfg, plan)
