@@ -242,6 +242,7 @@ def _run_in_this_process(main_fn, cfg: CfgNode, plan: LaunchPlan, announce) -> N
         else:
             os.environ["LOCAL_RANK"] = local_rank
 
+
 def _run_folder_lock(cfg: CfgNode, plan: LaunchPlan):
     """One run per CHECKPOINT.DIR: held by the process that is, or spawns, global rank 0."""
     if plan.first_rank == 0:
