@@ -2,6 +2,7 @@
 launcher forking 2 gloo ranks): the same weights, losses and metrics; checkpoints resumed on
 other device counts. Each fixture runs its fits once and serves several checks."""
 
+import multiprocessing
 import os
 import runpy
 from datetime import timedelta
@@ -15,6 +16,7 @@ import torch  # noqa: E402
 from lightning_models import (  # noqa: E402
     ConvNet,
     Critic,
+    OwnStorageDDP,
     Recorder,
     Regressor,
     checkpoint_path,
@@ -24,7 +26,7 @@ from lightning_models import (  # noqa: E402
 )
 from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
 from pytorch_lightning.plugins.precision import MixedPrecision  # noqa: E402
-from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry  # noqa: E402
+from pytorch_lightning.strategies import StrategyRegistry  # noqa: E402
 
 from vistrain.checkpoint import consolidated_state_dict, read_metadata  # noqa: E402
 from vistrain.distributed.launch import find_free_port  # noqa: E402
@@ -41,15 +43,17 @@ TOL_DEVICES = 1e-5  # another device count sums each global batch in another ord
 
 # a lost rank fails the fit in two minutes instead of hanging for torch's default 30
 RENDEZVOUS = timedelta(seconds=120)
-# Ranks start as fresh interpreters: forked from pytest's own process, a rank's first OpenMP
-# region (MKL's tanh) hung on the thread pool earlier tests had started there, which does not
-# survive fork (libgomp). Not "forkserver": Lightning restores the seeded global RNG state only in
-# spawned ranks, and DDP's losses then differ from the same fit under fork or spawn by 3%.
-START_METHOD = "spawn"
+# Ranks fork from a server that imported these once and never computed: forked from pytest's own
+# process, a rank's first OpenMP region (MKL's tanh) hung on the thread pool earlier tests had
+# started there, which does not survive fork (libgomp); "spawn" imports Lightning again per rank.
+START_METHOD = "forkserver"
+multiprocessing.set_forkserver_preload(["torch", "pytorch_lightning", "lightning_models"])
 
 
 def ddp(**options):
-    return DDPStrategy(process_group_backend="gloo", start_method=START_METHOD, timeout=RENDEZVOUS, **options)
+    return OwnStorageDDP(
+        process_group_backend="gloo", start_method=START_METHOD, timeout=RENDEZVOUS, **options
+    )
 
 
 def sharded(**options):
