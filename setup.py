@@ -24,6 +24,6 @@ setup(
     extras_require={
         # Trainer(strategy="vistrain_fsdp"): vistrain.integrations.lightning
         "lightning": LIGHTNING,
-        "dev": ["pytest>=7", "pytest-timeout>=2", "ruff==0.14.14", *LIGHTNING],
+        "dev": ["pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3", "ruff==0.14.14", *LIGHTNING],
     },
 )

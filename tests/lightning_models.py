@@ -6,10 +6,23 @@ import os
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from vistrain.integrations.lightning.strategy import _own_storage
+
 SAMPLES = 48  # 4 global batches of 12: per device 12, 6 or 4 on 1, 2 or 3 devices
+
+
+class OwnStorageDDP(DDPStrategy):
+    """The DDP reference for ranks started by ``forkserver``: Lightning hands them the module in
+    shared memory (it copies only under ``spawn``), so each rank first takes its own copy, as
+    VistrainFSDPStrategy does; otherwise every rank steps one set of weights."""
+
+    def setup(self, trainer) -> None:
+        _own_storage(self.model)
+        super().setup(trainer)
 
 
 def dataset(seed: int) -> TensorDataset:

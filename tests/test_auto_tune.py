@@ -266,7 +266,16 @@ def test_small_budget_forces_zero3_with_checkpointing_large_one_zero2_same_losse
     chosen = yaml.safe_load((small / "config.yaml").read_text())
     assert chosen["MODEL"]["FSDP_CONFIG"]["reshard_after_forward"] is True
     assert chosen["MODEL"]["ACTIVATION_CHECKPOINTING"]["USE_ACTIVATION_CHECKPOINTING"] is True
-    assert len(re.findall(r"auto-tune: chose .* planned .* MiB per rank, budget", out)) == 1
+    # the console: one short line; log.txt: the planned peaks and the budget
+    assert len(re.findall(r"auto-tune: .* \(details in log.txt\)", out)) == 1
+    assert (
+        len(
+            re.findall(
+                r"auto-tune: chose .* planned .* MiB per rank, budget", (small / "log.txt").read_text()
+            )
+        )
+        == 1
+    )
     code, out, err = _run(*REAL, f"config.CHECKPOINT.DIR={large}", "config.MACHINE.MEMORY_BUDGET_MIB=100000")
     assert code == 0, err[-2000:]
     wide = yaml.safe_load((large / "config.yaml").read_text())

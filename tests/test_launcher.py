@@ -127,7 +127,7 @@ def test_torchrun_decides_the_layout_and_names_the_keys_it_overrides():
         "config.DISTRIBUTED.NUM_PROC_PER_NODE=8", "config.DISTRIBUTED.RUN_ID=n0:1234", environ=env
     ).notes
     assert note == (
-        "torchrun decides the layout (2 node(s), 2 rank(s) on this node, world size 4, rendezvous env://); "
+        "torchrun decides the layout (2 nodes, 2 ranks on this node, world size 4, rendezvous env://); "
         "ignoring DISTRIBUTED.NUM_NODES=1, NUM_PROC_PER_NODE=8, RUN_ID=n0:1234"
     )
     agreeing = _plan("config.DISTRIBUTED.NUM_NODES=2", "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", environ=env)
@@ -203,7 +203,7 @@ def test_joins_slurm_tasks():
     assert plan.init_method == f"tcp://gpu007:{20000 + 12345 % 20000}"
     # a recipe written for one node: srun's layout wins, with a note
     (note,) = _plan(environ=_slurm_env(procid=3, localid=1, nodeid=1)).notes
-    assert note.startswith("srun decides the layout (2 node(s), 2 rank(s) on this node, world size 4")
+    assert note.startswith("srun decides the layout (2 nodes, 2 ranks on this node, world size 4")
     assert note.endswith("ignoring DISTRIBUTED.NUM_NODES=1, NUM_PROC_PER_NODE=1")
 
 
@@ -354,3 +354,23 @@ if __name__ == "__main__":
     mode, run_dir = sys.argv[1], sys.argv[2]
     job = _cfg("config.DISTRIBUTED.NUM_PROC_PER_NODE=2", f"config.CHECKPOINT.DIR={run_dir}")
     sys.exit(cli.run(MODES[mode], job))
+
+
+def _fail_in_rank(cfg):
+    raise RuntimeError("the rank's own failure")
+
+
+def _world_size_in_rank(cfg):
+    return torch.distributed.get_world_size()
+
+
+def test_a_failed_in_process_rank_leaves_no_process_group_and_its_local_rank_unset(tmp_path, monkeypatch):
+    """One rank runs in the caller's process: after it fails, a second run in the same process
+    starts (no 'default process group already initialised'), and a later fork inherits no group."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    cfg = _cfg("config.DISTRIBUTED.NUM_PROC_PER_NODE=1", f"config.CHECKPOINT.DIR={tmp_path / 'run'}")
+    with pytest.raises(RuntimeError, match="the rank's own failure"):
+        launch(_fail_in_rank, cfg)
+    assert not torch.distributed.is_initialized() and "LOCAL_RANK" not in os.environ
+    launch(_world_size_in_rank, cfg)
+    assert not torch.distributed.is_initialized() and "LOCAL_RANK" not in os.environ

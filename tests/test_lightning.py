@@ -2,6 +2,7 @@
 launcher forking 2 gloo ranks): the same weights, losses and metrics; checkpoints resumed on
 other device counts. Each fixture runs its fits once and serves several checks."""
 
+import multiprocessing
 import os
 import runpy
 from datetime import timedelta
@@ -15,6 +16,7 @@ import torch  # noqa: E402
 from lightning_models import (  # noqa: E402
     ConvNet,
     Critic,
+    OwnStorageDDP,
     Recorder,
     Regressor,
     checkpoint_path,
@@ -24,7 +26,7 @@ from lightning_models import (  # noqa: E402
 )
 from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
 from pytorch_lightning.plugins.precision import MixedPrecision  # noqa: E402
-from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry  # noqa: E402
+from pytorch_lightning.strategies import StrategyRegistry  # noqa: E402
 
 from vistrain.checkpoint import consolidated_state_dict, read_metadata  # noqa: E402
 from vistrain.distributed.launch import find_free_port  # noqa: E402
@@ -41,14 +43,21 @@ TOL_DEVICES = 1e-5  # another device count sums each global batch in another ord
 
 # a lost rank fails the fit in two minutes instead of hanging for torch's default 30
 RENDEZVOUS = timedelta(seconds=120)
+# Ranks fork from a server that imported these once and never computed: forked from pytest's own
+# process, a rank's first OpenMP region (MKL's tanh) hung on the thread pool earlier tests had
+# started there, which does not survive fork (libgomp); "spawn" imports Lightning again per rank.
+START_METHOD = "forkserver"
+multiprocessing.set_forkserver_preload(["torch", "pytorch_lightning", "lightning_models"])
 
 
 def ddp(**options):
-    return DDPStrategy(process_group_backend="gloo", start_method="fork", timeout=RENDEZVOUS, **options)
+    return OwnStorageDDP(
+        process_group_backend="gloo", start_method=START_METHOD, timeout=RENDEZVOUS, **options
+    )
 
 
 def sharded(**options):
-    return VistrainFSDPStrategy(start_method="fork", timeout=RENDEZVOUS, **options)
+    return VistrainFSDPStrategy(start_method=START_METHOD, timeout=RENDEZVOUS, **options)
 
 
 def fit(strategy, make_module, devices=2, ckpt_path=None, **kwargs):
@@ -58,14 +67,7 @@ def fit(strategy, make_module, devices=2, ckpt_path=None, **kwargs):
     os.environ["MASTER_PORT"] = str(find_free_port())
     module = make_module()
     trainer = pl.Trainer(**trainer_kwargs(strategy=strategy, devices=devices, **kwargs))
-    # forked ranks inherit one OpenMP thread: a pool the suite's earlier tests started in this
-    # process does not survive fork (libgomp), and the ranks' first parallel region can hang on it
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        trainer.fit(module, ckpt_path=ckpt_path)
-    finally:
-        torch.set_num_threads(threads)
+    trainer.fit(module, ckpt_path=ckpt_path)
     return trainer, module
 
 

@@ -159,7 +159,7 @@ def test_two_torchrun_nodes_with_c10d_rendezvous(tmp_path, spawn_reference):
     _assert_rank0_side_effects(run_dir, iterations=4)
     # the recipe's NUM_PROC_PER_NODE: 2 is right per node, NUM_NODES: 1 is not: one note, once
     notes = [line for out in outputs for line in out.splitlines() if "ignoring DISTRIBUTED." in line]
-    assert len(notes) == 1 and "torchrun decides the layout (2 node(s), 2 rank(s)" in notes[0]
+    assert len(notes) == 1 and "torchrun decides the layout (2 nodes, 2 ranks" in notes[0]
 
 
 def _die_once_before_step(kill_at: int, marker: Path):

@@ -20,11 +20,13 @@ import argparse
 import json
 import sys
 
-from vistrain.config import ConfigError, load_config
+from vistrain.config import OneLineExit, load_config
 from vistrain.config.checks import check_world_size
 
 
 def main(argv) -> int:
+    """Exit 0 (planned), 1 (nothing fits the budget), 2 (bad input: one line on stderr, as
+    tools/run_distributed.py prints it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: MACHINE.DEVICE")
     parser.add_argument("--budget-mib", type=float, default=None)
@@ -39,9 +41,16 @@ def main(argv) -> int:
     try:
         cfg = load_config(config_args)
         check_world_size(cfg, cfg.DISTRIBUTED.NUM_NODES * cfg.DISTRIBUTED.NUM_PROC_PER_NODE)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        from vistrain.jobs import check_values
+
+        check_values(cfg)  # the launcher's checks: the same one line for the same mistake
+        return _plan(cfg, config_args, args)
+    except OneLineExit as e:
+        print(e.line(), file=sys.stderr)
+        return e.exit_code
+
+
+def _plan(cfg, config_args, args) -> int:
     from vistrain.planner.knobs import overrides, search
     from vistrain.planner.memory import plan
     from vistrain.planner.traffic import traffic
@@ -52,11 +61,7 @@ def main(argv) -> int:
         if cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:  # plan what the run would run
             from vistrain.planner.auto_tune import tune_run
 
-            try:
-                cfg, tuned["auto_tune"] = tune_run(cfg, config_args)
-            except ConfigError as e:
-                print(f"config error: {e}", file=sys.stderr)
-                return 2
+            cfg, tuned["auto_tune"] = tune_run(cfg, config_args)
         out = {**tuned, **plan(cfg, device).as_mib()}
         # inside the shard group / across groups (sharded) / over the busiest link, per rank
         out["sent_per_step_per_rank"] = traffic(cfg).as_mib()

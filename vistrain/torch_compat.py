@@ -17,6 +17,8 @@ what we rely on, so an upgrade that changes it fails loudly there instead of sil
 * ``own_parameters`` / ``own_buffers`` / ``child_modules`` (``nn.Module._parameters`` ...) and
   ``view_base`` (``Tensor._base``): the engine swaps parameters for views of gathered weights and
   children for units in place, and finds the gathered tensor a saved view belongs to.
+* ``default_store`` (``torch.distributed.distributed_c10d._get_default_store``): the rendezvous
+  store of the default process group; the ranks of a joined job use it to agree who prints an error.
 * ``version_counter`` (``Tensor._version``): bumped by every in-place change; the engine tells a
   ``shard.grad`` that ``zero_grad(set_to_none=False)`` zeroed from one left alone.
 * ``current_saved_tensors_hooks`` / ``saved_tensors_hooks_enabled``
@@ -135,3 +137,11 @@ def storage_file_offset(storage: torch.UntypedStorage) -> Optional[int]:
     """Byte offset in the file of the data of ``storage``, a storage ``torch.load(f,
     map_location="meta")`` gave (zip format); None when torch recorded none."""
     return getattr(storage, "_checkpoint_offset", None)
+
+
+def default_store():
+    """The key-value store the default process group met through (a TCPStore, FileStore or their
+    prefixed view); initialised process group required."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from vistrain.benchmarks import common
+from vistrain.config.words import plural
 from vistrain.data import build_loader
 from vistrain.distributed import comm
 from vistrain.runtime.logger import logger
@@ -123,7 +124,9 @@ def knn(cfg) -> None:
         trunk, loaders["TRAIN"], names, pool, dtype, device
     )
     test_feats, test_labels, test_indices = common.extract(trunk, loaders["TEST"], names, pool, dtype, device)
-    logger.info(f"kNN (k={bench.KNN_K}, T={bench.KNN_TEMPERATURE}) on {names}, {num_classes} classes")
+    logger.info(
+        f"kNN (k={bench.KNN_K}, T={bench.KNN_TEMPERATURE}) on {names}, {plural(num_classes, 'class', 'classes')}"
+    )
 
     results = {}
     for name in names:

@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 from fvcore.common.config import CfgNode
 
 from vistrain.config.errors import ConfigError, InputError
+from vistrain.config.words import plural
 
 # Names the launcher also checks when it is called directly from Python (not through the CLI).
 DEVICES = ("auto", "cpu", "cuda")
@@ -107,8 +108,12 @@ def writable_folder(value: str, _) -> Problem:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".vistrain-probe-", dir=existing))
     except OSError as error:
-        verb = "written" if existing == path else "created"
-        return f"{value} cannot be {verb} ({existing}: {error.strerror}); choose another folder"
+        if existing == path:
+            return f"{value} cannot be written: making a folder in it fails ({error.strerror}); choose another folder"
+        return (
+            f"{value} cannot be created: making a folder in {existing} fails ({error.strerror}); "
+            "choose another folder"
+        )
     return None
 
 
@@ -170,6 +175,7 @@ RULES = {
     "OPTIMIZER.param_schedulers.lr.warmup_epochs": [at_least(0)],
     RUN_FOLDER_KEY: [writable_folder],
     "CHECKPOINT.CHECKPOINT_FREQUENCY": [at_least(1)],
+    "CHECKPOINT.STOP_GRACE_SECONDS": [above(0)],
     "BENCHMARK.POOL_SIZE": [at_least(1)],
     "BENCHMARK.LINEAR_LR_FOLDS": [at_least(1)],
     "BENCHMARK.KNN_K": [at_least(1)],
@@ -339,7 +345,7 @@ def _one_global_batch(cfg: CfgNode, catalog: Catalog) -> Problem:
         if split_cfg.DROP_LAST and samples < batch * world:
             fits = f"{key}.BATCHSIZE_PER_REPLICA<={samples // world}" if samples >= world else "more data"
             return (
-                f"{key} has {samples} samples, fewer than one global batch ({world} ranks x "
+                f"{key} has {plural(samples, 'sample')}, fewer than one global batch ({plural(world, 'rank')} x "
                 f"BATCHSIZE_PER_REPLICA {batch} = {batch * world}) with DROP_LAST; use {fits} "
                 f"or {key}.DROP_LAST=False"
             )

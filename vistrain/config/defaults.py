@@ -209,6 +209,14 @@ _C.CHECKPOINT.AUTO_RESUME = True  # continue from the latest complete checkpoint
 _C.CHECKPOINT.CHECKPOINT_FREQUENCY = 1  # every N epochs (the last epoch is always saved)
 _C.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY = -1  # also every N iterations (-1: off)
 _C.CHECKPOINT.KEEP_LAST = 3  # complete checkpoints kept (older ones deleted)
+# SIGTERM or SIGUSR1 (a scheduler's preemption or time limit) stops every rank at the next iteration
+# boundary and saves a checkpoint there; a step or save still running this long after the signal is
+# abandoned (the previous checkpoint stands) and the job exits 143. Keep it below the scheduler's
+# grace before SIGKILL (SLURM KillWait and Kubernetes: 30 s; or SLURM's --signal=USR1@<seconds>).
+_C.CHECKPOINT.STOP_GRACE_SECONDS = 25.0
+# After such a stop under SLURM, global rank 0 runs `scontrol requeue $SLURM_JOB_ID`: the job
+# goes back to the queue and resumes from that checkpoint (sbatch --requeue must allow it).
+_C.CHECKPOINT.SLURM_REQUEUE = False
 
 # ---------------------------------------------------------------------------------------------
 _C.BENCHMARK = CN()

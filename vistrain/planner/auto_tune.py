@@ -19,6 +19,7 @@ import yaml
 
 from vistrain.config import ConfigError
 from vistrain.config.checks import get_key
+from vistrain.config.words import plural
 from vistrain.planner.knobs import EXACT_KNOBS, current_knobs, exact_settings, speed_cost, with_knobs
 from vistrain.planner.memory import plan
 from vistrain.planner.shape import MIB, ModelShapes
@@ -103,7 +104,7 @@ def machine_budget(device: str, ranks_on_node: int, device_index: int = 0) -> Bu
     per_rank = available / max(ranks_on_node, 1)
     return Budget(
         per_rank * (1 - MARGIN),
-        f"{available:,.0f} MiB available / {ranks_on_node} ranks here, less {MARGIN:.0%}",
+        f"{available:,.0f} MiB available / {plural(ranks_on_node, 'rank')} here, less {MARGIN:.0%}",
     )
 
 
@@ -232,6 +233,16 @@ def _per_shard_group(settings, peaks, budget_bytes: float, device: str) -> List[
         if len(best) == len(sizes):
             break
     return list(best.values())
+
+
+def summary_line(before, tuned, details: str) -> str:
+    """The console's short line for a tuned run: the knobs that changed from ``before``'s
+    (``details``, the line of :func:`tune`, goes to log.txt)."""
+    if details.startswith("auto-tune: kept "):
+        return "auto-tune: kept the resumed run's knobs, which still fit (details in log.txt)"
+    changed = _changed(exact_knobs_of(tuned), exact_knobs_of(before))
+    chose = _show(changed) if changed else "the knobs as configured"
+    return f"auto-tune: {chose}, the fastest that fits the memory per rank (details in log.txt)"
 
 
 def planned_settings(cfg, device: str, fixed: Sequence[str] = (), shapes: Optional[ModelShapes] = None):

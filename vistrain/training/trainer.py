@@ -31,6 +31,7 @@ from vistrain.checkpoint import (
     set_aside,
 )
 from vistrain.config import ConfigError, InputError
+from vistrain.config.words import plural
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed import comm
 from vistrain.distributed.launch import resolve_device
@@ -47,10 +48,17 @@ from vistrain.optim import build_lr_schedule, build_optimizer, param_group_key, 
 from vistrain.planner.across_nodes import choose_across_nodes
 from vistrain.planner.auto_tune import check_same_knobs, exact_knobs_of
 from vistrain.runtime import precision
-from vistrain.runtime.logger import NonFiniteLossError, TrainingMeter, logger
+from vistrain.runtime.logger import (
+    LOG_FILE_ONLY,
+    NonFiniteLossError,
+    TrainingMeter,
+    divergence_message,
+    logger,
+)
 from vistrain.runtime.parallel import parallelize
 from vistrain.runtime.run_setup import record_config, start_run
 from vistrain.runtime.sharding import build_for_run
+from vistrain.training.preemption import BoundaryStop
 
 
 @dataclasses.dataclass
@@ -85,15 +93,18 @@ class _Run:
 
 def train(cfg, notes: Sequence[str] = (), across_nodes=None) -> None:
     """Pre-train ``cfg.MODEL`` with ``cfg.LOSS`` on ``cfg.DATA.TRAIN``; call on every rank (see
-    launch). ``notes``: lines rank 0 logs first (what the auto-tuner chose); ``across_nodes``:
-    the auto-tuner's ``(candidates, layout)`` for the ranks of a multi-node job to choose from
-    (``vistrain.planner.across_nodes``), before anything is seeded or built."""
+    launch). ``notes``: lines rank 0 writes first to log.txt (what the auto-tuner chose, in
+    detail); ``across_nodes``: the auto-tuner's ``(candidates, layout)`` for the ranks of a
+    multi-node job to choose from (``vistrain.planner.across_nodes``), before anything is seeded or
+    built."""
+    choice_across_nodes = None
     if across_nodes:
-        cfg, line = choose_across_nodes(cfg, *across_nodes, _this_device(cfg))
-        notes = (*notes, line)
+        cfg, choice_across_nodes = choose_across_nodes(cfg, *across_nodes, _this_device(cfg))
     device = start_run(cfg)
     for note in notes:
-        logger.info(note)
+        logger.info(note, extra=LOG_FILE_ONLY)  # the console had the launcher's short line
+    if choice_across_nodes:
+        logger.info(choice_across_nodes)
     if cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:  # nodes that planned for different budgets would disagree
         check_same_knobs(comm.all_gather_object(exact_knobs_of(cfg)))
     run = _build(cfg, device)
@@ -103,14 +114,14 @@ def train(cfg, notes: Sequence[str] = (), across_nodes=None) -> None:
     iters_per_epoch = run.layout.iters_per_epoch
     if iteration >= run.total_iterations:
         logger.info(
-            f"nothing to do: {cfg.CHECKPOINT.DIR} already holds {iteration / iters_per_epoch:g} epochs "
+            f"nothing to do: {cfg.CHECKPOINT.DIR} already holds {plural(iteration / iters_per_epoch, 'epoch')} "
             f"of the {run.num_epochs} asked for (raise OPTIMIZER.num_epochs to train on)"
         )
         return
     record_config(cfg, trained_until=resumed_from)
     logger.info(
-        f"training {run.num_epochs} epochs x {iters_per_epoch} iterations on {comm.get_world_size()} "
-        f"ranks ({device.type}), from iteration {iteration}"
+        f"training {plural(run.num_epochs, 'epoch')} x {plural(iters_per_epoch, 'iteration')} on "
+        f"{plural(comm.get_world_size(), 'rank')} ({device.type}), from iteration {iteration}"
     )
     _train_epochs(cfg, run, iteration)
 
@@ -144,6 +155,7 @@ def _train_epochs(cfg, run: _Run, iteration: int) -> None:
     meter = TrainingMeter(
         cfg.CHECKPOINT.DIR, cfg.LOG_FREQUENCY, run.total_iterations, settings.device, settings.scaling
     )
+    stop = BoundaryStop(cfg, run.total_iterations)  # SIGTERM / SIGUSR1: stop and save at a boundary
     saved_at = iteration
     start_epoch, skip = divmod(iteration, iters_per_epoch)
     for epoch in range(start_epoch, run.num_epochs):
@@ -168,6 +180,10 @@ def _train_epochs(cfg, run: _Run, iteration: int) -> None:
                 meter.log(iteration, epoch, run.num_epochs, lr)
             if group.is_last and _crossed(saved_at, iteration, cfg.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY):
                 saved_at = _checkpoint(cfg, meter, run, iteration)
+            if group.is_last and stop.requested():
+                stop.save_and_stop(
+                    iteration, saved_at, functools.partial(_checkpoint, cfg, meter, run, iteration)
+                )
         last_epoch = epoch + 1 == run.num_epochs
         if saved_at != iteration and (last_epoch or _every(epoch + 1, cfg.CHECKPOINT.CHECKPOINT_FREQUENCY)):
             saved_at = _checkpoint(cfg, meter, run, iteration)
@@ -306,7 +322,7 @@ def _checkpoint(cfg, meter, run: _Run, iteration: int) -> int:
     # never save a run that diverged: the loss window, and the weights (a step can make them NaN
     # before any loss shows it)
     meter.check_finite(iteration, epoch)
-    _check_finite_weights(run.model, iteration)
+    _check_finite_weights(run.model, iteration, cfg.CHECKPOINT.DIR)
     extra = {"loss": run.criterion.state_dict()}  # per rank: the SwAV queue differs between ranks
     if scaling is not None:
         extra.update(scaling.state_dict())  # "grad_scaler", "skipped_steps": an exact resume
@@ -330,7 +346,7 @@ def _checkpoint(cfg, meter, run: _Run, iteration: int) -> int:
     return iteration
 
 
-def _check_finite_weights(model: nn.Module, iteration: int) -> None:
+def _check_finite_weights(model: nn.Module, iteration: int, run_dir: str) -> None:
     """Collective: raise on every rank if any rank's parameters (or shards) hold NaN/inf."""
     bad = torch.zeros(1, device=next(model.parameters()).device)
     torch_sharded = backend_of(model) is Backend.TORCH
@@ -339,7 +355,7 @@ def _check_finite_weights(model: nn.Module, iteration: int) -> None:
         bad += (~torch.isfinite(local.detach())).any()
     if comm.all_reduce_sum(bad).item() > 0:
         raise NonFiniteLossError(
-            f"model weights became NaN/inf by iteration {iteration}; not saving a checkpoint"
+            divergence_message("model weights became nan/inf", iteration, run_dir), agreed=True
         )
 
 
@@ -361,7 +377,7 @@ def _resume(run_dir: str, run: _Run) -> Tuple[int, int]:
         restore_rng(state["rng"])
     else:
         logger.info(
-            f"{path} was saved by {meta['world_size']} ranks: per-rank loss state "
+            f"{path} was saved by {plural(meta['world_size'], 'rank')}: per-rank loss state "
             "(e.g. the SwAV queue) and RNG streams start afresh"
         )
     if run.settings.scaling is not None:

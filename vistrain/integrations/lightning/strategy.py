@@ -141,6 +141,7 @@ class VistrainFSDPStrategy(DDPStrategy):
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        _own_storage(self.model)
         if fitting:
             self.setup_optimizers(trainer)  # the user's configure_optimizers, on the plain module
             self._check_fit_options(trainer)
@@ -294,3 +295,13 @@ def _group_memberships(optimizers) -> Dict[int, Hashable]:
             for param in group["params"]:
                 found.setdefault(id(param), []).append((i, j))
     return {key: tuple(value) for key, value in found.items()}
+
+
+def _own_storage(module) -> None:
+    """Give this rank its own copy of every CPU parameter and buffer still in shared memory.
+    Ranks Lightning starts with ``forkserver`` receive the module pickled through shared memory
+    (it copies only under ``spawn``): every rank would then step and update one set of weights
+    and BatchNorm statistics. The tensors keep their identity (optimizers hold them)."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.device.type == "cpu" and tensor.is_shared():
+            tensor.data = tensor.data.clone()
