@@ -36,6 +36,19 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 LAUNCHER_MARGIN_SECONDS = 10.0  # the spawning launcher waits this much beyond the ranks' grace
 
 
+def install(handler) -> dict:
+    """``handler`` for every stop signal; the previous handlers, for :func:`restore`. Only the
+    main thread may set handlers: elsewhere nothing is installed."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+
+
+def restore(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
 def signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name
@@ -62,13 +75,11 @@ class StopSignals:
 
     # ---- installation
     def __enter__(self) -> "StopSignals":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        self._previous = install(self._on_signal)
         return self
 
     def __exit__(self, *exc) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+        restore(self._previous)
         if self._timer is not None:
             self._timer.cancel()
 
@@ -125,13 +136,11 @@ class Forwarder:
         self._previous: dict = {}
 
     def __enter__(self) -> "Forwarder":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        self._previous = install(self._on_signal)
         return self
 
     def __exit__(self, *exc) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+        restore(self._previous)
 
     def watch(self, pids: List[int]) -> None:
         """The ranks to forward to (a signal that came while they started is passed on now)."""
