@@ -115,7 +115,9 @@ def _auto_tuned(cfg, job, argv):
     # this process imported what a rank imports (the job's module): its RSS is a rank's baseline
     tuned = tune_job(cfg, argv, baseline_mib=current_rss_mib())
     if tuned.across_nodes:  # the ranks choose the shard group size once they know the link
-        say("auto-tune: the job spans nodes; the ranks time the link, then choose the shard group size (details in log.txt)")
+        say(
+            "auto-tune: the job spans nodes; the ranks time the link, then choose the shard group size (details in log.txt)"
+        )
         choices = (tuned.across_nodes, tuned.layout)
         return tuned.cfg, functools.partial(job, notes=(tuned.line,), across_nodes=choices)
     say(summary_line(cfg, tuned.cfg, tuned.line))
