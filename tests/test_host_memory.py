@@ -22,29 +22,6 @@ print(applied, current_rss_mib() - before)
 """
 
 
-def _retained_mib(threshold: float):
-    out = subprocess.run(
-        [sys.executable, "-c", RETAINED.format(threshold=threshold)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    applied, retained = out.stdout.split()
-    return applied == "True", float(retained)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
-def test_fixed_threshold_gives_freed_tensors_back():
-    applied, retained = _retained_mib(0)
-    assert not applied and retained > 15  # glibc's default: the 20 MiB stay in the heap
-    applied, retained = _retained_mib(1)
-    assert applied and retained < 2
-
-
-def test_zero_means_glibc_default():
-    assert set_mmap_threshold(0) is False
-
-
 # The same retained 20 MiB, then the engine's trim (glibc malloc_trim): the heap pages go back.
 TRIMMED = """
 import torch
@@ -58,11 +35,65 @@ release_free_pages()
 print(kept, current_rss_mib() - before)
 """
 
+# Each scenario in its own fork of one interpreter that imported torch and vistrain: glibc's
+# allocator as a fresh process's, at one torch start-up for all of them.
+IN_FORKS = """
+import os, sys, traceback
+import torch
+import vistrain.fsdp.memory, vistrain.fsdp.model_state, vistrain.runtime.host_memory
+for name, code in {scenarios!r}:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            print(name, end=" ")
+            exec(code, {{}})
+            sys.stdout.flush()
+            os._exit(0)
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+    if os.waitpid(pid, 0)[1] != 0:
+        sys.exit(name + " failed")
+"""
+
+
+@pytest.fixture(scope="module")
+def printed():
+    """scenario -> what it printed (split): glibc's default and a 1 MiB threshold (RETAINED), and
+    the engine's trim (TRIMMED)."""
+    scenarios = [
+        ("default", RETAINED.format(threshold=0)),
+        ("fixed", RETAINED.format(threshold=1)),
+        ("trimmed", TRIMMED),
+    ]
+    out = subprocess.run(
+        [sys.executable, "-c", IN_FORKS.format(scenarios=scenarios)], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line.split() for line in out.stdout.splitlines()]
+    return {line[0]: line[1:] for line in lines}
+
+
+def _retained_mib(printed, scenario):
+    applied, retained = printed[scenario]
+    return applied == "True", float(retained)
+
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
-def test_the_engines_trim_gives_freed_heap_pages_back():
-    out = subprocess.run([sys.executable, "-c", TRIMMED], capture_output=True, text=True, check=True)
-    kept, after_trim = map(float, out.stdout.split())
+def test_fixed_threshold_gives_freed_tensors_back(printed):
+    applied, retained = _retained_mib(printed, "default")
+    assert not applied and retained > 15  # glibc's default: the 20 MiB stay in the heap
+    applied, retained = _retained_mib(printed, "fixed")
+    assert applied and retained < 2
+
+
+def test_zero_means_glibc_default():
+    assert set_mmap_threshold(0) is False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_the_engines_trim_gives_freed_heap_pages_back(printed):
+    kept, after_trim = map(float, printed["trimmed"])
     assert kept > 15 and after_trim < 2, (kept, after_trim)
 
 

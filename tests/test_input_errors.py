@@ -5,6 +5,7 @@ run folder still resumable). A genuine crash of a rank keeps its traceback and e
 
 import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -210,7 +211,16 @@ def _tool(name, *args):
     )
 
 
+def _convert_in_process(capsys, *args):
+    """tools/convert_checkpoint.py's main() in this process: (exit code, stderr lines)."""
+    capsys.readouterr()
+    code = runpy.run_path(str(REPO / "tools" / "convert_checkpoint.py"))["main"](list(args))
+    return code, capsys.readouterr().err.splitlines()
+
+
 def test_plan_memory_and_convert_checkpoint_give_the_launchers_one_line_errors(tmp_path, capsys):
+    """Each tool once as a real command (exit 2, one stderr line); convert_checkpoint's other
+    mistakes through the same main() in this process (no torch start-up per case)."""
     head = ["config=test/simclr_tiny", "config.MODEL.HEAD.DIMS=[64,32,16]"]
     launcher_line = _refused_line([*head, f"config.CHECKPOINT.DIR={tmp_path / 'run'}"], capsys)
     done = _tool("plan_memory.py", *head)
@@ -218,9 +228,9 @@ def test_plan_memory_and_convert_checkpoint_give_the_launchers_one_line_errors(t
     done = _tool("convert_checkpoint.py", str(tmp_path / "missing"), "--inspect")
     assert done.returncode == 2
     assert done.stderr.splitlines() == [f"checkpoint error: {tmp_path / 'missing'}: no such file or folder"]
-    done = _tool("convert_checkpoint.py", str(tmp_path), "--inspect")
-    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1
-    assert done.stderr.startswith(f"checkpoint error: {tmp_path}: holds no complete checkpoint")
+    code, err = _convert_in_process(capsys, str(tmp_path), "--inspect")
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith(f"checkpoint error: {tmp_path}: holds no complete checkpoint")
     # a file that is no checkpoint at all, or one holding code: words, not "KeyError: 101" or
     # torch's advice to load with weights_only=False
     (tmp_path / "notes.pt").write_text("hello\n")
@@ -229,10 +239,10 @@ def test_plan_memory_and_convert_checkpoint_give_the_launchers_one_line_errors(t
         ("notes.pt", "not a whole zip archive as torch.save writes, nor a legacy file of plain tensors"),
         ("module.pt", "it holds objects other than tensors and plain containers; loading never runs code"),
     ]:
-        done = _tool("convert_checkpoint.py", str(tmp_path / name), "--inspect")
-        assert done.returncode == 2 and done.stderr.splitlines() == [
-            f"checkpoint error: {tmp_path / name}: corrupt, truncated or unsafe checkpoint file ({why})"
-        ]
+        assert _convert_in_process(capsys, str(tmp_path / name), "--inspect") == (
+            2,
+            [f"checkpoint error: {tmp_path / name}: corrupt, truncated or unsafe checkpoint file ({why})"],
+        )
     # an output that cannot be written names its folder (it said "/proc/x.pt.tmp: no such file")
     torch.save({"trunk.w": torch.zeros(2)}, tmp_path / "small.pt")
     for out, why in [
@@ -242,10 +252,10 @@ def test_plan_memory_and_convert_checkpoint_give_the_launchers_one_line_errors(t
             f"its folder {tmp_path}/none does not exist; create it or choose another path",
         ),
     ]:
-        done = _tool("convert_checkpoint.py", str(tmp_path / "small.pt"), "--to-consolidated", out)
-        assert done.returncode == 2 and done.stderr.splitlines() == [
-            f"input error: cannot write {out}: {why}"
-        ]
+        assert _convert_in_process(capsys, str(tmp_path / "small.pt"), "--to-consolidated", out) == (
+            2,
+            [f"input error: cannot write {out}: {why}"],
+        )
 
 
 # --------------------------------------------------------------------------------------------

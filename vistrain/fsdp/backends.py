@@ -20,11 +20,6 @@ from typing import Optional, Sequence
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
 from torch.nn.parallel import DistributedDataParallel
 
 from vistrain.fsdp.flat_param import FlatParamHandle, ParamOrigin
@@ -49,9 +44,15 @@ class TorchShardedModel(nn.Module):
         return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type)
 
     def state_dict(self, *args, **kwargs):
+        # imported here: torch.distributed.checkpoint takes seconds to import, and only this
+        # backend needs it (every launcher and rank process imports this module)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
 
     def load_state_dict(self, state_dict, strict: bool = True):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
         return set_model_state_dict(
             self.module, state_dict, options=StateDictOptions(full_state_dict=True, strict=strict)
         )
