@@ -374,3 +374,20 @@ def test_a_failed_in_process_rank_leaves_no_process_group_and_its_local_rank_uns
     assert not torch.distributed.is_initialized() and "LOCAL_RANK" not in os.environ
     launch(_world_size_in_rank, cfg)
     assert not torch.distributed.is_initialized() and "LOCAL_RANK" not in os.environ
+
+
+def test_free_ports_are_drawn_below_the_ephemeral_range_whatever_the_seed():
+    """A port the kernel hands out to others (gloo's connections) is never the rendezvous's."""
+    import random
+
+    from vistrain.distributed.launch import PORT_RANGE_START, _ephemeral_low, find_free_port
+
+    ports = set()
+    for _ in range(5):
+        random.seed(0)  # training seeds Python's random: the draw must not follow it
+        port = find_free_port()
+        assert PORT_RANGE_START <= port < _ephemeral_low()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", port))
+        ports.add(port)
+    assert len(ports) > 1

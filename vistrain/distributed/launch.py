@@ -17,6 +17,7 @@ agrees on one line, which global rank 0 prints.
 
 import contextlib
 import os
+import random
 import socket
 import sys
 import tempfile
@@ -43,6 +44,8 @@ from vistrain.distributed.rank import (
     start_rank,
 )
 from vistrain.distributed.spawn import RankFailedError, spawn_and_watch  # noqa: F401  public here too
+
+PORT_RANGE_START = 20000  # the launcher's own rendezvous ports: [20000, the ephemeral range)
 
 # --------------------------------------------------------------------------------------------
 # public API
@@ -218,10 +221,31 @@ def _host_port(run_id: str):
 
 
 def find_free_port() -> int:
-    """A TCP port of 127.0.0.1 that nothing listens on now."""
+    """A TCP port nothing is bound to now, drawn below the system's ephemeral range: a port the
+    kernel hands out (``bind`` to port 0, outgoing connections) could be taken by any process,
+    such as another job's gloo connections, before the rendezvous binds it."""
+    draw = random.SystemRandom()  # not the seeded ``random``: every process would draw alike
+    low = _ephemeral_low()
+    for _ in range(64 if low - PORT_RANGE_START >= 1000 else 0):
+        port = draw.randrange(PORT_RANGE_START, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; else IANA's 49152)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 # --------------------------------------------------------------------------------------------
