@@ -382,6 +382,8 @@ def test_free_ports_are_drawn_below_the_ephemeral_range_whatever_the_seed():
 
     from vistrain.distributed.launch import PORT_RANGE_START, _ephemeral_low, find_free_port
 
+    if _ephemeral_low() - PORT_RANGE_START < 1000:
+        pytest.skip(f"this kernel's ephemeral ports start at {_ephemeral_low()}: no room below them")
     ports = set()
     for _ in range(5):
         random.seed(0)  # training seeds Python's random: the draw must not follow it
