@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -38,22 +39,17 @@ print(kept, current_rss_mib() - before)
 # Each scenario in its own fork of one interpreter that imported torch and vistrain: glibc's
 # allocator as a fresh process's, at one torch start-up for all of them.
 IN_FORKS = """
-import os, sys, traceback
+import sys
+sys.path.insert(0, {tests!r})
 import torch
 import vistrain.fsdp.memory, vistrain.fsdp.model_state, vistrain.runtime.host_memory
-for name, code in {scenarios!r}:
-    pid = os.fork()
-    if pid == 0:
-        try:
-            print(name, end=" ")
-            exec(code, {{}})
-            sys.stdout.flush()
-            os._exit(0)
-        except BaseException:
-            traceback.print_exc()
-            os._exit(1)
-    if os.waitpid(pid, 0)[1] != 0:
-        sys.exit(name + " failed")
+from fork_each import fork_each
+
+def scenario(name, code):
+    print(name, end=" ")
+    exec(code, {{}})
+
+fork_each([(name, lambda name=name, code=code: scenario(name, code)) for name, code in {scenarios!r}])
 """
 
 
@@ -67,7 +63,9 @@ def printed():
         ("trimmed", TRIMMED),
     ]
     out = subprocess.run(
-        [sys.executable, "-c", IN_FORKS.format(scenarios=scenarios)], capture_output=True, text=True
+        [sys.executable, "-c", IN_FORKS.format(tests=str(Path(__file__).parent), scenarios=scenarios)],
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line.split() for line in out.stdout.splitlines()]

@@ -123,21 +123,16 @@ def _peak_growth(prepare, step):
 
 
 _FRESH_PROCESS = """
-import os, sys, traceback, torch
+import sys, torch
 sys.path.insert(0, {tests!r})
 import test_weights_streaming as t
+from fork_each import fork_each
 from vistrain.distributed.testing import run_on_ranks
-for name, world, args, out in {jobs!r}:
-    pid = os.fork()  # a copy of this fresh interpreter per job: no job's memory blurs the next's
-    if pid == 0:
-        try:
-            torch.save(run_on_ranks(getattr(t, name), world, *args), out)
-            os._exit(0)
-        except BaseException:
-            traceback.print_exc()
-            os._exit(1)
-    if os.waitpid(pid, 0)[1] != 0:
-        sys.exit(name + " failed")
+
+def job(name, world, args, out):
+    torch.save(run_on_ranks(getattr(t, name), world, *args), out)
+
+fork_each([(n, lambda n=n, w=w, a=a, o=o: job(n, w, a, o)) for n, w, a, o in {jobs!r}])
 """
 
 
