@@ -348,6 +348,26 @@ def test_a_sigkilled_rank_stops_the_job(tmp_path):
     _assert_stopped(tmp_path, 0)  # the surviving rank was stopped too
 
 
+_START_METHODS = """
+import dataclasses, torch
+from vistrain.distributed.rank import LaunchPlan
+from vistrain.distributed.spawn import _start_method
+plan = LaunchPlan(2, 0, 2, 0, "tcp://127.0.0.1:1", "gloo", "cpu", 60, True, ranks_per_node=2)
+cuda = dataclasses.replace(plan, device="cuda", backend="nccl")
+print(_start_method(plan, True), _start_method(plan, False), _start_method(cuda, True))
+torch.set_num_threads(2)
+torch.ones(256, 256) @ torch.ones(256, 256)  # OpenMP's pool starts: forking is unsafe from here on
+print(_start_method(plan, True))
+"""
+
+
+def test_cpu_ranks_are_forked_only_from_a_launcher_that_has_computed_nothing():
+    out = subprocess.run([sys.executable, "-c", _START_METHODS], capture_output=True, text=True, check=True)
+    if not sys.platform.startswith("linux"):
+        pytest.skip("ranks are always spawned off Linux")
+    assert out.stdout.split() == ["fork", "spawn", "spawn", "spawn"]
+
+
 if __name__ == "__main__":
     # python tests/test_launcher.py raise|input|kill RUN_DIR: a 2-rank CPU job through the command
     # line's launcher (its exit codes and messages)

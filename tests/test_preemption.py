@@ -316,7 +316,7 @@ from vistrain import cli
 from vistrain.config import load_config
 from vistrain.distributed import launch
 
-def launch_hit_by_sigterm(job, cfg, announce=None):  # before the launcher installs its handlers
+def launch_hit_by_sigterm(job, cfg, announce=None, may_fork=False):  # before the launcher installs its handlers
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(5)
 

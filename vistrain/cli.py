@@ -137,11 +137,11 @@ def run(job, cfg) -> int:
     """Launch ``job`` (a module-level function of cfg) on every rank; the exit code (docstring)."""
     from vistrain.distributed.launch import RankFailedError, launch
 
-    say("starting the ranks: each loads torch, builds the model and reads the data")
+    say("starting the ranks: each builds the model and reads the data")
     try:
         # until the launcher (or the rank, in-process) installs its own answer to SIGTERM / SIGUSR1
         with _stop_signals_before_start():
-            launch(job, cfg, announce=functools.partial(announce_stop, cfg))
+            launch(job, cfg, announce=functools.partial(announce_stop, cfg), may_fork=True)
     except OneLineExit as e:  # bad input, divergence, a stop signal: found by the launcher or a rank
         return _report(e, cfg)
     except RankFailedError as e:

@@ -52,13 +52,18 @@ PORT_RANGE_START = 20000  # the launcher's own rendezvous ports: [20000, the eph
 
 
 def launch(
-    main_fn: Callable[[CfgNode], object], cfg: CfgNode, announce: Optional[Callable[[str], None]] = None
+    main_fn: Callable[[CfgNode], object],
+    cfg: CfgNode,
+    announce: Optional[Callable[[str], None]] = None,
+    may_fork: bool = False,
 ) -> None:
     """Run ``main_fn(cfg)`` on every rank of the job described by ``cfg.DISTRIBUTED``.
 
     ``main_fn`` must be a module-level function (it is pickled for spawned processes).
     ``announce(detail)``: prints the job's line when a stop signal's grace runs out in the process
-    that reports for the job (see ``stop_signals``).
+    that reports for the job (see ``stop_signals``). ``may_fork``: this process has computed
+    nothing since it imported torch (the command line), so CPU ranks may be forked from it
+    rather than spawned (``spawn._start_method``).
     Raises ConfigError (before anything starts) for impossible settings, RunFolderBusyError when
     another run holds ``CHECKPOINT.DIR``, the OneLineExit of a rank that ended in one line
     (every rank stopped: InputError, DivergedError, StopRequested), and RankFailedError when a
@@ -74,7 +79,7 @@ def launch(
         elif plan.local_ranks == 1:
             _run_in_this_process(main_fn, cfg, plan, announce)
         else:
-            spawn_and_watch(main_fn, cfg, plan)
+            spawn_and_watch(main_fn, cfg, plan, may_fork)
 
 
 def refuse_in_job(error: OneLineExit, cfg: Optional[CfgNode]) -> None:

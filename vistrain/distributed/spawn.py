@@ -19,6 +19,8 @@ import time
 import traceback
 from typing import Dict, List, Optional, Tuple
 
+import torch
+import torch.distributed
 import torch.multiprocessing as mp
 from fvcore.common.config import CfgNode
 
@@ -26,6 +28,19 @@ from vistrain.config.errors import EXIT_STOPPED, OneLineExit, StopRequested, reb
 from vistrain.distributed import supervise
 from vistrain.distributed.rank import LaunchPlan, start_rank
 from vistrain.distributed.stop_signals import STOP_SIGNALS, Forwarder, signal_name
+
+
+def _thread_count() -> int:
+    """Threads of this process (Linux); 0 where /proc does not say."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
+# What importing torch leaves running here (torch.multiprocessing is imported above), before
+# any computation could start OpenMP's pool: see _start_method.
+_THREADS_AT_IMPORT = _thread_count()
 
 STOP_GRACE_SECONDS = 5.0  # after a failure, time the other ranks get to exit on their own, then SIGKILL
 # A spawned rank's DataLoader queues register their semaphores with the launcher's multiprocessing
@@ -55,6 +70,8 @@ def _run_rank(local_rank: int, main_fn, cfg: CfgNode, plan: LaunchPlan, error_di
 
 
 def _run_spawned_rank(local_rank: int, launcher_pid: int, main_fn, cfg, plan, error_dir: str) -> None:
+    for signum in STOP_SIGNALS:  # a forked rank inherits the launcher's forwarding handlers
+        signal.signal(signum, signal.SIG_DFL)
     supervise.bind_to_launcher(launcher_pid)  # never outlive the launcher, leave Ctrl-C to it
     try:
         _run_rank(local_rank, main_fn, cfg, plan, error_dir)
@@ -66,7 +83,7 @@ def _run_spawned_rank(local_rank: int, launcher_pid: int, main_fn, cfg, plan, er
         os._exit(1)
 
 
-def spawn_and_watch(main_fn, cfg: CfgNode, plan: LaunchPlan) -> None:
+def spawn_and_watch(main_fn, cfg: CfgNode, plan: LaunchPlan, may_fork: bool = False) -> None:
     error_dir = tempfile.mkdtemp(prefix="vistrain-ranks-")
     if _QUIET_TRACKER not in sys.warnoptions:
         sys.warnoptions.append(_QUIET_TRACKER)
@@ -78,13 +95,30 @@ def spawn_and_watch(main_fn, cfg: CfgNode, plan: LaunchPlan) -> None:
                     args=(os.getpid(), main_fn, cfg, plan, error_dir),
                     nprocs=plan.local_ranks,
                     join=False,
-                    start_method="spawn",
+                    start_method=_start_method(plan, may_fork),
                 )
             processes = context.processes
             stop.watch([p.pid for p in processes])
             _watch(processes, stop, error_dir, plan.first_rank)
     finally:
         shutil.rmtree(error_dir, ignore_errors=True)
+
+
+def _start_method(plan: LaunchPlan, may_fork: bool) -> str:
+    """``fork`` for CPU ranks of a process that has computed nothing, else ``spawn``.
+
+    A forked rank starts at once with torch, torchvision and vistrain imported (a spawned one
+    spends ~6 s of CPU importing them again). Forking is safe only from a process that has started
+    no threads since it imported torch: no OpenMP pool (no parallel kernel ran), no gloo or CUDA.
+    ``may_fork``: the caller is such a process (the command line's launcher: it plans, it does not
+    compute); the thread count checks it still is. Anyone else (a notebook, a test) gets ``spawn``,
+    as do CUDA ranks.
+    """
+    quiet = _THREADS_AT_IMPORT > 0 and _thread_count() == _THREADS_AT_IMPORT
+    if may_fork and quiet and plan.device == "cpu" and sys.platform.startswith("linux"):
+        if not torch.cuda.is_initialized() and not torch.distributed.is_initialized():
+            return "fork"
+    return "spawn"
 
 
 def _watch(processes, stop: Forwarder, error_dir: str, first_rank: int) -> None:
