@@ -69,9 +69,9 @@ def planned_mib(cfg_args: list, backend: str) -> float:
 
     cfg = load_config(cfg_args)
     if cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:  # plan what the run will choose
-        from vistrain.planner.auto_tune import tune_run
+        from vistrain.planner.auto_tune import tune_job
 
-        cfg = tune_run(cfg, cfg_args)[0]
+        cfg = tune_job(cfg, cfg_args).cfg
     result = plan(cfg, "cpu")
     if backend == "torch":
         return max(result.peak, whole_model_bytes(cfg_args) + result.runtime_overhead) / 2**20

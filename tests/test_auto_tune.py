@@ -16,7 +16,7 @@ from vistrain.planner import auto_tune
 from vistrain.planner import knobs as planner_knobs
 from vistrain.planner import memory as planner_memory
 from vistrain.planner.across_nodes import choose_across_nodes
-from vistrain.planner.auto_tune import Budget, choose, planned_settings, tune, tune_run, tune_settings
+from vistrain.planner.auto_tune import Budget, choose, planned_settings, tune_job, tune_settings
 from vistrain.planner.knobs import EXACT_KNOBS, RESULT_KNOBS, exact_settings, speed_cost, with_knobs
 from vistrain.planner.memory import plan
 from vistrain.planner.shape import MIB
@@ -29,7 +29,7 @@ SHARDED = ["config=test/simclr_tiny", "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=
 @pytest.fixture
 def fixed_baseline(monkeypatch):
     """The choice, not the import baseline (a subprocess), is under test."""
-    monkeypatch.setattr(planner_memory, "import_baseline_mib", lambda: 700.0)
+    monkeypatch.setattr(planner_memory, "import_baseline_mib", lambda forked=False: 700.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -89,18 +89,20 @@ def test_explicit_keys_come_from_the_recipe_chain_and_the_command_line():
 
 
 # --------------------------------------------------------------------------------------------
-# tune() on the planner
+# tune_settings() on the planner
 
 
 def test_tune_keeps_explicit_knobs_and_a_large_budget_picks_zero2_with_one_unit(fixed_baseline):
     cfg = load_config(SHARDED)
-    tuned, line = tune(cfg, explicit_keys(SHARDED), 2, Budget(1e6, "test"), "cpu")
+    result = tune_settings(cfg, explicit_keys(SHARDED), 2, Budget(1e6, "test"), "cpu")
+    tuned, line = result.cfg, result.line
     fsdp = tuned.MODEL.FSDP_CONFIG
     assert (fsdp.wrap_granularity, fsdp.reshard_after_forward) == ("model", False)
     assert not tuned.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING
     assert line.startswith("auto-tune: chose ") and "budget 1,000,000 MiB" in line
     args = [*SHARDED, "config.MODEL.FSDP_CONFIG.wrap_granularity=block"]
-    tuned, line = tune(load_config(args), explicit_keys(args), 2, Budget(1e6, "test"), "cpu")
+    result = tune_settings(load_config(args), explicit_keys(args), 2, Budget(1e6, "test"), "cpu")
+    tuned, line = result.cfg, result.line
     assert tuned.MODEL.FSDP_CONFIG.wrap_granularity == "block" and "kept as set: wrap_granularity" in line
     # result knobs are never touched
     assert tuned.DATA.TRAIN.BATCHSIZE_PER_REPLICA == cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA
@@ -112,12 +114,12 @@ def test_nothing_fits_is_one_line_with_the_smallest_peak_and_the_levers(fixed_ba
     cfg = load_config(args)
     smallest = min(planned_settings(cfg, "cpu")[1]) / MIB
     with pytest.raises(ConfigError) as caught:
-        tune(cfg, explicit_keys(args), 2, Budget(smallest - 50, "test"), "cpu")
+        tune_settings(cfg, explicit_keys(args), 2, Budget(smallest - 50, "test"), "cpu")
     message = str(caught.value)
     assert "\n" not in message and f"smallest reachable peak is {smallest:,.0f} MiB" in message
     assert "it fits with 4 ranks" in message  # 8GF's state halves on twice the ranks
     with pytest.raises(ConfigError, match="no single lever"):
-        tune(cfg, explicit_keys(args), 2, Budget(1, "test"), "cpu")
+        tune_settings(cfg, explicit_keys(args), 2, Budget(1, "test"), "cpu")
 
 
 def test_a_resumed_run_keeps_its_knobs_while_they_fit(tmp_path, monkeypatch, fixed_baseline):
@@ -126,7 +128,8 @@ def test_a_resumed_run_keeps_its_knobs_while_they_fit(tmp_path, monkeypatch, fix
     recorded = with_knobs(cfg, {"wrap_granularity": "block", "reshard_after_forward": True})
     (tmp_path / "config.yaml").write_text(recorded.dump())
     monkeypatch.setattr("vistrain.checkpoint.find_latest_checkpoint", lambda run_dir: str(tmp_path / "ckpt"))
-    tuned, line = tune(cfg, explicit_keys(args), 2, Budget(1e6, "test"), "cpu")
+    result = tune_settings(cfg, explicit_keys(args), 2, Budget(1e6, "test"), "cpu")
+    tuned, line = result.cfg, result.line
     assert line.startswith("auto-tune: kept the resumed run's")
     assert (tuned.MODEL.FSDP_CONFIG.wrap_granularity, tuned.MODEL.FSDP_CONFIG.reshard_after_forward) == (
         "block",
@@ -136,7 +139,8 @@ def test_a_resumed_run_keeps_its_knobs_while_they_fit(tmp_path, monkeypatch, fix
     kept_peak = plan(with_knobs(cfg, auto_tune.exact_knobs_of(recorded))).peak / MIB
     smallest = min(planned_settings(cfg, "cpu")[1]) / MIB
     assert smallest < kept_peak
-    tuned, line = tune(cfg, explicit_keys(args), 2, Budget((smallest + kept_peak) / 2, "test"), "cpu")
+    result = tune_settings(cfg, explicit_keys(args), 2, Budget((smallest + kept_peak) / 2, "test"), "cpu")
+    tuned, line = result.cfg, result.line
     assert "no longer fits" in line and tuned.MODEL.FSDP_CONFIG.wrap_granularity is not None
 
 
@@ -192,7 +196,7 @@ def test_shard_group_sizes_planned_one_node_and_across_nodes(fixed_baseline):
 
 def _choose_on_ranks(rank, world, gbps):
     """Every rank tunes as its node's launcher did, then the ranks choose (rank 0 decides)."""
-    planner_memory.import_baseline_mib = lambda: 700.0
+    planner_memory.import_baseline_mib = lambda forked=False: 700.0
     args = [*NODES, f"config.MACHINE.INTER_NODE_GBPS={gbps}"]
     tuned = tune_settings(load_config(args), explicit_keys(args), world, Budget(1e6, "test"), "cpu")
     chosen, line = choose_across_nodes(tuned.cfg, tuned.across_nodes, tuned.layout, torch.device("cpu"))
@@ -281,11 +285,11 @@ def test_small_budget_forces_zero3_with_checkpointing_large_one_zero2_same_losse
         )
         == 1
     )
-    # the large budget: the launcher's own choice (tune_run) in this process, trained on forked
+    # the large budget: the launcher's own choice (tune_job) in this process, trained on forked
     # ranks (a second launcher start-up would add half a minute; the launcher's path is the
     # small run's and the resume's)
     args = [*REAL, f"config.CHECKPOINT.DIR={large}", "config.MACHINE.MEMORY_BUDGET_MIB=100000"]
-    tuned, _ = tune_run(load_config(args), args)
+    tuned = tune_job(load_config(args), args).cfg
     run_on_ranks(_train, 2, tuned)
     wide = yaml.safe_load((large / "config.yaml").read_text())
     assert wide["MODEL"]["FSDP_CONFIG"]["reshard_after_forward"] is False

@@ -120,7 +120,7 @@ class _CropsToTensor(nn.Module):
 @pytest.fixture
 def fixed_baseline(monkeypatch):
     """The search and the CLI, not the import baseline (a subprocess), are under test here."""
-    monkeypatch.setattr(planner_memory, "import_baseline_mib", lambda: 700.0)
+    monkeypatch.setattr(planner_memory, "import_baseline_mib", lambda forked=False: 700.0)
 
 
 def test_search_picks_a_setting_that_fits_or_says_none_does(fixed_baseline):

@@ -59,9 +59,10 @@ def _plan(cfg, config_args, args) -> int:
     if args.budget_mib is None:
         tuned = {}
         if cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:  # plan what the run would run
-            from vistrain.planner.auto_tune import tune_run
+            from vistrain.planner.auto_tune import tune_job
 
-            cfg, tuned["auto_tune"] = tune_run(cfg, config_args)
+            result = tune_job(cfg, config_args)
+            cfg, tuned["auto_tune"] = result.cfg, result.line
         out = {**tuned, **plan(cfg, device).as_mib()}
         # inside the shard group / across groups (sharded) / over the busiest link, per rank
         out["sent_per_step_per_rank"] = traffic(cfg).as_mib()

@@ -109,11 +109,9 @@ def say(text: str) -> None:
 
 def _auto_tuned(cfg, job, argv):
     """``cfg`` with the knobs ``vistrain.planner.auto_tune`` chose, and the job logging the details."""
-    from vistrain.fsdp.memory import current_rss_mib
     from vistrain.planner.auto_tune import summary_line, tune_job
 
-    # this process imported what a rank imports (the job's module): its RSS is a rank's baseline
-    tuned = tune_job(cfg, argv, baseline_mib=current_rss_mib())
+    tuned = tune_job(cfg, argv, launcher=True)  # it imported the job's module: what a rank imports
     if tuned.across_nodes:  # the ranks choose the shard group size once they know the link
         say(
             "auto-tune: the job spans nodes; the ranks time the link, then choose the shard group size (details in log.txt)"

@@ -63,8 +63,15 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def current_rss_mib() -> float:
-    """Resident set size of this process now, from /proc/self/statm (pages)."""
+def current_rss_mib(anonymous_only: bool = False) -> float:
+    """Resident set size of this process now, from /proc/self/statm (pages); ``anonymous_only``:
+    without file-backed and shared pages (``RssAnon``: what a forked child starts with)."""
+    if anonymous_only:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) / 1024
+        raise RuntimeError("/proc/self/status has no RssAnon")
     with open("/proc/self/statm") as f:
         pages = int(f.read().split()[1])
     return pages * resource.getpagesize() / 2**20

@@ -7,7 +7,7 @@ that fit a memory budget.
 - ``memory``: peak bytes per rank (:func:`plan`), the ``mem`` a run logs.
 - ``traffic``: bytes per rank and step by process group and across nodes (:func:`traffic`).
 - ``knobs``: exact and result knobs, their measured speed, the budget search (:func:`search`).
-- ``auto_tune``: ``MODEL.FSDP_CONFIG.AUTO_TUNE``, the run choosing its exact knobs (:func:`tune_run`).
+- ``auto_tune``: ``MODEL.FSDP_CONFIG.AUTO_TUNE``, the run choosing its exact knobs (:func:`tune_job`).
 
 ``tools/plan_memory.py`` prints all of it for a recipe.
 """

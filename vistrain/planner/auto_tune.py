@@ -20,8 +20,9 @@ import yaml
 from vistrain.config import ConfigError
 from vistrain.config.checks import get_key
 from vistrain.config.words import plural
+from vistrain.fsdp.memory import current_rss_mib
 from vistrain.planner.knobs import EXACT_KNOBS, current_knobs, exact_settings, speed_cost, with_knobs
-from vistrain.planner.memory import plan
+from vistrain.planner.memory import forked_ranks, plan
 from vistrain.planner.shape import MIB, ModelShapes
 
 MARGIN = 0.10  # of the machine's memory, left for what the plan does not hold (page cache, spikes)
@@ -133,15 +134,11 @@ class Tuned:
     layout: Optional[Setting] = None
 
 
-def tune_run(cfg, argv: Sequence[str], baseline_mib: Optional[float] = None) -> Tuple[object, str]:
-    """:func:`tune` for the run ``argv`` describes, on this machine and its launcher's layout;
-    ``baseline_mib``: see :func:`tune`."""
-    tuned = tune_job(cfg, argv, baseline_mib)
-    return tuned.cfg, tuned.line
-
-
-def tune_job(cfg, argv: Sequence[str], baseline_mib: Optional[float] = None) -> Tuned:
-    """:func:`tune_run` with the candidates the ranks of a multi-node job choose from."""
+def tune_job(cfg, argv: Sequence[str], launcher: bool = False) -> Tuned:
+    """:func:`tune_settings` for the run ``argv`` describes, on this machine and its launcher's
+    layout (torchrun's when it runs under torchrun). ``launcher``: this process is the run's
+    launcher and has imported what a rank imports: its RSS is a rank's baseline (the anonymous
+    part where it forks the ranks, ``memory.forked_ranks``), no subprocess needed."""
     from vistrain.config import explicit_keys
     from vistrain.distributed.launch import planned_world_size, resolve_device
 
@@ -153,26 +150,8 @@ def tune_job(cfg, argv: Sequence[str], baseline_mib: Optional[float] = None) -> 
     else:
         budget = machine_budget(device, per_node)
     world = planned_world_size(cfg.DISTRIBUTED, os.environ)
+    baseline_mib = current_rss_mib(anonymous_only=forked_ranks(cfg, device)) if launcher else None
     return tune_settings(cfg, explicit_keys(argv), world, budget, device, baseline_mib, per_node)
-
-
-def tune(
-    cfg,
-    explicit: Sequence[str],
-    world: int,
-    budget: Budget,
-    device: str,
-    baseline_mib: Optional[float] = None,
-) -> Tuple[object, str]:
-    """``(cfg with the chosen knobs, the log line)``; ConfigError (one line) when nothing fits.
-
-    ``explicit``: the dotted keys the recipe chain or the command line set (kept as set);
-    ``world``: the job's ranks (the planner shards over them); ``baseline_mib``: the RSS of a
-    process that imported what a rank imports (the launcher's own, before planning), else the
-    planner measures one in a subprocess.
-    """
-    tuned = tune_settings(cfg, explicit, world, budget, device, baseline_mib)
-    return tuned.cfg, tuned.line
 
 
 def tune_settings(
@@ -184,8 +163,15 @@ def tune_settings(
     baseline_mib: Optional[float] = None,
     ranks_per_node: Optional[int] = None,
 ) -> Tuned:
-    """:func:`tune` returning a :class:`Tuned`; ``ranks_per_node``: the job's (torchrun may
-    decide it), else the config's."""
+    """The config with the chosen knobs and the log line (:class:`Tuned`; across nodes also the
+    candidates the ranks choose from); ConfigError (one line) when nothing fits.
+
+    ``explicit``: the dotted keys the recipe chain or the command line set (kept as set);
+    ``world``: the job's ranks (the planner shards over them); ``baseline_mib``: the RSS of a
+    process that imported what a rank imports (the launcher's own, before planning), else the
+    planner measures one in a subprocess; ``ranks_per_node``: the job's (torchrun may decide it),
+    else the config's.
+    """
     planned = _for_world(cfg, world, ranks_per_node or cfg.DISTRIBUTED.NUM_PROC_PER_NODE)
     fixed = [name for name, key in EXACT_KNOBS.items() if key in explicit]
     shapes = ModelShapes(cfg.MODEL, baseline_mib)

@@ -29,6 +29,7 @@ Which knobs fit a budget and which of them is fastest: ``knobs.py`` and ``auto_t
 """
 
 import functools
+import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -142,7 +143,7 @@ def plan(cfg, device: str = "cpu", shapes: Optional[ModelShapes] = None) -> Memo
     gathered = 0
     if shape.sharded:
         gathered, state["grads"] = _backward_moment(cfg, shape, device)
-    runtime = runtime_bytes(device, shapes)
+    runtime = runtime_bytes(cfg, device, shapes)
     backward_peak = MemoryPlan(
         gathered_units=gathered,
         activations=activation_bytes(cfg, shapes, shape.precision.low),
@@ -186,20 +187,31 @@ def activation_bytes(cfg, shapes: ModelShapes, low: bool) -> float:
     return saved + sum(c.numel() * 4 for c in meta_crops(data, batch))
 
 
-def runtime_bytes(device: str, shapes: ModelShapes) -> float:
+def runtime_bytes(cfg, device: str, shapes: ModelShapes) -> float:
     """CPU: the import baseline plus ``CPU_ALLOWANCE_MIB``; CUDA: 0."""
     if device != "cpu":
         return 0
-    return ((shapes.baseline_mib or import_baseline_mib()) + CPU_ALLOWANCE_MIB) * MIB
+    baseline = shapes.baseline_mib or import_baseline_mib(forked_ranks(cfg, device))
+    return (baseline + CPU_ALLOWANCE_MIB) * MIB
 
 
-@functools.lru_cache(maxsize=1)
-def import_baseline_mib() -> float:
-    """RSS of a fresh Python process that imported what a training rank imports (MiB)."""
+def forked_ranks(cfg, device: str) -> bool:
+    """Whether the command line's launcher forks this run's ranks (CPU, several per node, Linux:
+    ``vistrain.distributed.spawn``). A forked rank holds of the launcher's pages only its anonymous
+    memory and the library pages it touches, not every page the imports mapped in."""
+    joined = "LOCAL_WORLD_SIZE" in os.environ or "SLURM_STEP_ID" in os.environ  # torchrun / srun
+    several = cfg.DISTRIBUTED.NUM_PROC_PER_NODE > 1 and not joined
+    return device == "cpu" and several and sys.platform.startswith("linux")
+
+
+@functools.lru_cache(maxsize=2)
+def import_baseline_mib(forked: bool = False) -> float:
+    """RSS of a fresh Python process that imported what a training rank imports (MiB); its
+    anonymous part only for ``forked`` ranks (see :func:`forked_ranks`)."""
     code = (
         "import torch, torchvision, vistrain.jobs\n"
         "from vistrain.fsdp.memory import current_rss_mib\n"
-        "print(current_rss_mib())"
+        f"print(current_rss_mib(anonymous_only={forked}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
