@@ -204,14 +204,20 @@ def forked_ranks(cfg, device: str) -> bool:
     return device == "cpu" and several and sys.platform.startswith("linux")
 
 
-@functools.lru_cache(maxsize=2)
 def import_baseline_mib(forked: bool = False) -> float:
     """RSS of a fresh Python process that imported what a training rank imports (MiB); its
     anonymous part only for ``forked`` ranks (see :func:`forked_ranks`)."""
+    return _import_rss_mib()[forked]
+
+
+@functools.lru_cache(maxsize=1)
+def _import_rss_mib() -> Tuple[float, float]:
+    """(RSS, anonymous RSS) of a fresh process after ``import torch, torchvision, vistrain.jobs``."""
     code = (
         "import torch, torchvision, vistrain.jobs\n"
         "from vistrain.fsdp.memory import current_rss_mib\n"
-        f"print(current_rss_mib(anonymous_only={forked}))"
+        "print(current_rss_mib(), current_rss_mib(anonymous_only=True))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    total, anonymous = out.stdout.strip().splitlines()[-1].split()
+    return float(total), float(anonymous)
