@@ -82,9 +82,16 @@ def run_seed(args, seed: int) -> dict:
     "cv_top1": {feature: %}, "lr": {feature: lr}, "seconds": {...}, "cpu_per_rank": {...}}."""
     folder = args.out / f"seed_{seed}"
     done = folder / "result.json"
+    recipe = {"pretrain_overrides": overrides(args.pretrain), "eval_overrides": overrides(args.eval)}
     if done.exists():
         print(f"\n=== seed {seed}: done before, reading {done}", flush=True)
-        return json.loads(done.read_text())
+        record = json.loads(done.read_text())
+        if {key: record.get(key, []) for key in recipe} != recipe:
+            sys.exit(
+                f"{done} was run with other overrides ({record.get('pretrain_overrides')}, "
+                f"{record.get('eval_overrides')}): use another --out or --overwrite"
+            )
+        return record
     pretrain_dir, eval_dir = folder / "pretrain", folder / "linear_eval"
     for stale in (pretrain_dir, eval_dir):  # an interrupted run: start it again
         shutil.rmtree(stale, ignore_errors=True)
@@ -108,6 +115,7 @@ def run_seed(args, seed: int) -> dict:
     results = json.loads((eval_dir / "metrics.json").read_text())["results"]
     record = {
         "seed": seed,
+        **recipe,
         "top1": {name: r["top1"] for name, r in results.items()},
         "cv_top1": {name: r.get("holdout_top1") for name, r in results.items()},
         "lr": {name: r.get("lr") for name, r in results.items()},
