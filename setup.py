@@ -1,5 +1,7 @@
 from setuptools import find_packages, setup
 
+LIGHTNING = ["pytorch-lightning>=2.6,<2.7"]  # the Lightning releases tests run against
+
 setup(
     name="vistrain",
     version="0.1.0",
@@ -19,5 +21,9 @@ setup(
         "tensorboard>=2.10",
         "scikit-learn>=1.0",  # ships the real handwritten digits used by the demo data set
     ],
-    extras_require={"dev": ["pytest>=7", "pytest-timeout>=2", "ruff==0.14.14"]},
+    extras_require={
+        # Trainer(strategy="vistrain_fsdp"): vistrain.integrations.lightning
+        "lightning": LIGHTNING,
+        "dev": ["pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3", "ruff==0.14.14", *LIGHTNING],
+    },
 )

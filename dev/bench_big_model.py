@@ -26,6 +26,8 @@ import threading
 import time
 from pathlib import Path
 
+from vistrain.planner.auto_tune import available_memory_mib
+
 REPO = Path(__file__).resolve().parents[1]
 HEAD_INPUT = {
     "regnet_y_128gf": 7392,
@@ -63,25 +65,17 @@ def planned_mib(cfg_args: list, backend: str) -> float:
     """The planner's peak per rank; for fully_shard at least the whole fp32 model it builds on
     every rank before sharding (the planner models our engine's unit-by-unit build)."""
     from vistrain.config import load_config
-    from vistrain.runtime.memory_plan import plan
+    from vistrain.planner.memory import plan
 
     cfg = load_config(cfg_args)
     if cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:  # plan what the run will choose
-        from vistrain.runtime.auto_tune import tune_run
+        from vistrain.planner.auto_tune import tune_run
 
         cfg = tune_run(cfg, cfg_args)[0]
     result = plan(cfg, "cpu")
     if backend == "torch":
         return max(result.peak, whole_model_bytes(cfg_args) + result.runtime_overhead) / 2**20
     return result.peak / 2**20
-
-
-def mem_available_mib() -> float:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
 def _descendants(pid: int) -> list:
@@ -107,14 +101,14 @@ class MachineWatch(threading.Thread):
     def __init__(self, root_pid: int):
         super().__init__(daemon=True)
         self.root_pid, self.stop = root_pid, threading.Event()
-        self.start_available = mem_available_mib()
+        self.start_available = available_memory_mib()
         self.max_pss, self.min_available = 0.0, self.start_available
 
     def run(self):
         while not self.stop.wait(0.2):
             pids = [self.root_pid, *_descendants(self.root_pid)]
             self.max_pss = max(self.max_pss, sum(_pss_mib(p) for p in pids))
-            self.min_available = min(self.min_available, mem_available_mib())
+            self.min_available = min(self.min_available, available_memory_mib())
 
 
 def run_job(cfg_args: list) -> dict:
@@ -159,7 +153,7 @@ def main():
     results = {}
     for backend in args.backends:
         plan = planned_mib(config_args(backend, args), backend)
-        available = mem_available_mib()
+        available = available_memory_mib()
         if plan * args.ranks + MARGIN_MIB > available:
             print(
                 f"{backend:<8} not started: planned {plan:.0f} MiB x {args.ranks} ranks does not fit "

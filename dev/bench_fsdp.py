@@ -12,7 +12,7 @@ with the optimizer step inside backward; fully_shard per block with ZeRO-3 and Z
 
 Per setting it prints the median step time as a ratio to DDP's, and its communication floor: the
 same all-gathers and reduce-scatters (DDP: all-reduces of its buckets) timed alone in the same
-processes, so the distance from the floor shows. Then the factors ``vistrain/runtime/knob_search.py``
+processes, so the distance from the floor shows. Then the factors ``vistrain/planner/knobs.py``
 uses, as measured here, and how often the planner's speed order (``speed_cost``) agrees with the
 measured one. Also persistent storage bytes per rank (``untyped_storage().nbytes()``, each storage
 once) next to DDP's / N. CPU: gloo; CUDA: NCCL. ``--shard-group-size K``: hybrid sharding (ours
@@ -32,13 +32,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from vistrain.distributed.testing import run_on_ranks
-from vistrain.fsdp import auto_wrap, heap, hybrid_groups
-from vistrain.fsdp.flat_param import gather_into, reduce_scatter_into
+from vistrain.fsdp import RootOptions, auto_wrap, hybrid_groups, model_state
+from vistrain.fsdp.collectives import gather_into, reduce_scatter_into
 from vistrain.fsdp.memory import held_tensors, storage_bytes
-from vistrain.runtime.knob_search import speed_cost
-from vistrain.runtime.sharding import apply_activation_checkpointing, torch_mesh, unit_classes, wrap_policy
+from vistrain.models.units import GRANULARITIES, unit_classes
+from vistrain.planner.knobs import speed_cost
+from vistrain.runtime.sharding import apply_activation_checkpointing, torch_fully_shard, wrap_policy
 
-GRANULARITIES = ("block", "stage", "model")
 DDP_BUCKET_MIB, DDP_FIRST_BUCKET_MIB = 25, 1  # DDP's defaults
 
 
@@ -48,7 +48,7 @@ def build(name):
 
 
 def settings():
-    """(row name, knobs) of every sharded setting measured; knobs as knob_search names them."""
+    """(row name, knobs) of every sharded setting measured; knobs as vistrain.planner.knobs names them."""
     out = []
     for granularity, reshard in itertools.product(GRANULARITIES, (True, False)):
         base = dict(wrap_granularity=granularity, reshard_after_forward=reshard)
@@ -67,26 +67,43 @@ def settings():
     return out
 
 
+def replicated_settings():
+    """shard_group_size=1 (every rank holds everything: DDP's replication through the engine)."""
+    return [
+        (
+            f"replicated {g} {'zero3' if r else 'zero2'}",
+            dict(wrap_granularity=g, reshard_after_forward=r, shard_group_size=1),
+        )
+        for g, r in (("model", False), ("stage", False), ("block", False), ("block", True))
+    ]
+
+
 def make_engines(args, device):
     """name -> (model, optimizer, knobs or None)."""
     engines = {"ddp": (DDP(build(args.model).to(device)), None)}
-    shard_group, replica_group = hybrid_groups(args.shard_group_size)  # WORLD, None when 0
-    for name, knobs in settings():
+    sharded = hybrid_groups(args.shard_group_size)  # the world, no replicas when 0
+    replicated = hybrid_groups(1) if args.replicated else None
+    chosen = settings() + (replicated_settings() if args.replicated else [])
+    for name, knobs in chosen:
+        if args.only and name not in args.only:
+            continue
+        groups = replicated if knobs.get("shard_group_size") == 1 else sharded
         model = build(args.model).to(device)
         if knobs.get("activation_checkpointing"):
             apply_activation_checkpointing(model, knobs["checkpointing_granularity"])
         wrapped = auto_wrap(
             model,
             wrap_policy(False, knobs["wrap_granularity"]),
+            groups=groups,
             reshard_after_forward=knobs["reshard_after_forward"],
-            prefetch_depth=knobs.get("prefetch_depth", 1),
-            process_group=shard_group,
-            replica_group=replica_group,
+            root=RootOptions(prefetch_depth=knobs.get("prefetch_depth", 1)),
         )
         engines[name] = (wrapped, knobs)
-    for reshard in (True, False):
+    for reshard in (True, False) if not args.only else ():
         try:
-            model = torch_fully_shard(build(args.model).to(device), reshard, args.shard_group_size)
+            model = torch_fully_shard(
+                build(args.model).to(device), unit_classes(False, "block"), reshard, args.shard_group_size
+            )
             engines[f"fully_shard {'zero3' if reshard else 'zero2'}"] = (model, None)
         except (ImportError, RuntimeError) as error:  # older torch: compare what we can
             print(f"fully_shard unavailable: {error}")
@@ -97,17 +114,6 @@ def make_engines(args, device):
             model.apply_optimizer_in_backward(optimizer)
         out[name] = (model, optimizer, knobs)
     return out
-
-
-def torch_fully_shard(model, reshard, shard_group_size):
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = torch_mesh(next(model.parameters()).device.type, shard_group_size)  # 2-D when hybrid
-    classes = tuple(unit_classes(False, "block"))
-    for module in model.modules():
-        if isinstance(module, classes):
-            fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
-    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
 
 
 def step(model, optimizer, x, y, device, in_backward=False):
@@ -137,10 +143,11 @@ def collectives(model, knobs):
     for unit in model.units():
         gathers = 1 if (not knobs["reshard_after_forward"] or unit is model) else 2
         for handle in unit.unit_state.handles:
-            full, shard, group = handle.full.numel(), handle.shard.numel(), unit.process_group
-            ops += [("all_gather", full, shard, group)] * gathers + [("reduce_scatter", full, shard, group)]
-            if unit.replica_group is not None:  # hybrid: the shard gradient across the groups
-                ops.append(("all_reduce", shard, shard, unit.replica_group))
+            full, shard, groups = handle.full.numel(), handle.shard.numel(), handle.groups
+            ops += [("all_gather", full, shard, groups.shard)] * gathers
+            ops.append(("reduce_scatter", full, shard, groups.shard))
+            if groups.replica is not None:  # hybrid: the shard gradient across the groups
+                ops.append(("all_reduce", shard, shard, groups.replica))
     return ops
 
 
@@ -199,11 +206,11 @@ def worker(rank, world, args):
 
 
 def measured_factors(ratio, knobs_of):
-    """The knob_search factors as this run measured them."""
+    """The vistrain.planner.knobs factors as this run measured them."""
     base = {
         (k["wrap_granularity"], k["reshard_after_forward"]): ratio[n]
         for n, k in knobs_of.items()
-        if k and len(k) == 2
+        if k and set(k) == {"wrap_granularity", "reshard_after_forward"}
     }
 
     def relative(select, key, added=False):  # median over the settings of the ratio (or the difference)
@@ -216,8 +223,14 @@ def measured_factors(ratio, knobs_of):
                 )
         return {key: statistics.median(v) for key, v in out.items()}
 
+    replicated = {
+        (k["wrap_granularity"], k["reshard_after_forward"]): ratio[n]
+        for n, k in knobs_of.items()
+        if k and k.get("shard_group_size") == 1
+    }
     return {
         "STEP_VS_DDP": base,
+        "REPLICATED_VS_DDP": replicated,
         "CHECKPOINTING_EXTRA": relative(
             lambda k: k.get("activation_checkpointing"), lambda k: k["checkpointing_granularity"], added=True
         ),
@@ -255,9 +268,11 @@ def main():
         "--trim-after-mib", type=float, default=None, help="heap trims after this many MiB freed"
     )
     parser.add_argument("--shard-group-size", type=int, default=0, help="hybrid: ranks per shard group")
+    parser.add_argument("--replicated", action="store_true", help="also shard_group_size=1 (replication)")
+    parser.add_argument("--only", nargs="*", help="only these settings (and DDP), names as printed")
     args = parser.parse_args()
     if args.trim_after_mib is not None:  # the ranks are forked from here and inherit it
-        heap.TRIM_AFTER_BYTES = int(args.trim_after_mib * 2**20)
+        model_state.TRIM_AFTER_BYTES = int(args.trim_after_mib * 2**20)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = run_on_ranks(worker, args.world, args, backend=backend)
@@ -294,7 +309,7 @@ def main():
         )
     print("floor: the step's gathers and reductions (DDP: bucket all-reduces) timed alone, / DDP's step")
     knobs_of = r0["knobs"]
-    print("factors measured here (vistrain/runtime/knob_search.py):")
+    print("factors measured here (vistrain/planner/knobs.py):")
     for table, values in measured_factors(ratio, knobs_of).items():
         print(f"  {table}: " + ", ".join(f"{k}: {v:.2f}" for k, v in values.items()))
     agree, pairs, wrong = order_agreement(ratio, knobs_of, device)

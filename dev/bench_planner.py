@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_big_model import HEAD_INPUT, MARGIN_MIB, mem_available_mib, planned_mib, run_job
+from bench_big_model import HEAD_INPUT, MARGIN_MIB, planned_mib, run_job
+
+from vistrain.planner.auto_tune import available_memory_mib
 
 
 def big(model: str, *extra: str, ranks: int = 4):
@@ -67,7 +69,7 @@ def main():
         cfg_args = CASES[name]
         plan = planned_mib(cfg_args, "builtin")
         ranks = next((int(a.split("=")[1]) for a in cfg_args if "NUM_PROC_PER_NODE" in a), 2)
-        if plan * ranks + MARGIN_MIB > mem_available_mib():
+        if plan * ranks + MARGIN_MIB > available_memory_mib():
             print(
                 f"{name:<24} planned {plan:6.0f} MiB x {ranks} ranks: does not fit, not started", flush=True
             )

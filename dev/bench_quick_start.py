@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from vistrain.config.checks import get_key
-from vistrain.runtime.knob_search import EXACT_KNOBS, overrides
+from vistrain.planner.knobs import EXACT_KNOBS, overrides
 
 REPO = Path(__file__).resolve().parents[1]
 OVERALL = re.compile(r"([\d.]+) img/s overall")

@@ -4,7 +4,7 @@
 
 On each visible GPU count (one H200 in this project's device sessions: world size 1 with NCCL)
 it trains torchvision's RegNetY-400MF for a few steps under DDP and under our engine and records:
-fp32 parity (losses, weights), bf16 and fp16 (ShardedGradScaler) runs against fp32, the
+fp32 parity (losses, weights), bf16 and fp16 (model.grad_scaler()) runs against fp32, the
 move_params_to_cpu path, peak CUDA memory of each, and median step times. CPU-only machines:
 exits with a message (the CPU paths are covered by the test suite).
 """
@@ -22,10 +22,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torchvision.models.regnet import ResBottleneckBlock, SimpleStemIN
 
 from vistrain.distributed.testing import run_on_ranks
-from vistrain.fsdp import ShardedGradScaler, auto_wrap, by_class
+from vistrain.fsdp import KEEP_FP32, Precision, auto_wrap, by_class
 
 UNITS = by_class(
-    {ResBottleneckBlock: {}, SimpleStemIN: {}, nn.Linear: {}, nn.BatchNorm2d: {"keep_fp32": True}}
+    {ResBottleneckBlock: {}, SimpleStemIN: {}, nn.Linear: {}, nn.BatchNorm2d: {"precision": KEEP_FP32}}
 )
 STEPS = 6
 
@@ -45,7 +45,9 @@ def run(kind, rank, world, **fsdp_kwargs):
     else:
         model = auto_wrap(build(device), UNITS, **fsdp_kwargs)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    scaler = ShardedGradScaler("cuda") if amp == torch.float16 else None
+    scaler = None
+    if amp == torch.float16:  # the trainer's choice (vistrain.runtime.precision.loss_scaling)
+        scaler = torch.amp.GradScaler("cuda") if kind == "ddp" else model.grad_scaler()
     gen = torch.Generator().manual_seed(rank)
     losses, times = [], []
     for _ in range(STEPS):
@@ -94,9 +96,7 @@ def worker(rank, world):
             "fsdp",
             rank,
             world,
-            mixed_precision=True,
-            compute_dtype=dtype,
-            fp32_reduce_scatter=True,
+            precision=Precision(dtype, torch.float32),
             amp=dtype,
         )
     ref = runs["ddp"]

@@ -2,27 +2,24 @@
 
     python dev/plan_hybrid.py [--nodes 64] [--per-node 8]
 
-The README's SEER-10B recipe (SwAV, head [28280, 8192, 256], 16000 prototypes, 2x224 + 4x96
+The SEER-10B recipe of docs/engine.md (SwAV, head [28280, 8192, 256], 16000 prototypes, 2x224 + 4x96
 crops, 8 images per GPU, LARS, bf16 with fp32 reductions, activation checkpointing) planned with
 ``MODEL.FSDP_CONFIG.shard_group_size`` 0 (shards over all GPUs) and the GPUs of one node (and
-two), ZeRO-3 and ZeRO-2: per-GPU memory (``vistrain.runtime.memory_plan.plan``, CUDA) and the
-bytes each GPU sends per step inside its shard group, across groups and across nodes
-(``vistrain.runtime.traffic_plan.traffic``; ring accounting, a group spanning nodes counts
-whole). Built on the meta device.
+two), ZeRO-3 and ZeRO-2: per-GPU memory (``vistrain.planner.memory.plan``, CUDA) and the
+bytes each GPU sends per step inside its shard group and across groups (ring accounting) and
+what each node's link carries per GPU (``vistrain.planner.traffic.traffic``: every collective as
+one ring in rank order sends it, NCCL on CUDA: the engine reduce-scatters). Built on the meta
+device.
 """
 
 import argparse
 
-from vistrain.config import load_config
-from vistrain.runtime.memory_plan import plan
-from vistrain.runtime.traffic_plan import traffic
+from plan_seer_10b import SEER_10B
 
-SEER_10B = [
-    "config=pretrain/swav_regnet_y_256gf_seer",
-    "config.MODEL.TRUNK.REGNET.NAME=regnet_y_10b",
-    "config.MODEL.HEAD.DIMS=[28280,8192,256]",
-    "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
-]
+from vistrain.config import load_config
+from vistrain.planner.memory import plan
+from vistrain.planner.shape import ModelShapes
+from vistrain.planner.traffic import traffic
 
 
 def main():
@@ -31,7 +28,7 @@ def main():
     parser.add_argument("--per-node", type=int, default=8)
     args = parser.parse_args()
     world = args.nodes * args.per_node
-    cache = {}
+    shapes = None
     print(f"SEER RegNetY-10B, {args.nodes} nodes x {args.per_node} GPUs, bf16, per GPU and step (GB = 1e9 B)")
     header = ("shard_group_size", "ZeRO", "memory GB", "in group GB", "across groups GB", "across nodes GB")
     print(" | ".join(header))
@@ -46,8 +43,9 @@ def main():
                     f"config.MODEL.FSDP_CONFIG.reshard_after_forward={reshard}",
                 ]
             )
-            memory = plan(cfg, "cuda", cache).peak
-            sent = traffic(cfg, cache)
+            shapes = shapes or ModelShapes(cfg.MODEL)
+            memory = plan(cfg, "cuda", shapes).peak
+            sent = traffic(cfg, shapes)
             row = [f"{k} ({k or world} GPUs)", "3" if reshard else "2"]
             row += [f"{b / 1e9:.1f}" for b in (memory, sent.shard_group, sent.replica_group, sent.cross_node)]
             print(" | ".join(row))

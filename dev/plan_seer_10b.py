@@ -9,16 +9,15 @@ Planner numbers only: not run on GPUs.
 """
 
 from vistrain.config import load_config
-from vistrain.runtime.knob_search import search
-from vistrain.runtime.memory_plan import MIB
+from vistrain.planner.knobs import search
+from vistrain.planner.memory import MIB
 
-ARGS = [
+# the recipe trains with LARS already
+SEER_10B = [
     "config=pretrain/swav_regnet_y_256gf_seer",
     "config.MODEL.TRUNK.REGNET.NAME=regnet_y_10b",
     "config.MODEL.HEAD.DIMS=[28280,8192,256]",
     "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
-    "config.OPTIMIZER.name=lars",
-    "config.DISTRIBUTED.NUM_NODES=1",
 ]
 
 
@@ -36,7 +35,13 @@ def main():
         for in_backward in (False, True):
             cells = []
             for gib in (40, 80):
-                cfg = load_config([*ARGS, f"config.DISTRIBUTED.NUM_PROC_PER_NODE={ranks}"])
+                cfg = load_config(
+                    [
+                        *SEER_10B,
+                        "config.DISTRIBUTED.NUM_NODES=1",
+                        f"config.DISTRIBUTED.NUM_PROC_PER_NODE={ranks}",
+                    ]
+                )
                 knobs, plan = search(cfg, 0.95 * gib * 1024, "cuda", ranks, step_in_backward=in_backward)
                 cells.append(
                     f"{plan.peak / MIB / 1024:.1f} GB: {describe(knobs)} "

@@ -12,7 +12,7 @@ the centre crops of the val digits (the test transform, eval mode) this reports:
 * ``final_loss`` (the last logged training loss, from ``metrics.jsonl``) against ``ln_k``;
 * ``--probe``: logistic regression (standardised features, C from {0.01, 0.1, 1} by 3-fold
   cross-validation on TRAIN) on the frozen s2 / s3 / avgpool features of the centre crops, top-1
-  on val: the quick screening probe of docs/ssl-recipes.md (not the shipped linear evaluation).
+  on val: the quick screening probe of docs/notes/ssl-recipes.md (not the shipped linear evaluation).
 
     python dev/swav_diagnostics.py ./checkpoints/swav_regnet_demo --probe
     python dev/swav_diagnostics.py --random config=pretrain/swav_regnet_demo --probe   # random init

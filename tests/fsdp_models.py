@@ -54,6 +54,11 @@ def local_batch(step, rank, world, per_rank=4):
     return x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
 
 
+def gathered_bytes(model) -> int:
+    """Bytes of gathered (full) weights the units of ``model`` hold now."""
+    return sum(h.full.untyped_storage().nbytes() for u in model.units() for h in u.unit_state.handles)
+
+
 def wrap(model, nested, **kwargs):
     if nested:
         return auto_wrap(model, by_class([Block, nn.Linear]), **kwargs)

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from vistrain.config import load_config
 from vistrain.distributed.sync_batchnorm import convert_sync_batchnorm
 from vistrain.distributed.testing import run_on_ranks
+from vistrain.fsdp import KEEP_FP32
 from vistrain.fsdp import FullyShardedDataParallel as FSDP
 from vistrain.losses import build_loss
 from vistrain.models import build_model
@@ -131,6 +132,10 @@ EXACT_KNOB_CASES = {  # (method, overrides): SwAV where its fp32 prototype unit 
             "config.MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY=stage",
         ],
     ),
+    "replicated_shard_group_size_1": (  # every rank holds everything: DDP through the engine
+        "swav",
+        ["config.MODEL.FSDP_CONFIG.shard_group_size=1"],
+    ),
     "block_checkpointing_no_prefetch": (
         "simclr",
         [
@@ -226,9 +231,9 @@ def _amp_worker(rank, world, method):
     return (
         max(max_rel_diff(losses[:early], ddp_amp_losses[:early]), first_step),
         {d for s in seen for d in s},
-        all(u.keep_fp32 for u in bn_units) and len(bn_units) > 0,
+        all(u.precision == KEEP_FP32 for u in bn_units) and len(bn_units) > 0,
         {state[k].dtype for k in bn_keys},
-        model.units()[1].compute_dtype,
+        model.units()[1].precision.compute_dtype,
     )
 
 

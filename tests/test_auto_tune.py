@@ -7,13 +7,20 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from vistrain.config import ConfigError, explicit_keys, load_config
-from vistrain.runtime import auto_tune, knob_search, memory_plan
-from vistrain.runtime.auto_tune import Budget, choose, planned_settings, tune
-from vistrain.runtime.knob_search import EXACT_KNOBS, RESULT_KNOBS, exact_settings, speed_cost, with_knobs
-from vistrain.runtime.memory_plan import MIB, plan
+from vistrain.distributed.testing import run_on_ranks
+from vistrain.planner import auto_tune
+from vistrain.planner import knobs as planner_knobs
+from vistrain.planner import memory as planner_memory
+from vistrain.planner.across_nodes import choose_across_nodes
+from vistrain.planner.auto_tune import Budget, choose, planned_settings, tune, tune_run, tune_settings
+from vistrain.planner.knobs import EXACT_KNOBS, RESULT_KNOBS, exact_settings, speed_cost, with_knobs
+from vistrain.planner.memory import plan
+from vistrain.planner.shape import MIB
+from vistrain.training import train
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARDED = ["config=test/simclr_tiny", "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True"]
@@ -22,7 +29,7 @@ SHARDED = ["config=test/simclr_tiny", "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=
 @pytest.fixture
 def fixed_baseline(monkeypatch):
     """The choice, not the import baseline (a subprocess), is under test."""
-    monkeypatch.setattr(memory_plan, "import_baseline_mib", lambda: 700.0)
+    monkeypatch.setattr(planner_memory, "import_baseline_mib", lambda: 700.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,13 +150,61 @@ def test_ranks_that_chose_differently_stop_with_one_line():
 def test_the_speed_order_puts_fewer_collectives_and_no_recomputation_first():
     cost = {
         k: speed_cost(dict(wrap_granularity=k[0], reshard_after_forward=k[1]), "cpu")
-        for k in knob_search.STEP_VS_DDP
+        for k in planner_knobs.STEP_VS_DDP
     }
     assert cost[("model", False)] < cost[("stage", False)] < cost[("block", False)] < cost[("block", True)]
     plain = _setting("block", True)
     assert speed_cost(plain, "cpu") < speed_cost({**plain, "activation_checkpointing": True}, "cpu")
     assert speed_cost({"activation_checkpointing": False}, "cpu") == 1.0  # DDP, the reference
     assert speed_cost(plain, "cpu") < speed_cost({**plain, "cpu_mmap_threshold_mib": 1.0}, "cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# shard_group_size: replication on one node, the ranks' choice across nodes
+
+NODES = [*SHARDED, "config.DISTRIBUTED.NUM_NODES=2", "config.DISTRIBUTED.NUM_PROC_PER_NODE=2"]
+
+
+def test_shard_group_sizes_planned_one_node_and_across_nodes(fixed_baseline):
+    one_node = {k["shard_group_size"] for k in exact_settings(load_config(SHARDED), "cpu")}
+    assert one_node == {0, 1}  # all ranks, or each rank everything
+    assert {k["shard_group_size"] for k in exact_settings(load_config(NODES), "cpu")} == {0, 2, 1}
+    args = [*SHARDED, "config.MODEL.FSDP_CONFIG.shard_group_size=0"]
+    kept = tune_settings(load_config(args), explicit_keys(args), 2, Budget(1e6, "test"), "cpu")
+    assert kept.cfg.MODEL.FSDP_CONFIG.shard_group_size == 0 and "shard_group_size" in kept.line  # kept as set
+    tuned = tune_settings(load_config(NODES), explicit_keys(NODES), 4, Budget(1e6, "test"), "cpu")
+    assert [
+        knobs["shard_group_size"] for knobs, _ in tuned.across_nodes
+    ] and not tuned.cfg.MODEL.FSDP_CONFIG.AUTO_TUNE
+    assert sorted(knobs["shard_group_size"] for knobs, _ in tuned.across_nodes) == [0, 1, 2]
+    assert "The ranks choose by the link's speed" in tuned.line
+    assert tuned.layout == {"DISTRIBUTED.NUM_NODES": 2, "ranks": 4}
+    # per shard group size its fastest fitting setting, fastest first; none where nothing fits
+    settings = [
+        {**_setting("model", False), "shard_group_size": 1},
+        {**_setting("model", False), "shard_group_size": 2},
+        {**_setting("block", True), "shard_group_size": 2},
+        {**_setting("block", True), "shard_group_size": 0},
+    ]
+    best = auto_tune._per_shard_group(settings, [900, 700, 400, 300], 800, "cpu")
+    assert best == [(settings[1], 700), (settings[3], 300)]
+
+
+def _choose_on_ranks(rank, world, gbps):
+    """Every rank tunes as its node's launcher did, then the ranks choose (rank 0 decides)."""
+    planner_memory.import_baseline_mib = lambda: 700.0
+    args = [*NODES, f"config.MACHINE.INTER_NODE_GBPS={gbps}"]
+    tuned = tune_settings(load_config(args), explicit_keys(args), world, Budget(1e6, "test"), "cpu")
+    chosen, line = choose_across_nodes(tuned.cfg, tuned.across_nodes, tuned.layout, torch.device("cpu"))
+    return chosen.MODEL.FSDP_CONFIG.shard_group_size, line
+
+
+def test_ranks_across_nodes_agree_and_a_slow_link_picks_a_shard_group_per_node():
+    slow = run_on_ranks(_choose_on_ranks, 4, 0.001)  # 1 Mbit/s: the link's bytes decide
+    assert {k for k, _ in slow} == {2} and len({line for _, line in slow}) == 1
+    assert "link 0.001 Gbit/s (MACHINE.INTER_NODE_GBPS)" in slow[0][1]
+    measured = run_on_ranks(_choose_on_ranks, 4, 0.0)  # measured between the "nodes" (loopback)
+    assert len(set(measured)) == 1 and "(measured)" in measured[0][1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,6 +224,10 @@ REAL = [
     "config.OPTIMIZER.num_epochs=1",
     "config.LOG_FREQUENCY=1",
 ]
+
+
+def _train(rank, world_size, cfg):
+    train(cfg)
 
 
 def _run(*args):
@@ -212,9 +271,22 @@ def test_small_budget_forces_zero3_with_checkpointing_large_one_zero2_same_losse
     chosen = yaml.safe_load((small / "config.yaml").read_text())
     assert chosen["MODEL"]["FSDP_CONFIG"]["reshard_after_forward"] is True
     assert chosen["MODEL"]["ACTIVATION_CHECKPOINTING"]["USE_ACTIVATION_CHECKPOINTING"] is True
-    assert len(re.findall(r"auto-tune: chose .* planned .* MiB per rank, budget", out)) == 1
-    code, out, err = _run(*REAL, f"config.CHECKPOINT.DIR={large}", "config.MACHINE.MEMORY_BUDGET_MIB=100000")
-    assert code == 0, err[-2000:]
+    # the console: one short line; log.txt: the planned peaks and the budget
+    assert len(re.findall(r"auto-tune: .* \(details in log.txt\)", out)) == 1
+    assert (
+        len(
+            re.findall(
+                r"auto-tune: chose .* planned .* MiB per rank, budget", (small / "log.txt").read_text()
+            )
+        )
+        == 1
+    )
+    # the large budget: the launcher's own choice (tune_run) in this process, trained on forked
+    # ranks (a second launcher start-up would add half a minute; the launcher's path is the
+    # small run's and the resume's)
+    args = [*REAL, f"config.CHECKPOINT.DIR={large}", "config.MACHINE.MEMORY_BUDGET_MIB=100000"]
+    tuned, _ = tune_run(load_config(args), args)
+    run_on_ranks(_train, 2, tuned)
     wide = yaml.safe_load((large / "config.yaml").read_text())
     assert wide["MODEL"]["FSDP_CONFIG"]["reshard_after_forward"] is False
     assert wide["MODEL"]["ACTIVATION_CHECKPOINTING"]["USE_ACTIVATION_CHECKPOINTING"] is False

@@ -185,7 +185,14 @@ def test_linear_eval_through_the_launcher_writes_metrics(tmp_path):
         assert 0 <= result["top1"] <= result["top5"] <= 100
         assert math.isclose(result["top1"] * 21 / 100, round(result["top1"] * 21 / 100), abs_tol=1e-6)
     assert [metrics["results"][n]["dim"] for n in ("s1", "s2", "avgpool")] == [32, 64, 16]
-    assert "s1: top-1" in proc.stdout
+    table = [line.split("vistrain] ", 1)[1] for line in proc.stdout.splitlines() if "vistrain] " in line]
+    start = table.index("linear evaluation on DATA.TEST (random init, 21 images):")
+    assert table[start + 1].split() == ["feature", "dim", "top-1", "top-5"]
+    assert [row.split()[:2] for row in table[start + 2 : start + 5]] == [
+        ["s1", "32"],
+        ["s2", "64"],
+        ["avgpool", "16"],
+    ]
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
     heads = torch.load(run_dir / "linear_heads.pt", weights_only=True)
     assert heads["heads.s2.1.weight"].shape == (10, 64)
@@ -257,7 +264,8 @@ def _knn_on_ranks(rank, world_size):
         mine[split] = torch.tensor(order)
     bank, bank_labels = build_bank(train_x[mine["train"]], train_y[mine["train"]], mine["train"])
     t = mine["test"]
-    counts = knn_counts(test_x[t], test_y[t], t, bank, bank_labels, 5, k=4, temperature=0.1, chunk_size=3)
+    hits = knn_topk_hits(test_x[t], test_y[t], bank, bank_labels, 5, k=4, temperature=0.1, chunk_size=3)
+    counts = knn_counts(hits, t)
     return {"counts": counts, "bank": bank, "bank_labels": bank_labels}
 
 
@@ -284,7 +292,7 @@ def _engine_on_ranks(rank, world_size, engine, argv):
 
 def test_extract_features_merged_file_is_the_same_on_any_world_size(tmp_path):
     for world in (1, 2):
-        argv = _tiny(tmp_path / str(world), "config.ENGINE_NAME=extract_features")
+        argv = _tiny(tmp_path / str(world), "config.JOB=extract_features")
         run_on_ranks(_engine_on_ranks, world, extract_features, argv)
     one = torch.load(tmp_path / "1" / "features" / "test.pt", weights_only=True)
     two = torch.load(tmp_path / "2" / "features" / "test.pt", weights_only=True)
@@ -301,7 +309,7 @@ def test_extract_features_merged_file_is_the_same_on_any_world_size(tmp_path):
 def test_knn_engine_counts_every_test_image_once(tmp_path):
     from vistrain.benchmarks import knn
 
-    argv = _tiny(tmp_path, "config.ENGINE_NAME=knn")
+    argv = _tiny(tmp_path, "config.JOB=knn")
     run_on_ranks(_engine_on_ranks, 2, knn, argv)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     for result in metrics["results"].values():
@@ -479,6 +487,22 @@ def test_linear_eval_with_k_fold_lr_selection_holds_out_every_training_image_onc
     assert re.search(
         r"lr grid on 48 held-out training images \(32 fit, 3-fold cross-validation\)", proc.stdout
     )
+    # what the console shows: a header naming the cross-validation, one line per fold with the
+    # time left for the whole job, the final fit, a table; the meter's lines only in log.txt
+    lines = [line.split("vistrain] ", 1)[1] for line in proc.stdout.splitlines() if "vistrain] " in line]
+    assert (
+        "choosing each feature's lr among 0.001, 0.5 by 3-fold cross-validation on DATA.TRAIN"
+        in "\n".join(lines)
+    )
+    folds = [line for line in lines if line.startswith("fold ")]
+    assert [line.split(" done")[0] for line in folds] == ["fold 1/3", "fold 2/3", "fold 3/3"]
+    assert all(re.search(r"; eta \d+:\d\d:\d\d$", line) for line in folds)
+    assert not any(line.startswith("epoch ") for line in lines)
+    assert "epoch 1/1  it " in (run_dir / "log.txt").read_text()
+    header = lines[
+        lines.index(next(line for line in lines if line.startswith("linear evaluation on DATA.TEST"))) + 1
+    ]
+    assert header.split() == ["feature", "dim", "lr", "held-out", "top-1", "top-5"]
     metrics = json.loads((run_dir / "metrics.json").read_text())
     for result in metrics["results"].values():
         # a pooled top-1 over 48 images is a whole number of hits

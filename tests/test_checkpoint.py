@@ -7,6 +7,7 @@ checkpoint code.
 
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -269,7 +270,7 @@ def _sharded_recipe_worker(rank, world, run_dir):
     )
 
 
-def test_conversion_to_torchvision_and_consolidated(tmp_path):
+def test_conversion_to_torchvision_and_consolidated(tmp_path, capsys):
     import torchvision
 
     from vistrain.models import build_model
@@ -293,9 +294,12 @@ def test_conversion_to_torchvision_and_consolidated(tmp_path):
     assert consolidated.keys() == ours.state_dict().keys()
     assert all(torch.equal(v, ours.state_dict()[k]) for k, v in consolidated.items())
     assert tv_state.keys() == {k[len("trunk.") :] for k in consolidated if k.startswith("trunk.")}
-    tool = [sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), ckpt]
-    out = subprocess.run([*tool, "--inspect"], capture_output=True, text=True, cwd=REPO)
-    assert out.returncode == 0 and "iteration 4, epoch 1" in out.stdout and "written by 2 ranks" in out.stdout
+    inspect = runpy.run_path(str(REPO / "tools" / "convert_checkpoint.py"))["main"]  # in this process
+    capsys.readouterr()
+    assert inspect([ckpt, "--inspect"]) == 0
+    printed = capsys.readouterr().out
+    assert "iteration 4, epoch 1" in printed and "written by 2 ranks" in printed
+    tool = [sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), ckpt]  # the real command
     out = subprocess.run(
         [*tool, "--to-consolidated", str(tmp_path / "c.pt")], capture_output=True, text=True, cwd=REPO
     )

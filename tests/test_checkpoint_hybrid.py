@@ -30,8 +30,7 @@ from vistrain.training.trainer import train
 def _build(shard_group_size, seed):
     net = make_net(seed)
     net.stem.bias.requires_grad_(False)  # a frozen parameter: no optimizer state
-    shard, replica = hybrid_groups(shard_group_size)
-    return auto_wrap(net, by_class([Block, nn.Linear]), process_group=shard, replica_group=replica)
+    return auto_wrap(net, by_class([Block, nn.Linear]), groups=hybrid_groups(shard_group_size))
 
 
 def _save_worker(rank, world, k, run_dir):

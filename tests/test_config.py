@@ -75,6 +75,10 @@ def test_later_override_wins_and_position_of_config_name_does_not_matter():
         (["config.OPTIMZER.num_epochs=1"], "did you mean OPTIMIZER.num_epochs?"),
         (["config.DATA.TRAIN.BATCHSIZE=1"], "did you mean DATA.TRAIN.BATCHSIZE_PER_REPLICA?"),
         (["config.OPTIMIZER.zzzz=1"], "unknown config key OPTIMIZER.zzzz; valid keys in OPTIMIZER: betas,"),
+        (
+            ["config.ENGINE_NAME=knn"],
+            "config key ENGINE_NAME is called JOB here (what a run does); set JOB=knn",
+        ),
         (["config.OPTIMIZER.num_epochs=abc"], "config key OPTIMIZER.num_epochs expects int, got 'abc'"),
         (["config.OPTIMIZER.num_epochs=1.5"], "expects int, got '1.5'"),
         (["config.MODEL.HEAD.USE_BN=1"], "MODEL.HEAD.USE_BN expects bool, got '1'"),

@@ -2,7 +2,6 @@
 with one line naming the key, no traceback, and nothing written; --help and no arguments print
 the usage."""
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -39,7 +38,7 @@ def _bad_values(tmp_path):
     truncated = tmp_path / "truncated.pt"
     torch.save({"w": torch.zeros(1000)}, truncated)
     truncated.write_bytes(truncated.read_bytes()[:300])
-    knn = ["config.ENGINE_NAME=knn", "config.DATA.TRAIN.DROP_LAST=False"]
+    knn = ["config.JOB=knn", "config.DATA.TRAIN.DROP_LAST=False"]
     return [
         (["config.OPTIMIZER.name=adam"], "OPTIMIZER.name must be one of adamw, lars, sgd; got 'adam'"),
         (["config.MODEL.HEAD.NAME=mlp"], "MODEL.HEAD.NAME must be one of identity, simclr, swav"),
@@ -48,6 +47,19 @@ def _bad_values(tmp_path):
         (
             ["config.MODEL.AMP_PARAMS.AMP_DTYPE=bf16"],
             "AMP_DTYPE must be one of bfloat16, float16; got 'bf16'",
+        ),
+        (["config.MODEL.AMP_PARAMS.INIT_SCALE=0.0"], "MODEL.AMP_PARAMS.INIT_SCALE must be > 0; got 0.0"),
+        (
+            ["config.MODEL.AMP_PARAMS.GROWTH_FACTOR=1.0"],
+            "MODEL.AMP_PARAMS.GROWTH_FACTOR must be > 1; got 1.0",
+        ),
+        (
+            ["config.MODEL.AMP_PARAMS.BACKOFF_FACTOR=1.0"],
+            "MODEL.AMP_PARAMS.BACKOFF_FACTOR must be < 1; got 1.0",
+        ),
+        (
+            ["config.MODEL.AMP_PARAMS.GROWTH_INTERVAL=0"],
+            "MODEL.AMP_PARAMS.GROWTH_INTERVAL must be >= 1; got 0",
         ),
         (
             knn + ["config.BENCHMARK.FEATURES=[s9]"],
@@ -208,8 +220,17 @@ def test_help_and_no_arguments_print_the_usage(capsys):
     assert capsys.readouterr().err == usage
 
 
+def test_float16_runs_on_any_device():
+    """fp16 autocast and loss scaling work on CPU ranks too (tests/test_training_corners.py)."""
+    for device in ("cpu", "auto"):
+        fp16 = ["config.MODEL.AMP_PARAMS.USE_AMP=True", "config.MODEL.AMP_PARAMS.AMP_DTYPE=float16"]
+        check_config(
+            load_config(["config=test/simclr_tiny", f"config.MACHINE.DEVICE={device}", *fp16]), catalog()
+        )
+
+
 def test_the_step_in_backward_refuses_fp16_loss_scaling():
-    """On CUDA float16 needs a grad scaler, which skips a step only once every gradient is in."""
+    """float16 needs a grad scaler, which skips a step only once every gradient is in."""
     cfg = load_config(
         [
             "config=test/simclr_tiny",
@@ -220,9 +241,8 @@ def test_the_step_in_backward_refuses_fp16_loss_scaling():
             "config.MODEL.AMP_PARAMS.AMP_DTYPE=float16",
         ]
     )
-    with_cuda = dataclasses.replace(catalog(), cuda_available=True)
     with pytest.raises(ConfigError, match="cannot skip a step on an fp16 overflow .*AMP_DTYPE=bfloat16"):
-        check_config(cfg, with_cuda)
+        check_config(cfg, catalog())
     cfg.defrost()
     cfg.MODEL.AMP_PARAMS.AMP_DTYPE = "bfloat16"
-    check_config(cfg, with_cuda)
+    check_config(cfg, catalog())

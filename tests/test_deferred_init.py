@@ -37,6 +37,7 @@ def test_meta_build_replays_every_tensor_bit_for_bit(method):
     assert torch.equal(torch.random.get_rng_state(), rng_after_plain)
     tensors = list(meta.named_parameters()) + list(meta.named_buffers())
     assert storage_bytes(t for _, t in tensors) == 0  # nothing allocated
+    assert not any(vars(t) for _, t in tensors)  # the records live in the registry, not on the tensors
     reference = plain.state_dict()
     assert sorted(name for name, _ in tensors) == sorted(reference)
     for name, t in tensors:

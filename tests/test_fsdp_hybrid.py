@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import auto_wrap, by_class, hybrid_groups, replica_group_ranks, shard_group_ranks
-from vistrain.fsdp.hybrid import shard_group_size_problem
+from vistrain.fsdp.collectives import shard_group_size_problem
 from vistrain.optim.lars import LARS
 
 TOL = 1e-5
@@ -80,7 +80,7 @@ def _accumulating(model, optimizer, rank, world, steps=3):
 
 
 def _hybrid_worker(rank, world, k):
-    shard, replica = hybrid_groups(k)
+    groups = hybrid_groups(k)
     out = {}
     cases = {
         "sgd": ("sgd", {}, None),
@@ -90,20 +90,20 @@ def _hybrid_worker(rank, world, k):
     for name, (optim, kwargs, clip) in cases.items():
         ref = DDP(make_net())
         ref_losses = train(ref, _optimizer(optim, ref.parameters()), rank, world, STEPS, clip)
-        model = wrap(make_net(), True, process_group=shard, replica_group=replica, **kwargs)
+        model = wrap(make_net(), True, groups=groups, **kwargs)
         losses = train(model, _optimizer(optim, model.parameters()), rank, world, STEPS, clip)
         out[name] = (
             max_rel_diff(losses, ref_losses),
             max_rel_diff(model.state_dict(), ref.module.state_dict()),
         )
-    ref, model = DDP(make_net()), wrap(make_net(), True, process_group=shard, replica_group=replica)
+    ref, model = DDP(make_net()), wrap(make_net(), True, groups=groups)
     for m in (ref, model):
         _accumulating(m, make_optimizer("sgd", m.parameters()), rank, world)
     out["no_sync"] = (0.0, max_rel_diff(model.state_dict(), ref.module.state_dict()))
     torch.manual_seed(0)
     ref = DDP(BNNet())  # broadcast_buffers: the world's rank 0's statistics
     torch.manual_seed(0)
-    model = auto_wrap(BNNet(), by_class([Block]), process_group=shard, replica_group=replica)
+    model = auto_wrap(BNNet(), by_class([Block]), groups=groups)
     for m in (ref, model):
         train(m, make_optimizer("sgd", m.parameters()), rank, world, 3)
         m(local_batch(9, rank, world)[0])  # the first rank's statistics, then this rank's batch
@@ -111,13 +111,15 @@ def _hybrid_worker(rank, world, k):
     out["batchnorm"] = (0.0, max_rel_diff(state, ref.module.state_dict()))
     # every replica holds the same shards
     shards = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    gathered = [torch.empty_like(shards) for _ in range(dist.get_world_size(replica))]
-    dist.all_gather(gathered, shards, group=replica)
+    gathered = [torch.empty_like(shards) for _ in range(groups.replicas)]
+    dist.all_gather(gathered, shards, group=groups.replica)
     out["replicas_identical"] = all(torch.equal(g, shards) for g in gathered)
     return out
 
 
-@pytest.mark.parametrize("world,k", [(4, 2), (6, 3)], ids=["4_ranks_2x2", "6_ranks_2x3"])
+@pytest.mark.parametrize(
+    "world,k", [(4, 2), (6, 3), (4, 1)], ids=["4_ranks_2x2", "6_ranks_2x3", "4_ranks_replicated"]
+)
 def test_hybrid_sharding_equals_ddp_over_the_world(world, k):
     for result in run_on_ranks(_hybrid_worker, world, k):
         assert result.pop("replicas_identical")
@@ -128,8 +130,7 @@ def test_hybrid_sharding_equals_ddp_over_the_world(world, k):
 def _final_grad_worker(rank, world):
     """The one hook point: ``on_shard_grad_ready`` sees each shard gradient already averaged over
     the world (after the cross-replica all-reduce), and the reductions' groups overlap."""
-    shard, replica = hybrid_groups(2)
-    model = wrap(make_net(), True, process_group=shard, replica_group=replica)
+    model = wrap(make_net(), True, groups=hybrid_groups(2))
     x, y = local_batch(0, rank, world)
     nn.functional.cross_entropy(model(x), y).backward()  # builds the model state
     model.zero_grad(set_to_none=True)
@@ -145,6 +146,38 @@ def test_shard_gradients_are_final_when_announced():
     for rank, (ready, groups) in enumerate(run_on_ranks(_final_grad_worker, 4)):
         assert ready
         assert groups == sorted([(rank // 2 * 2, rank // 2 * 2 + 1), (rank % 2, rank % 2 + 2)])
+
+
+def _gather_groups_worker(rank, world):
+    """Per shard group size: (gathers on a group of their own over the shard group's ranks,
+    a world all-reduce issued while a prefetched gather is in flight returns, the loss)."""
+    out = []
+    for k in (0, 2, 1):
+        model = wrap(make_net(), True, groups=hybrid_groups(k))
+        x, y = local_batch(0, rank, world)
+        nn.functional.cross_entropy(model(x), y).backward()  # builds the model state
+        handles = model.model_state.handles()
+        own = all(
+            dist.get_process_group_ranks(h.gather_group) == dist.get_process_group_ranks(h.groups.shard)
+            and (h.gather_group is not h.groups.shard or dist.get_world_size(h.groups.shard) == 1)
+            for h in handles
+        )
+        handles[-1].start_unshard()  # a prefetch in flight, as in forward
+        flag = torch.ones(1)
+        dist.all_reduce(flag)  # the user's collective on the world (sync BN, a loss)
+        handles[-1].reshard()  # waits for the prefetch, frees it
+        out.append((own, flag.item(), nn.functional.cross_entropy(model(x), y).item()))
+    return out
+
+
+def test_gathers_run_on_groups_of_their_own():
+    """So that what the user runs on the shard group (sync BatchNorm's all-reduces, a loss's
+    all-gather) never waits behind a prefetched unit's bytes on the same connections."""
+    for result in run_on_ranks(_gather_groups_worker, 4):
+        assert [own for own, _, _ in result] == [True] * 3
+        assert [flag for _, flag, _ in result] == [4.0] * 3
+        losses = [loss for _, _, loss in result]
+        assert losses[0] == pytest.approx(losses[1]) == pytest.approx(losses[2])
 
 
 # -- AUTO_SETUP_FSDP with shard_group_size: the recipes' options ------------------------------------
@@ -178,7 +211,7 @@ def _recipe_worker(rank, world, method, cases):
         ref_losses, ref_state, _ = auto.run(cfg, False, rank, world)
         losses, state, model = auto.run(cfg, True, rank, world)
         hybrid = all(
-            h.replicas == world // 2 and h.world_size == 2
+            h.groups.replicas == world // 2 and h.world_size == 2
             for u in model.units()
             for h in u.unit_state.handles
         )
@@ -243,7 +276,7 @@ def _in_backward_worker(rank, world, opt_names):
     from vistrain.fsdp import apply_optimizer_in_backward
     from vistrain.optim import build_optimizer, param_group_key
 
-    shard, replica = hybrid_groups(2)
+    groups = hybrid_groups(2)
     out = {}
     for opt_name in opt_names:
         cfg = iib._opt_cfg(opt_name)
@@ -255,8 +288,7 @@ def _in_backward_worker(rank, world, opt_names):
                 iib.Model(),
                 by_class([nn.Linear, nn.Conv2d]),
                 param_group_fn=group_fn,
-                process_group=shard,
-                replica_group=replica,
+                groups=groups,
             )
             optimizer = build_optimizer(cfg, model)
             if in_backward:  # steps each shard once its gradient is averaged over the world
@@ -313,9 +345,9 @@ def test_trainer_with_shard_groups_and_the_step_in_backward(tmp_path):
 def _different_seeds_worker(rank, world):
     """sync_module_states: ranks built from different seeds start from the world's first rank's
     weights and buffers (shard group broadcast, then replica group)."""
-    shard, replica = hybrid_groups(2)
+    groups = hybrid_groups(2)
     torch.manual_seed(rank)
-    model = auto_wrap(BNNet(), by_class([Block]), process_group=shard, replica_group=replica)
+    model = auto_wrap(BNNet(), by_class([Block]), groups=groups)
     torch.manual_seed(0)
     return max_rel_diff(model.state_dict(), BNNet().state_dict())
 

@@ -12,24 +12,25 @@ from collections import namedtuple
 
 import torch
 import torch.distributed as dist
-from fsdp_models import Block, Net, local_batch, make_optimizer, max_rel_diff
+from fsdp_models import Block, Net, gathered_bytes, local_batch, make_optimizer, max_rel_diff
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import FullyShardedDataParallel as FSDP
-from vistrain.fsdp import auto_wrap, by_class
-from vistrain.fsdp.phases import Phase
+from vistrain.fsdp import Precision, RootOptions, auto_wrap, by_class
+from vistrain.fsdp.unit import Phase
 
 TOL = 1e-5
 
 
-def _reference_and_sharded(make, rank, world, run, ddp_kwargs=None, **fsdp_kwargs):
+def _reference_and_sharded(make, rank, world, run, **options):
     """(DDP result, DDP state dict, sharded result, sharded state dict) of ``run(model, optimizer)``
-    on two identical models; the sharded one has a unit per Block and Linear."""
-    ref = DDP(make(), **(ddp_kwargs or {}))
+    on two identical models; the sharded one has a unit per Block and Linear. ``options``: DDP's
+    (``broadcast_buffers``, ``find_unused_parameters``), the sharded root's of the same name."""
+    ref = DDP(make(), **options)
     ref_out = run(ref, make_optimizer("sgd", ref.parameters()))
-    model = auto_wrap(make(), by_class([Block, nn.Linear]), **fsdp_kwargs)
+    model = auto_wrap(make(), by_class([Block, nn.Linear]), root=RootOptions(**options))
     out = run(model, make_optimizer("sgd", model.parameters()))
     return ref_out, ref.module.state_dict(), out, model.state_dict()
 
@@ -108,7 +109,7 @@ def _exception_worker(rank, world):
             max_rel_diff(model.state_dict(), ddp.module.state_dict()),
             warned,
             idle,
-            model.model_state.gathered.current,
+            gathered_bytes(model),
         )
     return results
 
@@ -117,9 +118,9 @@ def test_failed_backward_is_discarded_and_training_goes_on():
     """Recovery by the next forward, by state_dict() or by reset_iter_state() equals DDP
     skipping the failed step."""
     for results in run_on_ranks(_exception_worker, 2):
-        for recover_with, (loss_diff, state_diff, warned, idle, gathered_bytes) in results.items():
+        for recover_with, (loss_diff, state_diff, warned, idle, still_gathered) in results.items():
             assert loss_diff < TOL and state_diff < TOL, (recover_with, loss_diff, state_diff)
-            assert idle and gathered_bytes == 0, recover_with
+            assert idle and still_gathered == 0, recover_with
             if recover_with != "reset":  # implicit recovery says so; the explicit one is silent
                 assert len(warned) == 1 and "previous backward did not finish" in warned[0], warned
 
@@ -220,7 +221,7 @@ def _container_worker(rank, world):
     for name, kwargs in {
         "nested": dict(wrap=True),
         "flat": dict(wrap=False),
-        "nested_bf16": dict(wrap=True, mixed_precision=True, compute_dtype=torch.bfloat16),
+        "nested_bf16": dict(wrap=True, precision=Precision(torch.bfloat16)),
     }.items():
         nested = kwargs.pop("wrap")
         model = auto_wrap(_make_container_net(), policy if nested else (lambda m: None), **kwargs)
@@ -264,11 +265,11 @@ def _skip_worker(rank, world):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
-            leftover.append(model.model_state.gathered.current if isinstance(model, FSDP) else 0)
+            leftover.append(gathered_bytes(model) if isinstance(model, FSDP) else 0)
         return losses, leftover
 
     ref, ref_state, (losses, leftover), state = _reference_and_sharded(
-        _make_skipping, rank, world, run, dict(find_unused_parameters=True)
+        _make_skipping, rank, world, run, find_unused_parameters=True
     )
     return max_rel_diff(losses, ref[0]), max_rel_diff(state, ref_state), leftover
 
@@ -305,7 +306,7 @@ def _buffers_worker(rank, world):
     out = {}
     for broadcast in (True, False):
         ref, ref_state, losses, state = _reference_and_sharded(
-            _make_bn_net, rank, world, run, dict(broadcast_buffers=broadcast), broadcast_buffers=broadcast
+            _make_bn_net, rank, world, run, broadcast_buffers=broadcast
         )
         out[broadcast] = (max_rel_diff(losses, ref), max_rel_diff(state, ref_state))
     return out
@@ -383,7 +384,7 @@ def _side_loss(model, x, y):
 def _unused_worker(rank, world):
     run = _run_steps(rank, world, _side_loss, steps=3)
     ref, ref_state, losses, state = _reference_and_sharded(
-        _make_side_net, rank, world, run, dict(find_unused_parameters=True), find_unused_parameters=True
+        _make_side_net, rank, world, run, find_unused_parameters=True
     )
     parity = (max_rel_diff(losses, ref), max_rel_diff(state, ref_state))
     # Without the option the ranks' backward collectives would not match: the first step's
@@ -414,7 +415,9 @@ def _missing_peer_worker(rank, world):
     side = dist.new_group(timeout=datetime.timedelta(seconds=120))  # to meet again afterwards
     torch.manual_seed(0)
     # far above a healthy collective even on a loaded machine; the missing peer's wait ends at it
-    model = auto_wrap(Net(), by_class([Block, nn.Linear]), collective_timeout=MISSING_PEER_TIMEOUT)
+    model = auto_wrap(
+        Net(), by_class([Block, nn.Linear]), root=RootOptions(collective_timeout=MISSING_PEER_TIMEOUT)
+    )
     error = None
     for step in range(2):
         x, y = local_batch(step, rank, world)

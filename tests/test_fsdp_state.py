@@ -8,16 +8,16 @@ import pathlib
 import pytest
 import torch
 import torch.distributed as dist
-from fsdp_models import Block, local_batch, make_net, make_optimizer, max_rel_diff, wrap
+from fsdp_models import Block, gathered_bytes, local_batch, make_net, make_optimizer, max_rel_diff, wrap
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import vistrain.fsdp
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import FullyShardedDataParallel as FSDP
-from vistrain.fsdp import auto_wrap, by_class
-from vistrain.fsdp.phases import MODEL_TRANSITIONS, UNIT_TRANSITIONS, Phase, checked_transition
-from vistrain.fsdp.timeouts import CollectiveError, CollectiveTimeout, wait_within
+from vistrain.fsdp import ShardGroups, auto_wrap, by_class
+from vistrain.fsdp.collectives import CollectiveError, CollectiveTimeout, wait_within
+from vistrain.fsdp.unit import MODEL_TRANSITIONS, UNIT_TRANSITIONS, Phase, checked_transition
 
 TOL = 1e-5
 
@@ -54,7 +54,9 @@ def _subgroup_worker(rank, world, partition):
         torch.manual_seed(0)
         plain = make()
         model = (
-            FSDP(plain, process_group=group) if name == "linear" else wrap(plain, True, process_group=group)
+            FSDP(plain, ShardGroups(group))
+            if name == "linear"
+            else wrap(plain, True, groups=ShardGroups(group))
         )
         ref_opt, opt = make_optimizer("sgd", ref.parameters()), make_optimizer("sgd", model.parameters())
         losses, ref_losses = [], []
@@ -86,7 +88,7 @@ def test_ranks_sharding_over_different_groups_train_and_equal_ddp_in_each_group(
 # -- two wrapped models in one process ------------------------------------------------------------
 def _two_models_worker(rank, world):
     other = dist.new_group(list(range(world)))  # the same ranks, another group
-    a, b = wrap(make_net(0), True), wrap(make_net(1), True, process_group=other)
+    a, b = wrap(make_net(0), True), wrap(make_net(1), True, groups=ShardGroups(other))
     ref_a, ref_b = DDP(make_net(0)), DDP(make_net(1), process_group=other)
     engines = [(m, make_optimizer("sgd", m.parameters())) for m in (a, b, ref_a, ref_b)]
     losses = [[] for _ in engines]
@@ -96,7 +98,7 @@ def _two_models_worker(rank, world):
             out.append(_step(model, optimizer, x, y))
     x, y = local_batch(3, rank, world)
     pending_b = b(x)  # b's root stays gathered until its backward; a holds nothing
-    only_b_gathered = b.model_state.gathered.current > 0 and a.model_state.gathered.current == 0
+    only_b_gathered = gathered_bytes(b) > 0 and gathered_bytes(a) == 0
     nn.functional.cross_entropy(pending_b, y).backward()
     groups_a = {id(g) for g in a.model_state.reductions.reduction_groups.values()}
     groups_b = {id(g) for g in b.model_state.reductions.reduction_groups.values()}
@@ -115,7 +117,7 @@ def _two_models_worker(rank, world):
         "c": max_rel_diff(*c_losses),
         "states_apart": a.model_state is not b.model_state and not groups_a & groups_b,
         "only_b_gathered": only_b_gathered,
-        "b_idle_after": b.model_state.gathered.current == 0 and b.model_state.phase is Phase.IDLE,
+        "b_idle_after": gathered_bytes(b) == 0 and b.model_state.phase is Phase.IDLE,
     }
 
 
@@ -142,7 +144,7 @@ def test_wrapping_pins_no_marker_attributes():
 def test_engine_modules_hold_no_module_level_mutable_state():
     """Module-level names in vistrain/fsdp/ bind constants, functions and classes; the one
     registry (weak maps) and a stateless sentinel are the exceptions; nothing rebinds a global."""
-    allowed = {("registry.py", "_REGISTRY"), ("deferred_init.py", "_TARGET")}
+    allowed = {("ownership.py", "_REGISTRY"), ("deferred_init.py", "_TARGET")}
     mutable_calls = {"dict", "list", "set", "defaultdict", "OrderedDict", "WeakKeyDictionary"}
     found = []
     for path in sorted(pathlib.Path(vistrain.fsdp.__file__).parent.glob("*.py")):

@@ -7,6 +7,7 @@ the exit code of a real launcher process is checked; the spawned ranks import th
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from vistrain import cli
 from vistrain.config import ConfigError, DataError, load_config
 from vistrain.distributed.join import attempt_store, slurm_tasks_on_node
 from vistrain.distributed.launch import first_slurm_host, launch, plan_launch
+from vistrain.distributed.network import check_gloo_interface
 
 HERE = Path(__file__).resolve()
 
@@ -52,6 +54,26 @@ def test_multi_node_plan_uses_node_id_and_run_id():
     )
     assert (plan.world_size, plan.first_rank, plan.local_ranks) == (12, 8, 4)
     assert plan.init_method == "tcp://node0.cluster:29501"
+
+
+def test_gloo_across_machines_whose_host_name_is_loopback_needs_the_interface(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")  # as many /etc/hosts say
+    two_nodes = ["config.DISTRIBUTED.NUM_NODES=2", "config.DISTRIBUTED.RUN_ID=198.18.0.1:29500"]
+    with pytest.raises(ConfigError, match="set GLOO_SOCKET_IFNAME to the interface that reaches 198.18.0.1"):
+        check_gloo_interface("gloo", True, _plan(*two_nodes).init_method, {})
+    joined = {"MASTER_ADDR": "10.1.1.1"}  # torchrun / srun
+    with pytest.raises(ConfigError, match="reaches 10.1.1.1"):
+        check_gloo_interface("gloo", True, "env://", joined)
+    check_gloo_interface("gloo", True, "env://", {**joined, "GLOO_SOCKET_IFNAME": "eth0"})  # set: fine
+    check_gloo_interface("gloo", True, "tcp://127.0.0.1:29500", {})  # one machine's "nodes" (tests)
+    check_gloo_interface("gloo", False, "tcp://198.18.0.1:29500", {})  # one node
+    check_gloo_interface("nccl", True, "tcp://198.18.0.1:29500", {})
+    # through the command line: one line, exit 2, before anything starts
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    argv = ["config=test/simclr_tiny", f"config.CHECKPOINT.DIR={tmp_path / 'run'}", *two_nodes]
+    assert cli.main(argv) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("config error: this machine's host name") and not (tmp_path / "run").exists()
 
 
 def test_file_and_env_init_methods():
@@ -105,7 +127,7 @@ def test_torchrun_decides_the_layout_and_names_the_keys_it_overrides():
         "config.DISTRIBUTED.NUM_PROC_PER_NODE=8", "config.DISTRIBUTED.RUN_ID=n0:1234", environ=env
     ).notes
     assert note == (
-        "torchrun decides the layout (2 node(s), 2 rank(s) on this node, world size 4, rendezvous env://); "
+        "torchrun decides the layout (2 nodes, 2 ranks on this node, world size 4, rendezvous env://); "
         "ignoring DISTRIBUTED.NUM_NODES=1, NUM_PROC_PER_NODE=8, RUN_ID=n0:1234"
     )
     agreeing = _plan("config.DISTRIBUTED.NUM_NODES=2", "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", environ=env)
@@ -181,7 +203,7 @@ def test_joins_slurm_tasks():
     assert plan.init_method == f"tcp://gpu007:{20000 + 12345 % 20000}"
     # a recipe written for one node: srun's layout wins, with a note
     (note,) = _plan(environ=_slurm_env(procid=3, localid=1, nodeid=1)).notes
-    assert note.startswith("srun decides the layout (2 node(s), 2 rank(s) on this node, world size 4")
+    assert note.startswith("srun decides the layout (2 nodes, 2 ranks on this node, world size 4")
     assert note.endswith("ignoring DISTRIBUTED.NUM_NODES=1, NUM_PROC_PER_NODE=1")
 
 
@@ -332,3 +354,42 @@ if __name__ == "__main__":
     mode, run_dir = sys.argv[1], sys.argv[2]
     job = _cfg("config.DISTRIBUTED.NUM_PROC_PER_NODE=2", f"config.CHECKPOINT.DIR={run_dir}")
     sys.exit(cli.run(MODES[mode], job))
+
+
+def _fail_in_rank(cfg):
+    raise RuntimeError("the rank's own failure")
+
+
+def _world_size_in_rank(cfg):
+    return torch.distributed.get_world_size()
+
+
+def test_a_failed_in_process_rank_leaves_no_process_group_and_its_local_rank_unset(tmp_path, monkeypatch):
+    """One rank runs in the caller's process: after it fails, a second run in the same process
+    starts (no 'default process group already initialised'), and a later fork inherits no group."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    cfg = _cfg("config.DISTRIBUTED.NUM_PROC_PER_NODE=1", f"config.CHECKPOINT.DIR={tmp_path / 'run'}")
+    with pytest.raises(RuntimeError, match="the rank's own failure"):
+        launch(_fail_in_rank, cfg)
+    assert not torch.distributed.is_initialized() and "LOCAL_RANK" not in os.environ
+    launch(_world_size_in_rank, cfg)
+    assert not torch.distributed.is_initialized() and "LOCAL_RANK" not in os.environ
+
+
+def test_free_ports_are_drawn_below_the_ephemeral_range_whatever_the_seed():
+    """A port the kernel hands out to others (gloo's connections) is never the rendezvous's."""
+    import random
+
+    from vistrain.distributed.launch import PORT_RANGE_START, _ephemeral_low, find_free_port
+
+    if _ephemeral_low() - PORT_RANGE_START < 1000:
+        pytest.skip(f"this kernel's ephemeral ports start at {_ephemeral_low()}: no room below them")
+    ports = set()
+    for _ in range(5):
+        random.seed(0)  # training seeds Python's random: the draw must not follow it
+        port = find_free_port()
+        assert PORT_RANGE_START <= port < _ephemeral_low()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", port))
+        ports.add(port)
+    assert len(ports) > 1

@@ -19,7 +19,8 @@ LAYERS: List[Set[str]] = [
     {"losses", "optim"},
     {"checkpoint"},
     {"runtime"},
-    {"training", "benchmarks"},
+    {"planner"},
+    {"training", "benchmarks", "integrations"},
     {"jobs", "cli"},
 ]
 
@@ -33,10 +34,23 @@ def _modules() -> Dict[str, pathlib.Path]:
     return {_module_name(p): p for p in ROOT.rglob("*.py") if "configs" not in p.parts}
 
 
+def _typing_only(tree: ast.Module) -> Set[int]:
+    """ids of the nodes under ``if TYPE_CHECKING:``: annotations, never run (a typed
+    back-reference such as a unit's ``ModelState`` is not a dependency)."""
+    blocks = [
+        n for n in ast.walk(tree) if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING"
+    ]
+    return {id(node) for block in blocks for stmt in block.body for node in ast.walk(stmt)}
+
+
 def _imports(path: pathlib.Path, modules: Dict[str, pathlib.Path]) -> Set[str]:
     """Every vistrain module ``path`` imports, at module level or inside functions."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    typing_only = _typing_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("vistrain"))
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("vistrain"):

@@ -424,7 +424,7 @@ def _swav_setup(seed=0):
 
 def _sharded_swav_worker(rank, world, batches):
     from vistrain.fsdp import auto_wrap, by_class
-    from vistrain.fsdp.names import clean_name
+    from vistrain.fsdp.ownership import clean_name
     from vistrain.models.heads.swav import SwAVPrototypes
 
     head, criterion = _swav_setup()

@@ -12,17 +12,11 @@ import torch
 from torch import nn
 
 from vistrain.config import load_config
-from vistrain.runtime import knob_search, memory_plan
-from vistrain.runtime.knob_search import search
-from vistrain.runtime.memory_plan import (
-    MIB,
-    backward_peak_bytes,
-    checkpointed_activations,
-    measure_activations,
-    plan,
-    sharded_state_bytes,
-    unit_sizes,
-)
+from vistrain.planner import knobs as planner_knobs
+from vistrain.planner import memory as planner_memory
+from vistrain.planner.knobs import search
+from vistrain.planner.memory import backward_peak_bytes, checkpointed_activations, plan, sharded_state_bytes
+from vistrain.planner.shape import MIB, measure_activations, unit_sizes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,7 +54,7 @@ def test_sharded_state_bytes():
 
 
 def test_backward_peak_bytes(monkeypatch):
-    monkeypatch.setattr(memory_plan, "GRADIENT_COPIES", 2)
+    monkeypatch.setattr(planner_memory, "GRADIENT_COPIES", 2)
     # units 5, 9, 3 then root 2, one rank (shards = units, 4 bytes per element). ZeRO-3: the
     # backward of the 9 holds root + 9 + prefetched 5 in bf16, two fp32 copies of its gradient and
     # the shard gradient of the 3 (reduced before it): 16 * 2 + 2 * 9 * 4 + 3 * 4 = 116; the 3:
@@ -94,7 +88,7 @@ def test_the_step_in_backward_changes_only_the_gradient_term_and_the_search_may_
     budget = (in_backward.peak + ordinary.peak) / 2 / MIB
     knobs, result = search(load_config(args), budget)
     assert knobs is not None and knobs["step_in_backward"] and result.peak <= budget * MIB
-    assert "config.OPTIMIZER.step_in_backward=True" in knob_search.overrides(knobs)
+    assert "config.OPTIMIZER.step_in_backward=True" in planner_knobs.overrides(knobs)
     # never chosen when the run clips the global norm (it needs every gradient first)
     knobs, _ = search(load_config([*args, "config.OPTIMIZER.clip_grad_norm=1.0"]), 1e9)
     assert knobs["step_in_backward"] is False
@@ -126,7 +120,7 @@ class _CropsToTensor(nn.Module):
 @pytest.fixture
 def fixed_baseline(monkeypatch):
     """The search and the CLI, not the import baseline (a subprocess), are under test here."""
-    monkeypatch.setattr(memory_plan, "import_baseline_mib", lambda: 700.0)
+    monkeypatch.setattr(planner_memory, "import_baseline_mib", lambda: 700.0)
 
 
 def test_search_picks_a_setting_that_fits_or_says_none_does(fixed_baseline):
@@ -138,7 +132,7 @@ def test_search_picks_a_setting_that_fits_or_says_none_does(fixed_baseline):
     # the plan holds at glibc's default (the engine trims its heaps): the slower allocator
     # setting only where nothing else fits
     assert knobs["cpu_mmap_threshold_mib"] == 0.0
-    assert "config.MACHINE.CPU_MMAP_THRESHOLD_MIB=0.0" in knob_search.overrides(knobs)
+    assert "config.MACHINE.CPU_MMAP_THRESHOLD_MIB=0.0" in planner_knobs.overrides(knobs)
     knobs, smallest = search(cfg, 1.0)  # 1 MiB: the runtime alone is larger
     assert knobs is None and smallest.peak > MIB
 

@@ -2,8 +2,8 @@
 
 Every test starts the real thing (``python -m torch.distributed.run``; ``tools/slurm/train.sbatch``
 whose srun, played by a script, starts tasks with srun's variables; two launcher "nodes" on 127.0.0.1), trains the tiny SimCLR recipe for a few
-iterations and compares its losses (``metrics.jsonl``) with the same world size started by the
-spawn launcher (one reference run per world size, shared by the module). Same world size, same
+iterations and compares its losses (``metrics.jsonl``) with the same world size on one node
+(one reference run per world size, shared by the module, on ranks forked from pytest). Same world size, same
 seeds, one thread per rank: the losses must agree to float rounding.
 
 The elastic test starts this file under torchrun (``python tests/test_multinode.py KILL_AT MARKER
@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from vistrain.distributed.launch import find_free_port
+from vistrain.distributed.testing import run_on_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = str(REPO / "tools" / "run_distributed.py")
@@ -34,6 +35,8 @@ TINY = [
     "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=2",
     "config.CHECKPOINT.KEEP_LAST=10",
 ]
+# a shard group per "node" (hybrid sharding): the 4-rank jobs below cross nodes with it
+HYBRID = ("config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True", "config.MODEL.FSDP_CONFIG.shard_group_size=2")
 TIMEOUT = 240  # per job; a hung rendezvous fails the test instead of the suite
 _JOB_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
@@ -85,18 +88,28 @@ def _free_port_between(low: int, high: int) -> int:
     raise RuntimeError(f"no free port in [{low}, {high})")
 
 
+def _train(rank, world_size, argv):
+    from vistrain.config import load_config
+    from vistrain.training import train
+
+    train(load_config(argv))
+
+
 @pytest.fixture(scope="module")
-def spawn_reference(tmp_path_factory):
-    """world size -> losses of the spawn launcher's run (computed once per module and world size)."""
+def reference(tmp_path_factory):
+    """(world size, overrides) -> losses of the same run on one node (each computed once per
+    module), on ranks forked from this process: the jobs under test start the real launchers, the
+    reference needs only the numbers (same seeds, one thread per rank), not half a minute of
+    launcher start-up."""
     cache = {}
 
-    def losses(world: int) -> dict:
-        if world not in cache:
+    def losses(world: int, *overrides) -> dict:
+        if (world, overrides) not in cache:
             run_dir = tmp_path_factory.mktemp("reference") / f"world{world}"
-            command = [sys.executable, RUN, *_args(run_dir, f"config.DISTRIBUTED.NUM_PROC_PER_NODE={world}")]
-            _run_together([command], run_dir)
-            cache[world] = _losses(run_dir)
-        return cache[world]
+            layout = f"config.DISTRIBUTED.NUM_PROC_PER_NODE={world}"
+            run_on_ranks(_train, world, _args(run_dir, layout, *overrides))
+            cache[world, overrides] = _losses(run_dir)
+        return cache[world, overrides]
 
     return losses
 
@@ -123,17 +136,18 @@ def _assert_rank0_side_effects(run_dir: Path, iterations: int):
 # torchrun
 
 
-def test_torchrun_standalone_two_processes(tmp_path, spawn_reference):
+def test_torchrun_standalone_two_processes(tmp_path, reference):
     run_dir = tmp_path / "run"
     command = [*TORCHRUN, "--standalone", "--nproc_per_node", "2", RUN, *_args(run_dir)]
     (output,) = _run_together([command], run_dir)
-    _assert_same_losses(run_dir, spawn_reference(2), iterations=8)
+    _assert_same_losses(run_dir, reference(2), iterations=8)
     _assert_rank0_side_effects(run_dir, iterations=8)
     assert "training 2 epochs x 4 iterations on 2 ranks" in output
 
 
-def test_two_torchrun_nodes_with_c10d_rendezvous(tmp_path, spawn_reference):
-    """Two agents (nodes) of 2 workers each meet in a c10d rendezvous on 127.0.0.1: world size 4."""
+def test_two_torchrun_nodes_with_c10d_rendezvous(tmp_path, reference):
+    """Two agents (nodes) of 2 workers each meet in a c10d rendezvous on 127.0.0.1: world size 4,
+    a shard group per node."""
     run_dir, port = tmp_path / "run", find_free_port()
     commands = [
         [
@@ -146,16 +160,16 @@ def test_two_torchrun_nodes_with_c10d_rendezvous(tmp_path, spawn_reference):
             f"--rdzv_conf=is_host={int(node == 0)}",  # who serves the store: no race between the two
             "--local_addr=127.0.0.1",
             RUN,
-            *_args(run_dir),
+            *_args(run_dir, *HYBRID),
         ]
         for node in range(2)
     ]
     outputs = _run_together(commands, run_dir)
-    _assert_same_losses(run_dir, spawn_reference(4), iterations=4)
+    _assert_same_losses(run_dir, reference(4, *HYBRID), iterations=4)
     _assert_rank0_side_effects(run_dir, iterations=4)
     # the recipe's NUM_PROC_PER_NODE: 2 is right per node, NUM_NODES: 1 is not: one note, once
     notes = [line for out in outputs for line in out.splitlines() if "ignoring DISTRIBUTED." in line]
-    assert len(notes) == 1 and "torchrun decides the layout (2 node(s), 2 rank(s)" in notes[0]
+    assert len(notes) == 1 and "torchrun decides the layout (2 nodes, 2 ranks" in notes[0]
 
 
 def _die_once_before_step(kill_at: int, marker: Path):
@@ -174,7 +188,7 @@ def _die_once_before_step(kill_at: int, marker: Path):
     trainer._optimizer_step = step_or_die
 
 
-def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(tmp_path, spawn_reference):
+def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(tmp_path, reference):
     """Rank 1 dies mid-epoch 0 (after checkpoint_2); torchrun restarts both, they resume from iteration 2."""
     run_dir, marker = tmp_path / "run", tmp_path / "killed"
     script = [str(Path(__file__).resolve()), "3", str(marker)]
@@ -184,7 +198,7 @@ def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(tmp_path, spawn_r
     assert "resumed from" in output and "checkpoint_2" in output
     records = [json.loads(line)["iteration"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records == [1, 2, 3, 3, 4, 5, 6, 7, 8]  # iteration 3 logged, killed before step 4, re-done
-    _assert_same_losses(run_dir, spawn_reference(2), iterations=8)
+    _assert_same_losses(run_dir, reference(2), iterations=8)
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,7 +219,7 @@ exit $status
 """
 
 
-def test_sbatch_script_with_two_srun_tasks_on_one_node(tmp_path, spawn_reference):
+def test_sbatch_script_with_two_srun_tasks_on_one_node(tmp_path, reference):
     """tools/slurm/train.sbatch as SLURM runs it for `--nodes 1 --ntasks-per-node 2`, srun played by a script.
 
     The tasks see the variables srun sets; they meet at the job's first node on port 20000 + job id.
@@ -232,18 +246,19 @@ def test_sbatch_script_with_two_srun_tasks_on_one_node(tmp_path, spawn_reference
     )
     sbatch = ["bash", str(REPO / "tools" / "slurm" / "train.sbatch"), *_args(run_dir)]
     (output,) = _run_together([sbatch], run_dir, [env])
-    _assert_same_losses(run_dir, spawn_reference(2), iterations=8)
+    _assert_same_losses(run_dir, reference(2), iterations=8)
     _assert_rank0_side_effects(run_dir, iterations=8)
     assert "ignoring" not in output  # the recipe's 1 node x 2 ranks is the job's layout
 
 
-def test_launcher_two_nodes_of_two_ranks(tmp_path, spawn_reference):
+def test_launcher_two_nodes_of_two_ranks(tmp_path, reference):
+    """The launcher's own multi-node mode, a shard group per node."""
     run_dir, port = tmp_path / "run", find_free_port()
     commands = [
         [
             sys.executable,
             RUN,
-            *_args(run_dir),
+            *_args(run_dir, *HYBRID),
             "config.DISTRIBUTED.NUM_NODES=2",
             f"config.DISTRIBUTED.NODE_ID={node}",
             f"config.DISTRIBUTED.RUN_ID=127.0.0.1:{port}",
@@ -251,8 +266,20 @@ def test_launcher_two_nodes_of_two_ranks(tmp_path, spawn_reference):
         for node in range(2)
     ]
     _run_together(commands, run_dir)
-    _assert_same_losses(run_dir, spawn_reference(4), iterations=4)
+    _assert_same_losses(run_dir, reference(4, *HYBRID), iterations=4)
     _assert_rank0_side_effects(run_dir, iterations=4)
+
+
+def test_a_shard_group_per_node_equals_ddp_on_one_node(reference):
+    """The hybrid reference the 4-rank jobs above match is itself DDP's run (other sums: close)."""
+    hybrid, ddp = reference(4, *HYBRID), reference(4)
+    assert sorted(hybrid) == sorted(ddp) == [1, 2, 3, 4]
+    torch.testing.assert_close(
+        torch.tensor([hybrid[i] for i in sorted(hybrid)], dtype=torch.float64),
+        torch.tensor([ddp[i] for i in sorted(ddp)], dtype=torch.float64),
+        rtol=1e-5,
+        atol=0,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,8 +306,6 @@ def _prepare_demo_as_two_nodes(rank, world_size, tmp):
 
 
 def test_demo_data_is_written_by_local_rank_0_of_each_node(tmp_path):
-    from vistrain.distributed.testing import run_on_ranks
-
     assert run_on_ranks(_prepare_demo_as_two_nodes, 4, str(tmp_path)) == [[True, True]] * 4
     writers = lambda phase: sorted(p.name.rsplit("-", 1)[1] for p in tmp_path.glob(f"{phase}-written-by-*"))
     assert writers("node-local") == ["0", "2"]  # one copy per node-local cache, never by local rank 1
@@ -299,8 +324,6 @@ def _start_run_in(rank, world_size, run_dirs):
 
 
 def test_run_dir_must_be_shared_by_all_ranks(tmp_path):
-    from vistrain.distributed.testing import run_on_ranks
-
     shared = str(tmp_path / "shared")
     assert run_on_ranks(_start_run_in, 2, [shared, shared]) == ["started"] * 2
     assert os.listdir(shared) == ["log.txt"]  # rank 0's log; the probe is gone

@@ -230,3 +230,23 @@ def test_world_size_changes_resume_from_the_most_advanced_and_record_each_config
     assert "already holds 3 epochs of the 3 asked for" in (tmp_path / "log.txt").read_text()
     assert (tmp_path / "config.yaml").read_text() == second_config
     assert sorted(p.name for p in tmp_path.glob("config*.yaml")) == ["config.16.yaml", "config.yaml"]
+
+
+def test_checkpoints_set_aside_as_unreadable_are_pruned_beyond_the_newest_few(tmp_path):
+    from vistrain.checkpoint.files import KEEP_CORRUPT
+
+    _plain_checkpoint(tmp_path, 2, samples_seen=16)
+    rounds = KEEP_CORRUPT + 3
+    for n in range(rounds):  # every resumed run meets an unreadable checkpoint_4 (and then saves)
+        bad = Path(_plain_checkpoint(tmp_path, 4, samples_seen=32))
+        (bad / "rank0.pt").write_bytes(b"truncated")
+        (bad / "round").write_text(str(n))
+        assert _pick_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint_2")
+        time.sleep(0.02)  # distinct rename times
+    _plain_checkpoint(tmp_path, 6, samples_seen=48)  # every save prunes
+    kept = sorted(int((p / "round").read_text()) for p in tmp_path.glob("checkpoint_4.corrupt*"))
+    assert kept == list(range(rounds - KEEP_CORRUPT, rounds))  # the most recently set aside
+    assert {p.name for p in tmp_path.glob("checkpoint_*") if "corrupt" not in p.name} == {
+        "checkpoint_2",
+        "checkpoint_6",
+    }

@@ -15,6 +15,7 @@ from vistrain.torch_compat import (
     own_parameters,
     persistent_buffer_names,
     regnet_stage_settings,
+    version_counter,
     view_base,
 )
 
@@ -131,6 +132,10 @@ def test_a_modules_own_registries_are_live_and_views_know_their_base():
     assert isinstance(seq[0], nn.Identity)
     full = torch.zeros(6)
     assert view_base(full[2:4].view(2, 1)) is full and view_base(full) is None
+    before = version_counter(full)
+    torch._foreach_zero_([full])  # what optimizer.zero_grad(set_to_none=False) runs
+    full.zero_()
+    assert version_counter(full) == before + 2
 
 
 def test_op_is_mutable_tells_in_place_aten_calls():

@@ -23,10 +23,9 @@ from vistrain.checkpoint import (
     read_metadata,
     save_sharded_checkpoint,
 )
-from vistrain.config import ConfigError, load_config
+from vistrain.config import load_config
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed.testing import run_on_ranks
-from vistrain.jobs import check_values
 from vistrain.losses import build_loss
 from vistrain.models import build_model
 from vistrain.optim import build_optimizer
@@ -157,7 +156,7 @@ def test_nan_loss_stops_every_rank_with_a_clear_error(tmp_path):
         "config.OPTIMIZER.param_schedulers.lr.base_value=.nan",
         "config.OPTIMIZER.param_schedulers.lr.warmup_epochs=0",
     )
-    with pytest.raises(RuntimeError, match="loss became NaN/inf by iteration 2"):
+    with pytest.raises(RuntimeError, match="loss became nan by iteration 2; no checkpoint in .* yet; lower"):
         run_on_ranks(_train_on_rank, 2, argv)
     assert find_latest_checkpoint(str(tmp_path)) is None
 
@@ -170,7 +169,7 @@ def test_nan_weights_are_never_checkpointed(tmp_path):
         "config.OPTIMIZER.param_schedulers.lr.base_value=.nan",
         "config.OPTIMIZER.param_schedulers.lr.warmup_epochs=0",
     )
-    with pytest.raises(RuntimeError, match="model weights became NaN/inf by iteration 1"):
+    with pytest.raises(RuntimeError, match="model weights became nan/inf by iteration 1; no checkpoint in"):
         run_on_ranks(_train_on_rank, 2, argv)
     assert find_latest_checkpoint(str(tmp_path)) is None
 
@@ -282,6 +281,3 @@ def test_bfloat16_autocast_on_cpu(tmp_path):
     run_on_ranks(_train_on_rank, 1, _tiny(tmp_path / "bf16", *argv, "config.MODEL.AMP_PARAMS.USE_AMP=true"))
     fp32, bf16 = _metrics(tmp_path / "fp32")[0]["loss"], _metrics(tmp_path / "bf16")[0]["loss"]
     assert fp32 != bf16 and abs(fp32 - bf16) < 0.05 * abs(fp32)  # autocast is on, and still close
-    fp16 = _tiny(tmp_path / "fp16", *argv, "config.MODEL.AMP_PARAMS.USE_AMP=true")
-    with pytest.raises(ConfigError, match="float16 needs CUDA"):  # refused before launch
-        check_values(load_config([*fp16, "config.MODEL.AMP_PARAMS.AMP_DTYPE=float16"]))

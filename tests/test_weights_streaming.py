@@ -4,8 +4,9 @@ tensor (or one unit) at a time and the conversion streams its output file.
 The memory tests measure the peak RSS of real gloo ranks (anonymous and file-backed pages, so a
 memory-mapped file counts for what was touched) against a 129 MiB model of 32 units: holding the
 whole model at once, as a state dict or as mapped file pages, exceeds the bounds by about the
-model's size. The ranks are forked from a fresh interpreter, not from pytest's process, whose
-earlier tests' memory would blur their RSS by up to half the model. glibc's malloc is told to give every block of 64 KiB or more its own mapping, so
+model's size. The ranks are forked from a fresh interpreter (one for the four measurements, each
+job from its own fork of it), not from pytest's process, whose earlier tests' memory would blur
+their RSS by up to half the model. glibc's malloc is told to give every block of 64 KiB or more its own mapping, so
 the RSS follows the live tensors (by default freed unit buffers may stay in the heap and blur the
 peak by up to half the model). The other tests check that the results are bit for bit those of
 the in-memory path.
@@ -121,20 +122,53 @@ def _peak_growth(prepare, step):
     return growth, result
 
 
-def _in_fresh_process(tmp_path, worker, world, *args):
-    """``run_on_ranks(worker, world, *args)`` run by a new interpreter; its results."""
-    out = tmp_path / f"{worker.__name__}.pt"
-    code = (
-        f"import sys, torch; sys.path.insert(0, {str(TESTS)!r}); import test_weights_streaming as t; "
-        "from vistrain.distributed.testing import run_on_ranks; "
-        f"torch.save(run_on_ranks(t.{worker.__name__}, {world}, *{args!r}), {str(out)!r})"
-    )
+_FRESH_PROCESS = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import test_weights_streaming as t
+from fork_each import fork_each
+from vistrain.distributed.testing import run_on_ranks
+
+def job(name, world, args, out):
+    torch.save(run_on_ranks(getattr(t, name), world, *args), out)
+
+fork_each([(n, lambda n=n, w=w, a=a, o=o: job(n, w, a, o)) for n, w, a, o in {jobs!r}])
+"""
+
+
+def _in_fresh_process(folder: Path, jobs):
+    """Each ``(worker, world, args)`` of ``jobs`` as ``run_on_ranks(worker, world, *args)`` under
+    one new interpreter (one torch start-up for all), each from its own fork of it; their results."""
+    runs = [
+        (worker.__name__, world, args, str(folder / f"{i}.pt"))
+        for i, (worker, world, args) in enumerate(jobs)
+    ]
     path = os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        [sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True
+        [sys.executable, "-c", _FRESH_PROCESS.format(tests=str(TESTS), jobs=runs)],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(out, weights_only=True)
+    return [torch.load(out, weights_only=True) for _, _, _, out in runs]
+
+
+@pytest.fixture(scope="module")
+def measured(saved, tmp_path_factory):
+    """The ranks' peak RSS growth and results of WEIGHTS_INIT from the file and from the folder, of
+    resume and of consolidate (writing ``c.pt`` in the returned folder), measured in one fresh
+    interpreter."""
+    checkpoint, weights, _ = saved
+    folder = tmp_path_factory.mktemp("measured")
+    jobs = [
+        (_init_worker, 2, (weights,)),
+        (_init_worker, 2, (checkpoint,)),
+        (_resume_worker, 2, (checkpoint,)),
+        (_consolidate_worker, 1, (checkpoint, str(folder / "c.pt"))),
+    ]
+    init_file, init_folder, resume, consolidated = _in_fresh_process(folder, jobs)
+    return {"file": init_file, "folder": init_folder, "resume": resume, "consolidate": consolidated}, folder
 
 
 def _init_worker(rank, world, weights):
@@ -144,9 +178,9 @@ def _init_worker(rank, world, weights):
 
 
 @pytest.mark.parametrize("form", ["file", "folder"])
-def test_weights_init_reads_unit_by_unit(saved, form, tmp_path):
-    checkpoint, weights, _ = saved
-    results = _in_fresh_process(tmp_path, _init_worker, 2, weights if form == "file" else checkpoint)
+def test_weights_init_reads_unit_by_unit(saved, measured, form):
+    _, weights, _ = saved
+    results = measured[0][form]
     expected = torch.load(weights, weights_only=True)
     state = results[0][1]
     assert state.keys() == expected.keys()
@@ -169,9 +203,9 @@ def _resume_worker(rank, world, checkpoint):
     return growth, _local_state(model, optimizer), state["extra"]
 
 
-def test_resume_reads_only_this_ranks_slices(saved, tmp_path):
-    checkpoint, _, saved_local = saved
-    results = _in_fresh_process(tmp_path, _resume_worker, 2, checkpoint)
+def test_resume_reads_only_this_ranks_slices(saved, measured):
+    _, _, saved_local = saved
+    results = measured[0]["resume"]
     for rank, (growth, (shards, momentum), extra) in enumerate(results):
         assert all(torch.equal(a, b) for a, b in zip(shards, saved_local[rank][0]))
         assert all(torch.equal(a, b) for a, b in zip(momentum, saved_local[rank][1]))
@@ -185,10 +219,10 @@ def _consolidate_worker(rank, world, checkpoint, out):
     return _peak_growth(lambda: None, lambda _: consolidate(checkpoint, out))[0]
 
 
-def test_consolidate_streams_its_output(saved, tmp_path):
+def test_consolidate_streams_its_output(saved, measured):
     checkpoint, weights, _ = saved
-    out = str(tmp_path / "c.pt")
-    (growth,) = _in_fresh_process(tmp_path, _consolidate_worker, 1, checkpoint, out)
+    out = str(measured[1] / "c.pt")
+    (growth,) = measured[0]["consolidate"]
     assert growth < 0.3 * MODEL_MIB, growth  # one tensor at a time, not the model (MODEL_MIB)
     written, expected = torch.load(out, weights_only=True), torch.load(weights, weights_only=True)
     in_memory = consolidated_state_dict(checkpoint)  # the path that holds the whole model

@@ -12,6 +12,7 @@ Exit codes: 0 done, 2 bad input (one line on stderr).
 """
 
 import argparse
+import os
 import sys
 
 
@@ -27,22 +28,44 @@ def main(argv) -> int:
     args = parser.parse_args(argv)
 
     from vistrain.checkpoint import CheckpointError, consolidate, describe, to_torchvision
+    from vistrain.config import OneLineExit
+    from vistrain.config.words import plural
 
     try:
         if args.inspect:
             print(describe(args.checkpoint))
         elif args.to_consolidated:
             count = consolidate(args.checkpoint, args.to_consolidated)
-            print(f"wrote {count} tensors to {args.to_consolidated}")
+            print(f"wrote {plural(count, 'tensor')} to {args.to_consolidated}")
         else:
             state = to_torchvision(args.checkpoint, args.to_torchvision)
             print(
-                f"wrote {len(state)} trunk tensors to {args.to_torchvision} (set fc = nn.Identity() before loading)"
+                f"wrote {plural(len(state), 'trunk tensor')} to {args.to_torchvision} (set fc = nn.Identity() before loading)"
             )
-    except (CheckpointError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except OneLineExit as e:  # the launcher's lines: "checkpoint error: ..."
+        print(e.line(), file=sys.stderr)
+        return e.exit_code
+    except OSError as e:
+        out = args.to_consolidated or args.to_torchvision
+        if out and e.filename and os.path.abspath(e.filename).startswith(os.path.abspath(out)):
+            print(f"input error: {_unwritable(out, e)}", file=sys.stderr)  # OUT.pt (or OUT.pt.tmp)
+        elif isinstance(e, FileNotFoundError):
+            print(
+                CheckpointError(f"{e.filename or args.checkpoint}: no such file or folder").line(),
+                file=sys.stderr,
+            )
+        else:
+            print(f"input error: {e.filename}: {e.strerror}", file=sys.stderr)
         return 2
     return 0
+
+
+def _unwritable(out: str, error: OSError) -> str:
+    """Why ``out`` cannot be written, naming its folder, and the fix."""
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        return f"cannot write {out}: its folder {folder} does not exist; create it or choose another path"
+    return f"cannot write {out}: making a file in {folder} fails ({error.strerror}); choose another path"
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Run a job (ENGINE_NAME: train, linear_eval, knn, extract_features) on every rank of a job.
+"""Run a job (JOB: train, linear_eval, knn, extract_features) on every rank of a job.
 
     python tools/run_distributed.py config=regnet_fsdp config.OPTIMIZER.num_epochs=2 ...
 

@@ -1,24 +1,34 @@
 """``tools/run_distributed.py``: the command line around :func:`vistrain.distributed.launch`.
 
-Every outcome but a rank's own failure is one line on stderr, never a traceback:
+Every outcome but a rank's own failure is one line on stderr, never a traceback, printed once per
+job (by the launcher, or by global rank 0 of a torchrun / srun job):
 
     exit 0    done (or --help)
     exit 1    a rank failed: its traceback follows "run failed:"
     exit 2    the input is wrong (an InputError): no arguments, a bad config key or value, a run
               folder in use or unusable, data or a model that cannot work; found before anything
               started (nothing written) or by a rank (every rank stopped, the folder resumable)
+    exit 3    the run diverged (NaN/inf): names the iteration and the last good checkpoint
     exit 130  interrupted (Ctrl-C): every rank stopped; names the last complete checkpoint
+    exit 143  stopped by SIGTERM or SIGUSR1 (a scheduler): every rank stopped at an iteration
+              boundary and saved it; names the checkpoint the same command resumes from
 
+While it works it says what it is doing (checking, planning, starting the ranks) on stdout.
 Importing this module does not load torch: a typo is answered at once.
 """
 
+import contextlib
 import functools
 import os
+import signal
 import sys
-from typing import List, Sequence
+import threading
+import time
+from typing import Iterator, List, Sequence
 
-from vistrain.config import InputError, available_configs, load_config
+from vistrain.config import OneLineExit, StopRequested, available_configs, load_config
 from vistrain.config.checks import check_config
+from vistrain.config.job_env import job_rank
 
 COMMAND = "python tools/run_distributed.py"
 EXIT_REFUSED, EXIT_INTERRUPTED = 2, 130
@@ -35,7 +45,7 @@ def usage() -> str:
             "",
             "shipped configs: " + ", ".join(available_configs()),
             "every key, its default and meaning: vistrain/config/defaults.py; allowed values: "
-            "vistrain/config/checks.py; README.md, section Configs",
+            "vistrain/config/checks.py; docs/getting-started.md, section Configs",
             f"example: {COMMAND} config=regnet_fsdp config.OPTIMIZER.num_epochs=2",
         ]
     )
@@ -53,31 +63,71 @@ def _main(argv: Sequence[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else EXIT_REFUSED
+    cfg = None
     try:
-        cfg = load_config(argv)
-        check_config(cfg, _catalog)
-        from vistrain.jobs import get_job
+        with _stop_signals_before_start():
+            cfg = load_config(argv)
+            check_config(cfg, functools.partial(_catalog, cfg))
+            from vistrain.jobs import get_job
 
-        job = get_job(cfg.ENGINE_NAME)
-        if cfg.ENGINE_NAME == "train" and cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:
-            cfg, job = _auto_tuned(cfg, job, argv)
-    except InputError as e:
-        return _refuse(e.line())
+            job = get_job(cfg.JOB)
+            if cfg.JOB == "train" and cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:
+                say(
+                    "planning the memory per rank of each setting of the exact knobs (MODEL.FSDP_CONFIG.AUTO_TUNE)"
+                )
+                cfg, job = _auto_tuned(cfg, job, argv)
+    except OneLineExit as e:
+        return _refuse(e, cfg)
     return run(job, cfg)
 
 
+@contextlib.contextmanager
+def _stop_signals_before_start() -> Iterator[None]:
+    """SIGTERM / SIGUSR1 while the config is checked, the memory planned and the launcher starts:
+    stop in one line, nothing started (the launcher and the ranks install their own handlers
+    inside, see ``vistrain.distributed.stop_signals``)."""
+    if threading.current_thread() is not threading.main_thread():  # only it may set handlers
+        yield
+        return
+
+    def stop(signum, frame):
+        raise StopRequested(f"{signal.Signals(signum).name} before the run started; nothing was written")
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def say(text: str) -> None:
+    """What the command is doing, on stdout, from the process that speaks for the job."""
+    if job_rank(os.environ) == 0:
+        print(f"[{time.strftime('%H:%M:%S')} vistrain] {text}", flush=True)
+
+
 def _auto_tuned(cfg, job, argv):
-    """``cfg`` with the knobs ``vistrain.runtime.auto_tune`` chose, and the job logging its line."""
+    """``cfg`` with the knobs ``vistrain.planner.auto_tune`` chose, and the job logging the details."""
     from vistrain.fsdp.memory import current_rss_mib
-    from vistrain.runtime.auto_tune import tune_run
+    from vistrain.planner.auto_tune import summary_line, tune_job
 
     # this process imported what a rank imports (the job's module): its RSS is a rank's baseline
-    cfg, line = tune_run(cfg, argv, baseline_mib=current_rss_mib())
-    return cfg, functools.partial(job, notes=(line,))
+    tuned = tune_job(cfg, argv, baseline_mib=current_rss_mib())
+    if tuned.across_nodes:  # the ranks choose the shard group size once they know the link
+        say(
+            "auto-tune: the job spans nodes; the ranks time the link, then choose the shard group size (details in log.txt)"
+        )
+        choices = (tuned.across_nodes, tuned.layout)
+        return tuned.cfg, functools.partial(job, notes=(tuned.line,), across_nodes=choices)
+    say(summary_line(cfg, tuned.cfg, tuned.line))
+    return tuned.cfg, functools.partial(job, notes=(tuned.line,))
 
 
-def _catalog():
-    """The registries config values are checked against; imported only when a check needs them."""
+def _catalog(cfg):
+    """The registries config values are checked against; imported only when a check needs them
+    (typos and plain values are answered before, in a fraction of a second)."""
+    say(f"checking the config, its data and CHECKPOINT.DIR {cfg.CHECKPOINT.DIR} (loading torch)")
     from vistrain.jobs import catalog
 
     return catalog()
@@ -87,10 +137,13 @@ def run(job, cfg) -> int:
     """Launch ``job`` (a module-level function of cfg) on every rank; the exit code (docstring)."""
     from vistrain.distributed.launch import RankFailedError, launch
 
+    say("starting the ranks: each loads torch, builds the model and reads the data")
     try:
-        launch(job, cfg)
-    except InputError as e:  # impossible settings, a busy folder, or bad input found by a rank
-        return _refuse(e.line())
+        # until the launcher (or the rank, in-process) installs its own answer to SIGTERM / SIGUSR1
+        with _stop_signals_before_start():
+            launch(job, cfg, announce=functools.partial(announce_stop, cfg))
+    except OneLineExit as e:  # bad input, divergence, a stop signal: found by the launcher or a rank
+        return _report(e, cfg)
     except RankFailedError as e:
         print(f"run failed: {e}", file=sys.stderr)
         return 1
@@ -99,9 +152,63 @@ def run(job, cfg) -> int:
     return 0
 
 
-def _refuse(line: str) -> int:
-    print(line, file=sys.stderr)
-    return EXIT_REFUSED
+def _refuse(error: OneLineExit, cfg) -> int:
+    """An error found before the job started: one line from the process that speaks for the job
+    (in torchrun / srun, the ranks agree first: ``vistrain.distributed.launch.refuse_in_job``)."""
+    if job_rank(os.environ) == 0:  # answered before torch is loaded
+        print(error.line(), file=sys.stderr)
+        return error.exit_code
+    from vistrain.distributed.launch import refuse_in_job
+
+    refuse_in_job(error, cfg)
+    return _leave(error.exit_code)
+
+
+def _report(error: OneLineExit, cfg) -> int:
+    """The job's one line for ``error`` (printed by one process per job), then its exit code."""
+    from vistrain.distributed.launch import report_for_job
+
+    if isinstance(error, StopRequested):
+        line = stop_line(cfg, str(error))
+    else:
+        line = error.line()
+    report_for_job(line, os.environ, error.agreed)
+    return _leave(error.exit_code)
+
+
+def _leave(code: int) -> int:
+    """``code``; a rank of a joined job whose process group still lives leaves at once instead:
+    interpreter teardown with peers gone can abort with C++ "terminate called" noise."""
+    from vistrain.distributed import comm
+
+    if comm.is_dist() and comm.get_world_size() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def stop_line(cfg, detail: str) -> str:
+    """The line of a job stopped by a signal: what happened (``detail``) and where the same command
+    continues from (with AUTO_RESUME off a rerun would start afresh: the line says so)."""
+    if cfg.JOB != "train":
+        return f"stopped: {detail}; rerun the same command to run it again"
+    from vistrain.checkpoint import find_latest_checkpoint
+
+    run_dir = cfg.CHECKPOINT.DIR
+    latest = find_latest_checkpoint(run_dir)
+    if not latest:
+        resume = f"no checkpoint in {run_dir} yet"
+    elif cfg.CHECKPOINT.AUTO_RESUME:
+        resume = f"rerun the same command to resume from {latest}"
+    else:
+        resume = f"rerun with config.CHECKPOINT.AUTO_RESUME=True to resume from {latest}"
+    return f"stopped: {detail}; {resume}"
+
+
+def announce_stop(cfg, detail: str) -> None:
+    """Print the job's stop line (the rank that ends the process when a stop's grace runs out)."""
+    print(stop_line(cfg, detail), file=sys.stderr, flush=True)
 
 
 def _exit_interrupted(run_dir: str) -> None:

@@ -1,15 +1,12 @@
-"""The jobs a run can perform, picked by ``ENGINE_NAME`` (VISSL's name for it).
+"""The jobs a run can perform, picked by the config key ``JOB`` (VISSL's ``ENGINE_NAME``).
 
 The top layer: it imports the training loop and the benchmarks, and nothing imports it except the
 command line (``vistrain.cli``, ``tools/``). It also hands the config layer the live registries
-that values are checked against (:func:`catalog`). (Three things are easy to confuse: the *sharded engine* is
-``vistrain.fsdp``; a *job* is what one rank runs, chosen here; ``ENGINE_NAME`` is the config key.)
+that values are checked against (:func:`catalog`).
 """
 
 import os
 from typing import Callable, Dict, Optional
-
-import torch
 
 from vistrain.benchmarks import extract_features, knn, linear_eval
 from vistrain.checkpoint.files import CheckpointError
@@ -30,7 +27,7 @@ from vistrain.runtime.precision import AMP_DTYPES, DTYPES
 from vistrain.runtime.sharding import BACKENDS
 from vistrain.training import train
 
-# ENGINE_NAME -> function(cfg) run on every rank by vistrain.distributed.launch
+# JOB -> function(cfg) run on every rank by vistrain.distributed.launch
 JOBS: Dict[str, Callable] = {
     "train": train,
     "linear_eval": linear_eval,
@@ -40,16 +37,16 @@ JOBS: Dict[str, Callable] = {
 
 
 def get_job(name: str) -> Callable:
-    """The job function for ``ENGINE_NAME``; ConfigError listing the valid names otherwise."""
+    """The job function for ``JOB``; ConfigError listing the valid names otherwise."""
     if name not in JOBS:
-        raise ConfigError(f"unknown ENGINE_NAME {name!r}; valid: {', '.join(sorted(JOBS))}")
+        raise ConfigError(f"unknown JOB {name!r}; valid: {', '.join(sorted(JOBS))}")
     return JOBS[name]
 
 
 def catalog() -> Catalog:
     """The live registries and probes that ``vistrain.config.checks`` checks values against."""
     registries = {
-        "engines": JOBS,
+        "jobs": JOBS,
         "optimizers": OPTIMIZERS,
         "lr schedules": SCHEDULES,
         "losses": LOSSES,
@@ -69,7 +66,6 @@ def catalog() -> Catalog:
         model_problem=_model_problem,
         num_samples=count_samples,
         world_size=lambda cfg: planned_world_size(cfg.DISTRIBUTED, os.environ),
-        cuda_available=torch.cuda.is_available(),
     )
 
 

@@ -17,6 +17,10 @@ what we rely on, so an upgrade that changes it fails loudly there instead of sil
 * ``own_parameters`` / ``own_buffers`` / ``child_modules`` (``nn.Module._parameters`` ...) and
   ``view_base`` (``Tensor._base``): the engine swaps parameters for views of gathered weights and
   children for units in place, and finds the gathered tensor a saved view belongs to.
+* ``default_store`` (``torch.distributed.distributed_c10d._get_default_store``): the rendezvous
+  store of the default process group; the ranks of a joined job use it to agree who prints an error.
+* ``version_counter`` (``Tensor._version``): bumped by every in-place change; the engine tells a
+  ``shard.grad`` that ``zero_grad(set_to_none=False)`` zeroed from one left alone.
 * ``current_saved_tensors_hooks`` / ``saved_tensors_hooks_enabled``
   (``torch._C._autograd._top_saved_tensors_default_hooks`` / ``_saved_tensors_hooks_is_enabled``):
   the engine's saved-tensor hooks wrap those already active (activation checkpointing's).
@@ -93,6 +97,11 @@ def view_base(t: torch.Tensor) -> Optional[torch.Tensor]:
     return t._base
 
 
+def version_counter(t: torch.Tensor) -> int:
+    """How many in-place changes ``t``'s data has seen (``t._version``)."""
+    return t._version
+
+
 def current_saved_tensors_hooks() -> Optional[Tuple[Callable, Callable]]:
     """The innermost active (pack, unpack) saved-tensor hooks, or None."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -128,3 +137,11 @@ def storage_file_offset(storage: torch.UntypedStorage) -> Optional[int]:
     """Byte offset in the file of the data of ``storage``, a storage ``torch.load(f,
     map_location="meta")`` gave (zip format); None when torch recorded none."""
     return getattr(storage, "_checkpoint_offset", None)
+
+
+def default_store():
+    """The key-value store the default process group met through (a TCPStore, FileStore or their
+    prefixed view); initialised process group required."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()

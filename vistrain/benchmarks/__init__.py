@@ -3,7 +3,7 @@
     python tools/run_distributed.py config=benchmark/linear_eval_regnet \
         config.MODEL.WEIGHTS_INIT.PARAMS_FILE=./checkpoints/regnet_fsdp
 
-Engines (``ENGINE_NAME``): ``linear_eval`` (one linear head per trunk feature), ``knn`` (weighted
+Engines (``JOB``): ``linear_eval`` (one linear head per trunk feature), ``knn`` (weighted
 k-nearest neighbours) and ``extract_features`` (features, labels and indices to disk).
 """
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vistrain.checkpoint import load_pretrained
+from vistrain.config.words import plural
 from vistrain.data import set_epoch
 from vistrain.distributed import comm
 from vistrain.models import build_model
@@ -263,7 +264,7 @@ def log_accuracy_table(title: str, results: Dict[str, dict]) -> None:
     logger.info(title)
     for name, res in results.items():
         logger.info(
-            f"  {name:>8}: top-1 {res['top1']:6.2f}%  top-5 {res['top5']:6.2f}%  ({res['num_images']} images)"
+            f"  {name:>8}: top-1 {res['top1']:6.2f}%  top-5 {res['top5']:6.2f}%  ({plural(res['num_images'], 'image')})"
         )
 
 

@@ -1,4 +1,4 @@
-"""Write a frozen trunk's features to disk: ``extract_features(cfg)`` (``ENGINE_NAME: extract_features``).
+"""Write a frozen trunk's features to disk: ``extract_features(cfg)`` (``JOB: extract_features``).
 
 For every split in ``BENCHMARK.EXTRACT_SPLITS`` the pooled features of ``BENCHMARK.FEATURES``
 (see :func:`vistrain.benchmarks.common.trunk_features`) go to ``BENCHMARK.OUTPUT_DIR`` (default

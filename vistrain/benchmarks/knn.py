@@ -1,4 +1,4 @@
-"""Weighted k-nearest-neighbour evaluation of a frozen trunk: ``knn(cfg)`` (``ENGINE_NAME: knn``).
+"""Weighted k-nearest-neighbour evaluation of a frozen trunk: ``knn(cfg)`` (``JOB: knn``).
 
 Wu et al., "Unsupervised Feature Learning via Non-Parametric Instance Discrimination" (2018), as
 used by DINO: with L2-normalised features, a test image ``q`` is compared with every training
@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from vistrain.benchmarks import common
+from vistrain.config.words import plural
 from vistrain.data import build_loader
 from vistrain.distributed import comm
 from vistrain.runtime.logger import logger
@@ -91,23 +92,11 @@ def build_bank(
     return features, labels
 
 
-def knn_counts(
-    test_features: torch.Tensor,
-    test_labels: torch.Tensor,
-    test_indices: torch.Tensor,
-    bank: torch.Tensor,
-    bank_labels: torch.Tensor,
-    num_classes: int,
-    k: int,
-    temperature: float,
-    chunk_size: int,
-) -> torch.Tensor:
-    """Collective: float64 [top-1 hits, top-5 hits, images] over every rank's test images, each once."""
-    hits = knn_topk_hits(
-        test_features, test_labels, bank, bank_labels, num_classes, k, temperature, chunk_size
-    )
+def knn_counts(hits: torch.Tensor, test_indices: torch.Tensor) -> torch.Tensor:
+    """Collective: float64 [top-1 hits, top-5 hits, images] over every rank's test images, each
+    once; ``hits`` (Q, 2) from :func:`knn_topk_hits`, ``test_indices`` (Q,) their data set indices."""
     keep = common.unique_on_this_rank(test_indices)
-    counts = torch.zeros(3, dtype=torch.float64, device=test_features.device)
+    counts = torch.zeros(3, dtype=torch.float64, device=hits.device)
     counts[:2] = hits[keep].sum(dim=0).to(torch.float64)
     counts[2] = keep.sum()
     return comm.all_reduce_sum(counts)
@@ -135,22 +124,19 @@ def knn(cfg) -> None:
         trunk, loaders["TRAIN"], names, pool, dtype, device
     )
     test_feats, test_labels, test_indices = common.extract(trunk, loaders["TEST"], names, pool, dtype, device)
-    logger.info(f"kNN (k={bench.KNN_K}, T={bench.KNN_TEMPERATURE}) on {names}, {num_classes} classes")
+    logger.info(
+        f"kNN (k={bench.KNN_K}, T={bench.KNN_TEMPERATURE}) on {names}, {plural(num_classes, 'class', 'classes')}"
+    )
 
     results = {}
     for name in names:
         bank, bank_labels = build_bank(F.normalize(train_feats[name], dim=1), train_labels, train_indices)
-        counts = knn_counts(
-            F.normalize(test_feats[name], dim=1),
-            test_labels,
-            test_indices,
-            bank,
-            bank_labels,
-            num_classes,
-            bench.KNN_K,
-            bench.KNN_TEMPERATURE,
+        queries = F.normalize(test_feats[name], dim=1)
+        hits = knn_topk_hits(
+            queries, test_labels, bank, bank_labels, num_classes, bench.KNN_K, bench.KNN_TEMPERATURE,
             bench.KNN_CHUNK_SIZE,
-        )
+        )  # fmt: skip
+        counts = knn_counts(hits, test_indices)
         results.update(common.summarise(counts[None], [name]))
         results[name]["bank_size"] = bank.shape[0]
     _report(cfg, results, time.perf_counter() - start)

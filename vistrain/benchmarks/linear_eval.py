@@ -1,4 +1,4 @@
-"""Linear evaluation of a frozen trunk, one rank: ``linear_eval(cfg)`` (``ENGINE_NAME: linear_eval``).
+"""Linear evaluation of a frozen trunk, one rank: ``linear_eval(cfg)`` (``JOB: linear_eval``).
 
 The standard protocol (Goyal et al., "Scaling and Benchmarking Self-Supervised Visual
 Representation Learning", 2019, as in VISSL): the pretrained trunk is frozen and, for every
@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vistrain.benchmarks import common, lr_grid
+from vistrain.benchmarks import common, linear_report, lr_grid
 from vistrain.config import ConfigError
+from vistrain.config.words import plural
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed import comm
 from vistrain.fsdp import unwrap
@@ -150,35 +151,33 @@ def linear_eval(cfg) -> None:
     trunk, dims = common.build_frozen_trunk(cfg, device)
     record_config(cfg)  # built and loaded: the job really starts
     source = FrozenFeatures(trunk, list(dims), cfg.BENCHMARK.POOL_SIZE, amp_dtype(cfg.MODEL), device)
-    grid = [float(lr) for lr in cfg.BENCHMARK.LINEAR_LRS]
+    grid, (splits, fit_loaders), total = _passes(cfg, train_loader, device)
+    epochs = cfg.OPTIMIZER.num_epochs
+    logger.info(
+        linear_report.header(
+            source.names, dims, num_classes, epochs, len(train_loader), comm.get_world_size()
+        )
+    )
+    if grid:
+        logger.info(linear_report.grid_plan(grid, len(splits), cfg.BENCHMARK.LINEAR_HOLDOUT_FRACTION))
     train_source = source
     if cfg.DATA.TRAIN.TRANSFORMS.NAME == "eval" and not cfg.DATA.TRAIN.SKIP_CORRUPT:
         # the same features every epoch: compute them once (a skipped image would have no row)
         train_source = cache_features(source, cfg.DATA, cfg.SEED_VALUE)
-    epochs = cfg.OPTIMIZER.num_epochs
-    logger.info(
-        f"linear evaluation of {source.names} (dims {list(dims.values())}, {num_classes} classes): "
-        f"{epochs} epochs x {len(train_loader)} iterations on {comm.get_world_size()} ranks"
-        + (f", after choosing the lr among {grid} on a held-out part of DATA.TRAIN" if grid else "")
-    )
 
     # ---- [choose each feature's lr on held-out training images], train, evaluate, report
-    grid_rounds = int(cfg.BENCHMARK.LINEAR_LR_FOLDS) if grid else 0
-    total = epochs * len(train_loader) * (1 + grid_rounds)  # a grid round is shorter: an upper bound
-    meter = TrainingMeter(run_dir, cfg.LOG_FREQUENCY, total, device)
+    meter = TrainingMeter(run_dir, cfg.LOG_FREQUENCY, total, device, console=False)
+    clock = linear_report.JobClock(total)
     lrs, selection, iterations = {}, None, 0
     if grid:
         lrs, selection, iterations = select_learning_rates(
-            cfg, (train_source, source), dims, num_classes, grid, meter
+            cfg, (train_source, source), dims, num_classes, grid, (splits, fit_loaders), (meter, clock)
         )
     heads = parallelize(LinearHeads(dims, num_classes, lrs=lrs), cfg.MODEL, device, shard=False)
     iterations = train_heads(train_source, heads, train_loader, cfg.OPTIMIZER, meter, iterations)
+    logger.info(f"final fit on DATA.TRAIN done ({clock.elapsed()})")
     train_seconds = time.perf_counter() - start
-    results = evaluate(source, heads, test_loader)
-    for name in source.names:
-        results[name]["dim"] = dims[name]
-        if grid:
-            results[name].update(lr=lrs[name], holdout_top1=selection[name])
+    results = _with_choices(evaluate(source, heads, test_loader), dims, lrs, selection)
     record = {
         "engine": "linear_eval",
         "weights": cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE,
@@ -196,35 +195,70 @@ def linear_eval(cfg) -> None:
     meter.summary()
 
 
-def select_learning_rates(cfg, sources, dims, num_classes: int, grid: List[float], meter: TrainingMeter):
+def _with_choices(results: Dict[str, dict], dims: Dict[str, int], lrs: dict, selection: Optional[dict]):
+    """Each feature's test results with its width and, after an lr grid, its lr and held-out top-1."""
+    for name, result in results.items():
+        result["dim"] = dims[name]
+        if selection is not None:
+            result.update(lr=lrs[name], holdout_top1=selection[name])
+    return results
+
+
+def _passes(cfg, train_loader, device):
+    """(the lr grid, ([(fit, held-out) indices of DATA.TRAIN], their fit loaders), the iterations of
+    the whole job: every grid round's and the final fit's, each ``num_epochs`` long)."""
+    grid = [float(lr) for lr in cfg.BENCHMARK.LINEAR_LRS]
+    splits = _lr_splits(cfg, train_loader.dataset.targets) if grid else []
+    fit_loaders = [_fit_loader(cfg, fit, device) for fit, _ in splits]
+    total = cfg.OPTIMIZER.num_epochs * (len(train_loader) + sum(len(loader) for loader in fit_loaders))
+    return grid, (splits, fit_loaders), total
+
+
+def _lr_splits(cfg, labels) -> List[Tuple[List[int], List[int]]]:
+    """(fit, held-out) sample indices of DATA.TRAIN: k stratified folds, or one holdout."""
+    folds = int(cfg.BENCHMARK.LINEAR_LR_FOLDS)
+    if folds > 1:
+        return lr_grid.stratified_folds(labels, folds, cfg.SEED_VALUE)
+    return [lr_grid.holdout_split(labels, cfg.BENCHMARK.LINEAR_HOLDOUT_FRACTION, cfg.SEED_VALUE)]
+
+
+def _fit_loader(cfg, fit: List[int], device):
+    loader = build_loader(cfg.DATA, "TRAIN", seed=cfg.SEED_VALUE, device=device, indices=fit)
+    if len(loader) == 0:
+        raise ConfigError(
+            "the fit part of DATA.TRAIN yields no full batch: lower LINEAR_HOLDOUT_FRACTION or LINEAR_LR_FOLDS"
+        )
+    return loader
+
+
+def select_learning_rates(cfg, sources, dims, num_classes: int, grid: List[float], splits, progress):
     """Train one head per (feature, lr in ``grid``) on the fit part of DATA.TRAIN, score them on the
     held-out part (read with DATA.TEST's transform), keep each feature's best lr. With
     ``BENCHMARK.LINEAR_LR_FOLDS`` = k > 1, k such rounds over the stratified folds of TRAIN, every
     lr scored by its hits over all k held-out parts. ``sources``: (features of TRAIN batches,
-    possibly cached; the trunk itself, for the held-out images).
+    possibly cached; the trunk itself, for the held-out images); ``splits``: ([(fit, held-out)
+    indices], the fit loaders); ``progress``: (the meter, the job's clock). One line per round.
 
     Returns ({feature: lr}, {feature: held-out top-1 % at that lr}, iterations done).
     """
-    source = sources[1]
-    labels = build_loader(cfg.DATA, "TRAIN", seed=cfg.SEED_VALUE, device=source.device).dataset.targets
-    folds = int(cfg.BENCHMARK.LINEAR_LR_FOLDS)
-    if folds > 1:
-        splits = lr_grid.stratified_folds(labels, folds, cfg.SEED_VALUE)
-    else:
-        splits = [lr_grid.holdout_split(labels, cfg.BENCHMARK.LINEAR_HOLDOUT_FRACTION, cfg.SEED_VALUE)]
+    source, (meter, clock) = sources[1], progress
+    (index_splits, fit_loaders), folds = splits, len(splits[0])
     inputs = {lr_grid.grid_key(f, i): f for f in source.names for i in range(len(grid))}
     lrs = {lr_grid.grid_key(f, i): lr for f in source.names for i, lr in enumerate(grid)}
     grid_heads = (dims, num_classes, inputs, lrs)
     per_fold, iterations = [], 0
-    for fit, holdout in splits:
-        results, iterations = _fit_and_score(cfg, sources, grid_heads, (fit, holdout), meter, iterations)
+    for fold, ((_, holdout), fit_loader) in enumerate(zip(index_splits, fit_loaders), start=1):
+        results, iterations = _fit_and_score(
+            cfg, sources, grid_heads, (fit_loader, holdout), meter, iterations
+        )
         per_fold.append(results)
+        logger.info(linear_report.fold_line(fold, folds, results, source.names, grid, clock, iterations))
     scores = lr_grid.pooled_top1(per_fold)
     chosen = lr_grid.choose_learning_rates(scores, source.names, grid)
     best = {f: scores[lr_grid.grid_key(f, grid.index(lr))] for f, lr in chosen.items()}
-    held_out = sum(len(holdout) for _, holdout in splits)
+    held_out = sum(len(holdout) for _, holdout in index_splits)
     logger.info(
-        f"lr grid on {held_out} held-out training images ({len(splits[0][0])} fit"
+        f"lr grid on {held_out} held-out training images ({len(index_splits[0][0])} fit"
         + (f", {folds}-fold cross-validation" if folds > 1 else "")
         + "): "
         + ", ".join(f"{f} lr {chosen[f]:g} ({best[f]:.2f}%)" for f in source.names)
@@ -234,18 +268,12 @@ def select_learning_rates(cfg, sources, dims, num_classes: int, grid: List[float
 
 def _fit_and_score(cfg, sources, grid_heads, split, meter: TrainingMeter, iterations: int):
     """One round of the lr grid: heads ``LinearHeads(*grid_heads)`` trained on ``split``'s fit
-    indices, scored on its held-out ones. Returns ({head key: result}, iterations so far)."""
+    loader, scored on its held-out indices. Returns ({head key: result}, iterations so far)."""
     train_source, source = sources
-    fit, holdout = split
-    fit_loader = build_loader(cfg.DATA, "TRAIN", seed=cfg.SEED_VALUE, device=source.device, indices=fit)
-    holdout_cfg = _holdout_data_config(cfg.DATA)
+    fit_loader, holdout = split
     holdout_loader = build_loader(
-        holdout_cfg, "TRAIN", seed=cfg.SEED_VALUE, device=source.device, indices=holdout
+        _holdout_data_config(cfg.DATA), "TRAIN", seed=cfg.SEED_VALUE, device=source.device, indices=holdout
     )
-    if len(fit_loader) == 0:
-        raise ConfigError(
-            "the fit part of DATA.TRAIN yields no full batch: lower LINEAR_HOLDOUT_FRACTION or LINEAR_LR_FOLDS"
-        )
     heads = parallelize(LinearHeads(*grid_heads), cfg.MODEL, source.device, shard=False)
     iterations = train_heads(train_source, heads, fit_loader, cfg.OPTIMIZER, meter, iterations)
     return evaluate(source, heads, holdout_loader), iterations
@@ -329,7 +357,9 @@ def evaluate(source: FrozenFeatures, heads: nn.Module, loader) -> Dict[str, dict
 def _report(run_dir: str, record: dict, writer) -> None:
     """Log table, TensorBoard scalars (rank 0's ``writer``) and metrics.json."""
     weights = record["weights"] or "random init"
-    common.log_accuracy_table(f"linear evaluation on DATA.TEST ({weights}):", record["results"])
+    results = record["results"]
+    title = f"linear evaluation on DATA.TEST ({weights}, {plural(next(iter(results.values()))['num_images'], 'image')}):"
+    linear_report.log_lines(linear_report.results_table(title, results, "lr" in next(iter(results.values()))))
     if writer is not None:
         for name, res in record["results"].items():
             for metric in ("top1", "top5"):

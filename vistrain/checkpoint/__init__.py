@@ -1,6 +1,7 @@
 """World-size independent sharded checkpoints, conversion and weight initialisation.
 
     path = save_sharded_checkpoint(run_dir, iteration, model, optimizer, extra, metadata, keep_last)
+    write_sharded_checkpoint(path, iteration, model, optimizer, extra, metadata)   # any folder name
     state = load_sharded_checkpoint(find_latest_checkpoint(run_dir), model, optimizer)  # any world size
     report = load_pretrained(plain_model, cfg.MODEL.WEIGHTS_INIT)
 
@@ -59,7 +60,7 @@ from vistrain.checkpoint.load import load_sharded_checkpoint
 from vistrain.checkpoint.pretrained import LoadReport, load_pretrained
 from vistrain.checkpoint.progress import EpochLayout, resume_iteration
 from vistrain.checkpoint.rng import capture_rng, restore_rng
-from vistrain.checkpoint.save import save_sharded_checkpoint
+from vistrain.checkpoint.save import save_sharded_checkpoint, write_sharded_checkpoint
 
 __all__ = [
     "CheckpointError",
@@ -80,4 +81,5 @@ __all__ = [
     "save_sharded_checkpoint",
     "set_aside",
     "to_torchvision",
+    "write_sharded_checkpoint",
 ]

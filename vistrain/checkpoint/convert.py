@@ -19,6 +19,7 @@ import torch
 
 from vistrain.checkpoint.pretrained import WeightsSource
 from vistrain.checkpoint.tensor_file import save_streamed
+from vistrain.config.words import plural
 from vistrain.models.trunks.regnet import to_torchvision_state_dict
 
 
@@ -61,7 +62,7 @@ def describe(path: str) -> str:
     if reader is None:
         shapes = source.shapes()
         return (
-            f"{source.path}: consolidated state dict, {len(shapes)} tensors, "
+            f"{source.path}: consolidated state dict, {plural(len(shapes), 'tensor')}, "
             f"{sum(math.prod(s) for s in shapes.values()):,} elements"
         )
     meta = reader.meta
@@ -70,7 +71,7 @@ def describe(path: str) -> str:
         f"{source.path}",
         f"  iteration {meta['iteration']}, epoch {meta.get('epoch')}, "
         f"{meta.get('iteration_in_epoch')} of {meta.get('iters_per_epoch')} iterations into it",
-        f"  written by {meta['world_size']} ranks, vistrain {meta['vistrain_version']}, torch "
+        f"  written by {plural(meta['world_size'], 'rank')}, vistrain {meta['vistrain_version']}, torch "
         f"{meta['torch_version']}, {meta['created']}",
         f"  {len(params)} parameters, {sum(math.prod(p['shape']) for p in params.values()):,} elements "
         f"({sum(not p['requires_grad'] for p in params.values())} frozen); {len(meta['buffers'])} buffers",

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shutil
+import zipfile
 from typing import List, Optional, Tuple
 
 import torch
@@ -17,6 +18,8 @@ TMP_SUFFIX = ".tmp"
 _OLD_SUFFIX = ".old"  # a checkpoint being replaced by a re-save of the same iteration
 _CORRUPT_SUFFIX = ".corrupt"  # an unreadable checkpoint a resuming run skipped (set_aside)
 _NAME = re.compile(r"^checkpoint_(\d+)$")
+_CORRUPT_NAME = re.compile(r"^checkpoint_\d+\.corrupt\d*$")
+KEEP_CORRUPT = 2  # checkpoints set aside as unreadable that pruning keeps, the most recent ones
 
 
 class CheckpointError(InputError):
@@ -63,9 +66,18 @@ def _load(path: str, **kwargs):
         return torch.load(path, weights_only=True, **kwargs)
     except Exception as error:  # zip, pickle, EOF, weights_only refusals: all mean "bad file"
         raise CheckpointError(
-            f"{path}: corrupt, truncated or unsafe checkpoint file "
-            f"({type(error).__name__}: {_first_line(error)})"
+            f"{path}: corrupt, truncated or unsafe checkpoint file ({_why(path, error)})"
         ) from None
+
+
+def _why(path: str, error: Exception) -> str:
+    """What was wrong with a file torch.load refused, in words (torch's own message for a file that
+    is no checkpoint at all is "KeyError: 101", or advice to turn the safety check off)."""
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; the end of a truncated one is missing
+        return "not a whole zip archive as torch.save writes, nor a legacy file of plain tensors"
+    if str(error).startswith("Weights only load failed"):
+        return "it holds objects other than tensors and plain containers; loading never runs code"
+    return f"{type(error).__name__}: {_first_line(error)}"
 
 
 def _first_line(error: Exception) -> str:
@@ -231,8 +243,9 @@ def set_aside(path: str) -> str:
 
 def prune(run_dir: str, keep_last: int) -> None:
     """Keep the ``keep_last`` most advanced complete checkpoints (all when <= 0); delete the other
-    complete ones and leftovers of interrupted saves (``.tmp``). Unreadable checkpoints are
-    left alone (their progress is unknown)."""
+    complete ones, leftovers of interrupted saves (``.tmp``), and the checkpoints set aside as
+    unreadable (``.corrupt``) but the KEEP_CORRUPT most recently set aside (to look into).
+    Unreadable checkpoints not yet set aside are left alone (their progress is unknown)."""
     ranked, _ = ranked_checkpoints(run_dir)
     if keep_last > 0:
         for path in ranked[keep_last:]:
@@ -240,3 +253,12 @@ def prune(run_dir: str, keep_last: int) -> None:
     for name in os.listdir(run_dir):
         if name.endswith(TMP_SUFFIX) and _NAME.match(name[: -len(TMP_SUFFIX)]):
             shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+    for path in set_aside_checkpoints(run_dir)[KEEP_CORRUPT:]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def set_aside_checkpoints(run_dir: str) -> List[str]:
+    """The ``checkpoint_<n>.corrupt[k]`` folders of ``run_dir``, most recently set aside first
+    (the rename set their status-change time)."""
+    found = [os.path.join(run_dir, name) for name in os.listdir(run_dir) if _CORRUPT_NAME.match(name)]
+    return sorted(found, key=lambda path: (os.stat(path).st_ctime_ns, path), reverse=True)

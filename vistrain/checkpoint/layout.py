@@ -22,7 +22,7 @@ from vistrain.checkpoint.files import CheckpointError
 from vistrain.distributed import comm
 from vistrain.fsdp import Backend, FullyShardedDataParallel, backend_of, shard_handle, unwrap
 from vistrain.fsdp.flat_param import shard_slices
-from vistrain.fsdp.names import clean_name
+from vistrain.fsdp.ownership import clean_name
 from vistrain.torch_compat import persistent_buffer_names
 
 
@@ -79,13 +79,13 @@ def _sharded_layout(model: FullyShardedDataParallel) -> ModelLayout:
         handle = shard_handle(shard)
         if handle is None:
             raise TypeError("a parameter of the sharded model is not a flat shard; wrap the whole model")
-        if handle.world_size * handle.replicas != world:
+        if handle.world_size * handle.groups.replicas != world:
             raise NotImplementedError(
-                f"shards over {handle.world_size} ranks with {handle.replicas} replica(s) do not "
+                f"shards over {handle.world_size} ranks with {handle.groups.replicas} replica(s) do not "
                 f"cover the {world} ranks of the job; vistrain.checkpoint needs shard groups that "
                 "tile the world (full or hybrid sharding)"
             )
-        first_replica = first_replica and handle.replica_rank == 0
+        first_replica = first_replica and handle.groups.replica_rank == 0
         origins = handle.origins
         segments = [
             Segment(origins[i].fqn, offset, start, length)

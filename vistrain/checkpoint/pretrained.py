@@ -31,6 +31,7 @@ from vistrain.checkpoint.files import (
 )
 from vistrain.checkpoint.load import SliceReader
 from vistrain.checkpoint.tensor_file import TensorFile
+from vistrain.config.words import plural
 from vistrain.fsdp.deferred_init import defer_value
 
 logger = logging.getLogger("vistrain")
@@ -124,7 +125,7 @@ class LoadReport:
     skipped: List[str] = field(default_factory=list)  # mapped checkpoint keys matching SKIP_LAYERS
 
     def summary(self) -> str:
-        lines = [f"weights from {self.source}: {len(self.loaded)} tensors loaded"]
+        lines = [f"weights from {self.source}: {plural(len(self.loaded), 'tensor')} loaded"]
         for name, keys in (
             ("missing (kept at init)", self.missing),
             ("unexpected (ignored)", self.unexpected),

@@ -5,7 +5,7 @@ wrote, from which rank 0 writes ``metadata.json`` last (see :func:`save_sharded_
 import os
 import shutil
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -42,9 +42,26 @@ def save_sharded_checkpoint(
     Raises CheckpointError on every rank when any rank failed to write (e.g. a full disk); the
     previous checkpoints are then untouched and the partial folder ends in ``.tmp``.
     """
-    rank = comm.get_rank()
     final = os.path.join(run_dir, checkpoint_name(iteration))
-    tmp = final + TMP_SUFFIX
+    return write_sharded_checkpoint(
+        final, iteration, model, optimizer, extra, metadata, on_published=lambda: prune(run_dir, keep_last)
+    )
+
+
+def write_sharded_checkpoint(
+    path: str,
+    iteration: int,
+    model,
+    optimizer,
+    extra: dict,
+    metadata: dict,
+    on_published: Optional[Callable[[], None]] = None,
+) -> str:
+    """Write the checkpoint folder ``path`` (any name: Lightning's ``epoch=3-step=40.ckpt``);
+    collective. Arguments and errors as :func:`save_sharded_checkpoint`, which names the folder
+    after the iteration; ``on_published`` runs on rank 0 once the folder has its final name."""
+    rank = comm.get_rank()
+    tmp = path + TMP_SUFFIX
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
         os.makedirs(tmp)
@@ -56,18 +73,19 @@ def save_sharded_checkpoint(
         del payload
     except Exception as exc:  # a full disk on one rank must not leave the others waiting
         error = f"rank {rank}: {type(exc).__name__}: {exc}"
-    reports = _all_succeeded(error, final, comm.all_gather_object((error, report)))
+    reports = _all_succeeded(error, path, comm.all_gather_object((error, report)))
     error = None
     if rank == 0:
         try:
             meta = _metadata(reports, iteration, optimizer, metadata)
             write_json(meta, os.path.join(tmp, METADATA))  # last: the checkpoint is now complete
-            publish(tmp, final)
-            prune(run_dir, keep_last)
+            publish(tmp, path)
+            if on_published is not None:
+                on_published()
         except Exception as exc:
             error = f"rank 0: {type(exc).__name__}: {exc}"
-    _all_succeeded(error, final, comm.all_gather_object((error, None)))
-    return final
+    _all_succeeded(error, path, comm.all_gather_object((error, None)))
+    return path
 
 
 def _all_succeeded(error: Optional[str], final: str, gathered: List) -> List:

@@ -1,7 +1,14 @@
 """Config: every key with its default (defaults.py), recipes in configs/, typo-proof overrides (loader.py)."""
 
 from vistrain.config.defaults import get_defaults  # noqa: F401
-from vistrain.config.errors import ConfigError, DataError, InputError  # noqa: F401
+from vistrain.config.errors import (  # noqa: F401
+    ConfigError,
+    DataError,
+    DivergedError,
+    InputError,
+    OneLineExit,
+    StopRequested,
+)
 from vistrain.config.loader import (  # noqa: F401
     available_configs,
     explicit_keys,

@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 from fvcore.common.config import CfgNode
 
 from vistrain.config.errors import ConfigError, InputError
+from vistrain.config.words import plural
 
 # Names the launcher also checks when it is called directly from Python (not through the CLI).
 DEVICES = ("auto", "cpu", "cuda")
@@ -44,7 +45,6 @@ class Catalog:
     model_problem: Callable[[CfgNode], Problem]  # MODEL -> what keeps it from being built (on meta)
     num_samples: Callable[[CfgNode], int]  # DATA.<split> -> its samples (InputError when it has none)
     world_size: Callable[[CfgNode], int]  # the whole config -> ranks of the job it starts or joins
-    cuda_available: bool
 
 
 Choices = Union[str, Sequence[str]]  # a registry key of the Catalog, or the names themselves
@@ -83,6 +83,10 @@ def above(low) -> Callable:
     return lambda value, _: None if value > low else f"must be > {low}; got {value}"
 
 
+def below(high) -> Callable:
+    return lambda value, _: None if value < high else f"must be < {high}; got {value}"
+
+
 def probability(value, _) -> Problem:
     return None if 0 <= value <= 1 else f"is a probability in [0, 1]; got {value}"
 
@@ -104,8 +108,12 @@ def writable_folder(value: str, _) -> Problem:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".vistrain-probe-", dir=existing))
     except OSError as error:
-        verb = "written" if existing == path else "created"
-        return f"{value} cannot be {verb} ({existing}: {error.strerror}); choose another folder"
+        if existing == path:
+            return f"{value} cannot be written: making a folder in it fails ({error.strerror}); choose another folder"
+        return (
+            f"{value} cannot be created: making a folder in {existing} fails ({error.strerror}); "
+            "choose another folder"
+        )
     return None
 
 
@@ -121,11 +129,12 @@ def loadable_weights(value: str, catalog: Catalog) -> Problem:
 RUN_FOLDER_KEY = "CHECKPOINT.DIR"
 
 RULES = {
-    "ENGINE_NAME": [one_of("engines")],
+    "JOB": [one_of("jobs")],
     "LOG_FREQUENCY": [at_least(1)],
     "MACHINE.DEVICE": [one_of(DEVICES)],
     "MACHINE.CPU_MMAP_THRESHOLD_MIB": [at_least(0)],
     "MACHINE.MEMORY_BUDGET_MIB": [at_least(0)],
+    "MACHINE.INTER_NODE_GBPS": [at_least(0)],
     "DISTRIBUTED.BACKEND": [one_of(DIST_BACKENDS)],
     "DISTRIBUTED.NUM_NODES": [at_least(1)],
     "DISTRIBUTED.NUM_PROC_PER_NODE": [at_least(1)],
@@ -149,6 +158,10 @@ RULES = {
     "MODEL.FSDP_CONFIG.wrap_granularity": [one_of(("block", "stage", "model"))],
     "MODEL.FSDP_CONFIG.prefetch_depth": [at_least(0)],
     "MODEL.AMP_PARAMS.AMP_DTYPE": [one_of("amp dtypes")],
+    "MODEL.AMP_PARAMS.INIT_SCALE": [above(0)],
+    "MODEL.AMP_PARAMS.GROWTH_FACTOR": [above(1)],
+    "MODEL.AMP_PARAMS.BACKOFF_FACTOR": [above(0), below(1)],
+    "MODEL.AMP_PARAMS.GROWTH_INTERVAL": [at_least(1)],
     "MODEL.SYNC_BN_CONFIG.GROUP_SIZE": [at_least(0)],
     "MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY": [one_of(("block", "stage"))],
     "MODEL.WEIGHTS_INIT.PARAMS_FILE": [loadable_weights],
@@ -162,6 +175,7 @@ RULES = {
     "OPTIMIZER.param_schedulers.lr.warmup_epochs": [at_least(0)],
     RUN_FOLDER_KEY: [writable_folder],
     "CHECKPOINT.CHECKPOINT_FREQUENCY": [at_least(1)],
+    "CHECKPOINT.STOP_GRACE_SECONDS": [above(0)],
     "BENCHMARK.POOL_SIZE": [at_least(1)],
     "BENCHMARK.LINEAR_LR_FOLDS": [at_least(1)],
     "BENCHMARK.KNN_K": [at_least(1)],
@@ -256,9 +270,9 @@ def get_key(cfg: CfgNode, key: str):
 
 
 def _splits_read(cfg: CfgNode) -> Sequence[str]:
-    if cfg.ENGINE_NAME == "extract_features":
+    if cfg.JOB == "extract_features":
         return list(cfg.BENCHMARK.EXTRACT_SPLITS)
-    return SPLITS_READ.get(cfg.ENGINE_NAME, ())
+    return SPLITS_READ.get(cfg.JOB, ())
 
 
 def _data_sources(cfg: CfgNode, catalog: Catalog) -> Problem:
@@ -308,7 +322,7 @@ def _trunk_features(cfg: CfgNode, catalog: Catalog) -> Problem:
     problem = each_one_of(valid)(cfg.MODEL.TRUNK.OUT_FEATURES, catalog)
     if problem:
         return f"MODEL.TRUNK.OUT_FEATURES {problem}"
-    if cfg.ENGINE_NAME in ("linear_eval", "knn", "extract_features"):
+    if cfg.JOB in ("linear_eval", "knn", "extract_features"):
         features = list(cfg.BENCHMARK.FEATURES)
         if not features or any(part not in valid for name in features for part in name.split("+")):
             return (
@@ -321,7 +335,7 @@ def _trunk_features(cfg: CfgNode, catalog: Catalog) -> Problem:
 def _head_fits_trunk(cfg: CfgNode, catalog: Catalog) -> Problem:
     """Training builds MODEL as configured (benchmarks swap the head for an identity): the head's
     input width must be the trunk's, found by building the model on the meta device."""
-    return catalog.model_problem(cfg.MODEL) if cfg.ENGINE_NAME == "train" else None
+    return catalog.model_problem(cfg.MODEL) if cfg.JOB == "train" else None
 
 
 def _one_global_batch(cfg: CfgNode, catalog: Catalog) -> Problem:
@@ -337,33 +351,23 @@ def _one_global_batch(cfg: CfgNode, catalog: Catalog) -> Problem:
         if split_cfg.DROP_LAST and samples < batch * world:
             fits = f"{key}.BATCHSIZE_PER_REPLICA<={samples // world}" if samples >= world else "more data"
             return (
-                f"{key} has {samples} samples, fewer than one global batch ({world} ranks x "
+                f"{key} has {plural(samples, 'sample')}, fewer than one global batch ({plural(world, 'rank')} x "
                 f"BATCHSIZE_PER_REPLICA {batch} = {batch * world}) with DROP_LAST; use {fits} "
                 f"or {key}.DROP_LAST=False"
             )
     return None
 
 
-def _float16_needs_cuda(cfg: CfgNode, catalog: Catalog) -> Problem:
-    amp, device = cfg.MODEL.AMP_PARAMS, cfg.MACHINE.DEVICE
-    if not (amp.USE_AMP and amp.AMP_DTYPE == "float16"):
-        return None
-    on_cuda = device == "cuda" or (device == "auto" and catalog.cuda_available)
-    if not on_cuda:
-        return "MODEL.AMP_PARAMS.AMP_DTYPE=float16 needs CUDA; use bfloat16 on CPU"
-    return None
-
-
 def _warmup_within_training(cfg: CfgNode, _: Catalog) -> Problem:
     warmup, epochs = cfg.OPTIMIZER.param_schedulers.lr.warmup_epochs, cfg.OPTIMIZER.num_epochs
-    if warmup >= epochs and cfg.ENGINE_NAME in ("train", "linear_eval"):
+    if warmup >= epochs and cfg.JOB in ("train", "linear_eval"):
         return f"OPTIMIZER.param_schedulers.lr.warmup_epochs ({warmup}) must be below num_epochs ({epochs})"
     return None
 
 
 def _feature_banks_complete(cfg: CfgNode, _: Catalog) -> Problem:
     """kNN and feature extraction need every image: a dropped last batch would lose some."""
-    if cfg.ENGINE_NAME not in ("knn", "extract_features"):
+    if cfg.JOB not in ("knn", "extract_features"):
         return None
     for split in _splits_read(cfg):
         if cfg.DATA[split].DROP_LAST:
@@ -374,7 +378,7 @@ def _feature_banks_complete(cfg: CfgNode, _: Catalog) -> Problem:
 def _one_view_for_linear_eval(cfg: CfgNode, _: Catalog) -> Problem:
     """Linear evaluation trains on one view per image; extra crops would only cost time."""
     transforms = cfg.DATA.TRAIN.TRANSFORMS
-    if cfg.ENGINE_NAME != "linear_eval" or transforms.NAME != "multicrop" or sum(transforms.NUM_CROPS) == 1:
+    if cfg.JOB != "linear_eval" or transforms.NAME != "multicrop" or sum(transforms.NUM_CROPS) == 1:
         return None
     return (
         f"linear evaluation uses one view per image, but DATA.TRAIN.TRANSFORMS.NUM_CROPS is "
@@ -387,7 +391,7 @@ def _step_in_backward_is_exact(cfg: CfgNode, _: Catalog) -> Problem:
     """The step inside backward follows the built-in engine's reductions, and cannot wait for
     what needs every gradient first (the global norm, fp16 overflow checks)."""
     opt, fsdp, amp = cfg.OPTIMIZER, cfg.MODEL.FSDP_CONFIG, cfg.MODEL.AMP_PARAMS
-    if not opt.step_in_backward or cfg.ENGINE_NAME != "train":
+    if not opt.step_in_backward or cfg.JOB != "train":
         return None
     if not fsdp.AUTO_SETUP_FSDP or fsdp.BACKEND != "builtin":
         return (
@@ -415,7 +419,6 @@ CROSS_RULES = (
     _one_global_batch,
     _trunk_features,
     _head_fits_trunk,
-    _float16_needs_cuda,
     _warmup_within_training,
     _feature_banks_complete,
     _one_view_for_linear_eval,

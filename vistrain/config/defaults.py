@@ -10,7 +10,7 @@ _C = CN()
 # Version of this key layout. Saved config.yaml files carry it; reading one written by another
 # version is refused (keys may have changed meaning). Bump it when a key is renamed or re-meant.
 _C.VERSION = 1
-_C.ENGINE_NAME = "train"  # what a run does: train | linear_eval | knn | extract_features
+_C.JOB = "train"  # what a run does: train | linear_eval | knn | extract_features
 _C.SEED_VALUE = 0  # seeds model init, data order and augmentations (offset by rank where needed)
 _C.LOG_FREQUENCY = 10  # rank-0 log line every this many iterations
 
@@ -22,8 +22,12 @@ _C.MACHINE.DEVICE = "auto"  # auto (cuda when available) | cpu | cuda
 _C.MACHINE.CPU_MMAP_THRESHOLD_MIB = 0.0
 # Memory per rank the auto-tuner (MODEL.FSDP_CONFIG.AUTO_TUNE) plans for, in MiB. 0: what the machine
 # has: on CPU the memory available at start shared by this node's ranks, on CUDA the device's
-# memory, each less a margin (vistrain/runtime/auto_tune.py)
+# memory, each less a margin (vistrain/planner/auto_tune.py)
 _C.MACHINE.MEMORY_BUDGET_MIB = 0.0
+# Speed of the link between nodes, Gbit/s each way, for the auto-tuner's choice of
+# MODEL.FSDP_CONFIG.shard_group_size in a job that spans nodes. 0: measured once at start (a short
+# timed all-reduce between the nodes' first ranks)
+_C.MACHINE.INTER_NODE_GBPS = 0.0
 
 # ---------------------------------------------------------------------------------------------
 _C.DISTRIBUTED = CN()
@@ -134,7 +138,13 @@ _C.MODEL.FSDP_CONFIG.AUTO_TUNE = False
 
 _C.MODEL.AMP_PARAMS = CN()
 _C.MODEL.AMP_PARAMS.USE_AMP = False  # autocast the forward and the loss
-_C.MODEL.AMP_PARAMS.AMP_DTYPE = "bfloat16"  # bfloat16 | float16 (float16 adds a grad scaler; CUDA only)
+_C.MODEL.AMP_PARAMS.AMP_DTYPE = "bfloat16"  # bfloat16 | float16 (float16 adds a grad scaler)
+# float16's loss scaling (torch's GradScaler): the first scale; after GROWTH_INTERVAL steps without
+# inf/NaN gradients it is multiplied by GROWTH_FACTOR, after a skipped step by BACKOFF_FACTOR
+_C.MODEL.AMP_PARAMS.INIT_SCALE = 65536.0
+_C.MODEL.AMP_PARAMS.GROWTH_FACTOR = 2.0
+_C.MODEL.AMP_PARAMS.BACKOFF_FACTOR = 0.5
+_C.MODEL.AMP_PARAMS.GROWTH_INTERVAL = 2000
 
 _C.MODEL.SYNC_BN_CONFIG = CN()
 _C.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN = False  # BatchNorm statistics over the global batch
@@ -199,6 +209,14 @@ _C.CHECKPOINT.AUTO_RESUME = True  # continue from the latest complete checkpoint
 _C.CHECKPOINT.CHECKPOINT_FREQUENCY = 1  # every N epochs (the last epoch is always saved)
 _C.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY = -1  # also every N iterations (-1: off)
 _C.CHECKPOINT.KEEP_LAST = 3  # complete checkpoints kept (older ones deleted)
+# SIGTERM or SIGUSR1 (a scheduler's preemption or time limit) stops every rank at the next iteration
+# boundary and saves a checkpoint there; a step or save still running this long after the signal is
+# abandoned (the previous checkpoint stands) and the job exits 143. Keep it below the scheduler's
+# grace before SIGKILL (SLURM KillWait and Kubernetes: 30 s; or SLURM's --signal=USR1@<seconds>).
+_C.CHECKPOINT.STOP_GRACE_SECONDS = 25.0
+# After such a stop under SLURM, global rank 0 runs `scontrol requeue $SLURM_JOB_ID`: the job
+# goes back to the queue and resumes from that checkpoint (sbatch --requeue must allow it).
+_C.CHECKPOINT.SLURM_REQUEUE = False
 
 # ---------------------------------------------------------------------------------------------
 _C.BENCHMARK = CN()

@@ -14,6 +14,7 @@ key the closest valid one, so a typo never silently trains the wrong model.
 import difflib
 import importlib.util
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterator, List, Optional, Sequence, Set, Tuple
 
@@ -35,6 +36,25 @@ def _configs_dir() -> Path:
     if installed is not None and installed.submodule_search_locations:
         return Path(next(iter(installed.submodule_search_locations)))
     return checkout / "configs"
+
+
+class SafeLoader12(yaml.SafeLoader):
+    """``yaml.SafeLoader`` whose floats follow YAML 1.2: ``3e-4``, ``1e8``, ``1.0e8``, ``-2E-3`` are
+    floats. YAML 1.1 (PyYAML's default) wants a dot and a signed exponent, so learning rates as
+    everybody writes them would be strings. Everything else is as ``yaml.safe_load`` reads it."""
+
+
+# exponent forms YAML 1.1 misses: no dot, or an unsigned exponent (dotted, signed ones it reads itself)
+SafeLoader12.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(stream):
+    """``yaml.safe_load`` with YAML 1.2 floats (:class:`SafeLoader12`): a file or a string."""
+    return yaml.load(stream, Loader=SafeLoader12)  # a SafeLoader subclass: no code runs
 
 
 CONFIGS_DIR = _configs_dir()
@@ -151,7 +171,7 @@ def _parse_argv(argv: Sequence[str]) -> Tuple[Optional[str], List[Tuple[str, str
 
 def _parse_literal(key: str, text: str) -> Any:
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(
@@ -193,7 +213,7 @@ def _check_version(cfg: CfgNode, data: dict, path: Path) -> None:
 def _read_yaml(path: Path) -> dict:
     try:
         with open(path) as f:
-            data = yaml.safe_load(f)
+            data = load_yaml(f)
     except yaml.YAMLError as e:
         raise ConfigError(f"{_show(path)}: invalid YAML: {' '.join(str(e).split())}") from None
     if data is None:
@@ -278,8 +298,18 @@ def _checked(key: str, default: Any, value: Any, raw: Any, where: str) -> Any:
     converted = _convert(default, value)
     if converted is _MISMATCH:
         shown = raw if raw is not _NO_RAW else value
-        raise ConfigError(f"{_where(where)}config key {key} expects {_type_name(default)}, got {shown!r}")
+        raise ConfigError(
+            f"{_where(where)}config key {key} expects {_type_name(default)}, got {shown!r}{_int_hint(default, value)}"
+        )
     return converted
+
+
+def _int_hint(default: Any, value: Any) -> str:
+    """For an int key given a whole float (``1e3``): the integer to write instead."""
+    whole = isinstance(value, float) and value.is_integer() and abs(value) < 2**63
+    if isinstance(default, int) and not isinstance(default, bool) and whole:
+        return f"; write it as an integer: {int(value)}"
+    return ""
 
 
 _MISMATCH = object()
@@ -323,7 +353,13 @@ def _where(where: str) -> str:
     return "" if where == "command line" else f"{where}: "
 
 
+# keys VISSL users know under another name
+RENAMED_KEYS = {"ENGINE_NAME": "JOB"}
+
+
 def _unknown_key_message(key: str, value: Any = None) -> str:
+    if key in RENAMED_KEYS:
+        return f"config key {key} is called {RENAMED_KEYS[key]} here (what a run does); set {RENAMED_KEYS[key]}={value}"
     while isinstance(value, dict) and value:  # name a full leaf path: "MODEL.HAED.NAME", not "MODEL.HAED"
         sub, value = next(iter(value.items()))
         key = f"{key}.{sub}"

@@ -23,7 +23,7 @@ import bisect
 import logging
 import os
 import zlib
-from typing import Callable, Dict, List, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Sequence, Set, Tuple, Union
 
 import numpy as np
 import torch
@@ -32,9 +32,11 @@ from torch.utils.data import Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from vistrain.config.errors import ConfigError, DataError
+from vistrain.config.words import plural
 from vistrain.data.demo_digits import demo_split_size, ensure_demo_digits_on_every_node
 from vistrain.data.sampler import mix_seed
 from vistrain.data.transforms import build_transform
+from vistrain.distributed import comm
 
 logger = logging.getLogger(__name__)
 MAX_CONSECUTIVE_BAD = 50  # give up when this many images in a row are unreadable
@@ -117,21 +119,60 @@ def _pick_split_folder(path: str, split: str) -> str:
 
 
 def scan_image_folder(root: str) -> Tuple[List[str], List[int], List[str]]:
-    """ImageFolder scan: (image paths, labels, class names), classes and files in sorted order."""
+    """ImageFolder scan: (image paths, labels, class names), classes and files in sorted order.
+
+    Linked folders are followed, but every real folder is read once: a link back up the tree
+    (``cls/loop -> .``) or a second link to a folder already read is skipped, so no image is
+    counted twice. Global rank 0 of a running job says so in one warning (the launcher's check
+    counts the same folders first, and every rank reads them again).
+    """
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
     if not classes:
         raise DataError(f"disk_folder: no class subfolders in {root}")
-    paths, labels = [], []
+    paths, labels, seen, repeated = [], [], set(), []
     for label, name in enumerate(classes):
-        for folder, dirs, files in os.walk(os.path.join(root, name), followlinks=True):
-            dirs.sort()
+        for folder, files in _walk_once(os.path.join(root, name), seen, repeated):
             for file in sorted(files):
                 if file.lower().endswith(IMG_EXTENSIONS):
                     paths.append(os.path.join(folder, file))
                     labels.append(label)
+    if repeated and comm.is_dist() and comm.is_main_process():
+        logger.warning(
+            f"disk_folder: skipped {plural(len(repeated), 'linked folder')} under {root} already read "
+            f"through another path (a symlink loop or a repeated link), e.g. {repeated[0]}"
+        )
     if not paths:
         raise DataError(f"disk_folder: no images ({', '.join(IMG_EXTENSIONS)}) under {root}")
     return paths, labels, classes
+
+
+def _walk_once(top: str, seen: Set[Tuple[int, int]], repeated: List[str]) -> Iterator[Tuple[str, List[str]]]:
+    """(folder, file names) of ``top`` and the folders below it, links followed, each real folder
+    (device, inode) once across calls sharing ``seen``; folders skipped as repeats go to ``repeated``."""
+    if not _first_visit(top, seen):
+        repeated.append(top)
+        return
+    for folder, dirs, files in os.walk(top, followlinks=True):
+        kept = []
+        for name in sorted(dirs):
+            if _first_visit(os.path.join(folder, name), seen):
+                kept.append(name)
+            else:
+                repeated.append(os.path.join(folder, name))
+        dirs[:] = kept  # os.walk descends only into these
+        yield folder, files
+
+
+def _first_visit(folder: str, seen: Set[Tuple[int, int]]) -> bool:
+    try:
+        stat = os.stat(folder)  # follows links: the real folder's identity
+    except OSError:  # a dangling link: nothing to read
+        return False
+    key = (stat.st_dev, stat.st_ino)
+    if key in seen:
+        return False
+    seen.add(key)
+    return True
 
 
 def read_filelist(list_path: str) -> Tuple[List[str], List[int]]:

@@ -1,5 +1,7 @@
 """``build_loader``: dataset + transforms + distributed sampler + collator -> DataLoader of one rank."""
 
+import multiprocessing
+import signal
 from typing import Optional, Sequence
 
 import torch
@@ -8,6 +10,7 @@ from torch.utils.data import DataLoader
 from vistrain.data.collate import collate_multicrop
 from vistrain.data.datasets import IndexSubset, build_dataset
 from vistrain.data.sampler import DistributedSampler
+from vistrain.distributed.supervise import die_with_parent
 
 SPLITS = ("TRAIN", "TEST")
 
@@ -65,7 +68,21 @@ def build_loader(
         collate_fn=collate_multicrop,
         pin_memory=bool(data_cfg.PIN_MEMORY) and torch.device(device).type == "cuda",
         persistent_workers=workers > 0,
+        worker_init_fn=leave_stop_signals_to_the_rank if workers > 0 else None,
     )
+
+
+def leave_stop_signals_to_the_rank(worker_id: int) -> None:
+    """In a DataLoader worker: ignore SIGTERM and SIGUSR1, and die with the rank. A scheduler sends
+    the signals to every process of the job; the rank stops at its next iteration boundary, whereas
+    a worker killed by them would fail the rank's next batch. A rank that ends (a stop, a one-line
+    error) leaves at once, without ending its workers: the kernel does (else they would go on
+    loading the batches queued for them for seconds, holding the job's stdout and stderr)."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    rank = multiprocessing.parent_process()
+    if rank is not None:
+        die_with_parent(rank.pid)
 
 
 def set_epoch(loader: DataLoader, epoch: int, start_iteration: int = 0) -> None:

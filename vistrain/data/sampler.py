@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import Sampler
 
 from vistrain.config.errors import ConfigError
+from vistrain.config.words import plural
 from vistrain.distributed import comm
 
 _MASK64 = (1 << 64) - 1
@@ -88,7 +89,7 @@ def _check_args(num_samples, world_size, rank, batch_size, drop_last) -> None:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     if drop_last and num_samples < batch_size * world_size:
         raise ConfigError(
-            f"DROP_LAST with {num_samples} samples and {world_size} ranks x batch {batch_size} "
+            f"DROP_LAST with {plural(num_samples, 'sample')} and {plural(world_size, 'rank')} x batch {batch_size} "
             "leaves no full batch; lower BATCHSIZE_PER_REPLICA or set DROP_LAST False"
         )
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from fvcore.common.config import CfgNode
 
 from vistrain.config.loader import ConfigError
+from vistrain.config.words import plural
 
 TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 SLURM_PORT_BASE = 20000  # srun rendezvous port: SLURM_PORT_BASE + job id % SLURM_PORT_SPAN
@@ -197,7 +198,7 @@ def _ignored_keys(dist_cfg: CfgNode, job: JoinedJob) -> Tuple[str, ...]:
     if not ignored:
         return ()
     return (
-        f"{job.scheduler} decides the layout ({job.num_nodes} node(s), {job.ranks_per_node} rank(s) on this "
+        f"{job.scheduler} decides the layout ({plural(job.num_nodes, 'node')}, {plural(job.ranks_per_node, 'rank')} on this "
         f"node, world size {job.world_size}, rendezvous {job.init_method}); ignoring DISTRIBUTED."
         + ", ".join(ignored),
     )

@@ -4,88 +4,91 @@
 initialised process group (also for a single process), so the engine never special-cases
 "not distributed". When the launcher spawns the ranks itself it watches them: as soon as one rank
 exits non-zero (an exception, a SIGKILL, the OOM killer) the others are stopped and
-:class:`RankFailedError` carries the failing rank's traceback; a rank that found the user's input
-wrong (:class:`~vistrain.config.InputError`, one line) has it raised again in the launcher instead.
-A dead rank therefore never leaves its peers waiting in a collective until the timeout.
+:class:`RankFailedError` carries the failing rank's traceback; a rank that ended in one line
+(:class:`~vistrain.config.OneLineExit`: the user's input is wrong, the run diverged, a stop signal)
+has it raised again in the launcher instead. A dead rank therefore never leaves its peers waiting
+in a collective until the timeout. SIGTERM and SIGUSR1 stop every rank at an iteration boundary
+with a checkpoint (``stop_signals.py``), whichever process of the job receives them.
+
+In a joined job (torchrun, srun) every rank runs the command line itself; a rank that finds the
+input wrong before the job starts still meets the others (:func:`launch_refused`), so that the job
+agrees on one line, which global rank 0 prints.
 """
 
 import contextlib
-import dataclasses
-import datetime
-import json
-import multiprocessing.connection
 import os
-import shutil
-import signal
+import random
 import socket
 import sys
 import tempfile
-import time
-import traceback
-from typing import Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from fvcore.common.config import CfgNode
 
 from vistrain.config.checks import DEVICES, DIST_BACKENDS, INIT_METHODS, check_world_size
-from vistrain.config.errors import ConfigError, InputError
+from vistrain.config.defaults import get_defaults
+from vistrain.config.errors import ConfigError, OneLineExit
+from vistrain.config.job_env import job_rank
 from vistrain.distributed import supervise
 from vistrain.distributed.join import (  # noqa: F401  first_slurm_host: public here too
-    attempt_store,
     first_slurm_host,
     joined_job,
 )
+from vistrain.distributed.network import check_gloo_interface
+from vistrain.distributed.rank import (
+    LaunchPlan,
+    meet_and_refuse,
+    report_for_job,
+    start_rank,
+)
+from vistrain.distributed.spawn import RankFailedError, spawn_and_watch  # noqa: F401  public here too
 
-STOP_GRACE_SECONDS = 5.0  # after a failure, time the other ranks get to exit on their own, then SIGTERM
-
-
-class RankFailedError(RuntimeError):
-    """A rank of a spawned job failed; the message holds its traceback (or exit code / signal)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchPlan:
-    """How this machine's ranks join the job. ``spawn`` False: this process is one rank already."""
-
-    world_size: int
-    first_rank: int  # global rank of the first process run here (spawn: NODE_ID * per-node ranks)
-    local_ranks: int  # processes this launcher runs (1 when joining)
-    local_rank: int  # node-local rank of that first process (joining: LOCAL_RANK / SLURM_LOCALID)
-    init_method: str  # tcp://host:port | env:// | file://path
-    backend: str  # nccl | gloo
-    device: str  # cuda | cpu
-    timeout_seconds: int
-    spawn: bool
-    ranks_per_node: int = 1  # processes sharing this machine (they split its CPU threads)
-    device_index: int = 0  # CUDA device of that first process (0 when a task sees only its own GPU)
-    notes: Tuple[str, ...] = ()  # DISTRIBUTED keys a joined job overrides, said once by rank 0
-    elastic_attempt: Optional[int] = None  # torchrun: TORCHELASTIC_RESTART_COUNT of this worker group
-
+PORT_RANGE_START = 20000  # the launcher's own rendezvous ports: [20000, the ephemeral range)
 
 # --------------------------------------------------------------------------------------------
 # public API
 
 
-def launch(main_fn: Callable[[CfgNode], object], cfg: CfgNode) -> None:
+def launch(
+    main_fn: Callable[[CfgNode], object], cfg: CfgNode, announce: Optional[Callable[[str], None]] = None
+) -> None:
     """Run ``main_fn(cfg)`` on every rank of the job described by ``cfg.DISTRIBUTED``.
 
     ``main_fn`` must be a module-level function (it is pickled for spawned processes).
+    ``announce(detail)``: prints the job's line when a stop signal's grace runs out in the process
+    that reports for the job (see ``stop_signals``).
     Raises ConfigError (before anything starts) for impossible settings, RunFolderBusyError when
-    another run holds ``CHECKPOINT.DIR``, the InputError of a rank that found the input wrong
-    (every rank stopped), and RankFailedError when a spawned rank fails otherwise.
+    another run holds ``CHECKPOINT.DIR``, the OneLineExit of a rank that ended in one line
+    (every rank stopped: InputError, DivergedError, StopRequested), and RankFailedError when a
+    spawned rank fails otherwise.
     """
     plan = plan_launch(cfg.DISTRIBUTED, cfg.MACHINE, os.environ)
     check_world_size(cfg, plan.world_size)  # hybrid sharding's groups must tile the job
+    check_gloo_interface(plan.backend, plan.world_size > plan.ranks_per_node, plan.init_method, os.environ)
     _print_notes(plan)
     with _run_folder_lock(cfg, plan):
-        if not plan.spawn:
-            _start_rank(0, main_fn, cfg, plan)
+        if not plan.spawn:  # one rank of a joined job
+            start_rank(0, main_fn, cfg, plan, announce if plan.first_rank == 0 else None)
         elif plan.local_ranks == 1:
-            _start_rank(0, main_fn, cfg, plan)  # in-process: faster start, debuggers work
+            _run_in_this_process(main_fn, cfg, plan, announce)
         else:
-            _spawn_and_watch(main_fn, cfg, plan)
+            spawn_and_watch(main_fn, cfg, plan)
+
+
+def refuse_in_job(error: OneLineExit, cfg: Optional[CfgNode]) -> None:
+    """Print ``error``, found before the job started, once per job. The launcher and global rank
+    0 print it at once; another rank of a joined job first meets the others (with the defaults'
+    DISTRIBUTED settings where its config did not load) so that the job agrees on one line
+    (:func:`vistrain.distributed.rank.meet_and_refuse`), and prints only when it cannot reach them."""
+    cfg = cfg if cfg is not None else get_defaults()
+    try:
+        plan = None if job_rank(os.environ) == 0 else plan_launch(cfg.DISTRIBUTED, cfg.MACHINE, os.environ)
+    except ConfigError:  # the job environment itself is wrong: each rank says so
+        plan = None
+    met = plan is not None and not plan.spawn and meet_and_refuse(error, cfg, plan)
+    report_for_job(error.line(), os.environ, agreed=met)
 
 
 def planned_world_size(dist_cfg: CfgNode, environ: Mapping[str, str]) -> int:
@@ -169,7 +172,8 @@ def _check_sizes(dist_cfg: CfgNode):
 def _check_local_devices(device: str, needed: int) -> None:
     if device == "cuda" and needed > torch.cuda.device_count():
         raise ConfigError(
-            f"{needed} ranks on this machine need {needed} GPUs; {torch.cuda.device_count()} visible"
+            f"{needed} ranks on this machine need {needed} GPUs; {torch.cuda.device_count()} visible: set "
+            f"DISTRIBUTED.NUM_PROC_PER_NODE={torch.cuda.device_count()} or MACHINE.DEVICE=cpu"
         )
 
 
@@ -217,56 +221,52 @@ def _host_port(run_id: str):
 
 
 def find_free_port() -> int:
-    """A TCP port of 127.0.0.1 that nothing listens on now."""
+    """A TCP port nothing is bound to now, drawn below the system's ephemeral range: a port the
+    kernel hands out (``bind`` to port 0, outgoing connections) could be taken by any process,
+    such as another job's gloo connections, before the rendezvous binds it."""
+    draw = random.SystemRandom()  # not the seeded ``random``: every process would draw alike
+    low = _ephemeral_low()
+    for _ in range(64 if low - PORT_RANGE_START >= 1000 else 0):
+        port = draw.randrange(PORT_RANGE_START, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; else IANA's 49152)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 # --------------------------------------------------------------------------------------------
 # running ranks
 
 
-def _run_rank(local_rank: int, main_fn, cfg: CfgNode, plan: LaunchPlan, error_dir: str) -> None:
-    """Body of every spawned rank: ``_start_rank``; on failure its InputError (kind and line) or
-    its traceback written to ``error_dir`` for the launcher."""
+def _run_in_this_process(main_fn, cfg: CfgNode, plan: LaunchPlan, announce) -> None:
+    """The only rank, in the caller's process (faster start, debuggers work). The caller lives on
+    (a notebook, a test suite), so the rank leaves nothing behind, also when it fails: its process
+    group (a second run would find one initialised; a process forked later would inherit it and
+    skip its own rendezvous) and its LOCAL_RANK."""
+    local_rank = os.environ.get("LOCAL_RANK")
     try:
-        _start_rank(local_rank, main_fn, cfg, plan)
-    except InputError as error:
-        _write_report(
-            error_dir, local_rank, INPUT_ERROR, json.dumps({"kind": error.kind, "message": str(error)})
-        )
-        raise
-    except BaseException:
-        _write_report(error_dir, local_rank, TRACEBACK, traceback.format_exc())
-        raise
-
-
-def _start_rank(index: int, main_fn, cfg: CfgNode, plan: LaunchPlan) -> None:
-    """Body of every rank (``index``: which of this launcher's processes): device, process group, ``main_fn(cfg)``."""
-    rank = plan.first_rank + index
-    # the torchrun convention, also for spawned and srun ranks: per-node work (the demo data) keys on it
-    os.environ["LOCAL_RANK"] = str(plan.local_rank + index)
-    if plan.device == "cuda":
-        torch.cuda.set_device(plan.device_index + index)  # one GPU per local rank
-    elif plan.ranks_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
-        # CPU ranks sharing a machine: split the cores (as torchrun does); oversubscribed OpenMP
-        # threads spin against each other and can be 100x slower
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.ranks_per_node))
-    timeout = datetime.timedelta(seconds=plan.timeout_seconds)
-    if plan.elastic_attempt is None:
-        rendezvous = {"init_method": plan.init_method}
-    else:  # a torchrun worker: keys of this restart attempt only (see join.attempt_store)
-        rendezvous = {"store": attempt_store(os.environ, rank, plan.elastic_attempt, timeout)}
-    dist.init_process_group(
-        plan.backend, rank=rank, world_size=plan.world_size, timeout=timeout, **rendezvous
-    )
-    main_fn(cfg)
-    # Only on success: tearing down after a failure can block on peers; process exit frees it.
-    # The barrier first: a rank that tore down and exited while a peer still used the group
-    # (rank 0 publishing the last checkpoint) could leave that peer's gloo threads to abort.
-    dist.barrier()
-    dist.destroy_process_group()
+        start_rank(0, main_fn, cfg, plan, announce)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()  # one rank: no peer to wait for
+        if local_rank is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = local_rank
 
 
 def _run_folder_lock(cfg: CfgNode, plan: LaunchPlan):
@@ -274,129 +274,3 @@ def _run_folder_lock(cfg: CfgNode, plan: LaunchPlan):
     if plan.first_rank == 0:
         return supervise.lock_run_folder(cfg.CHECKPOINT.DIR)
     return contextlib.nullcontext()
-
-
-def _run_spawned_rank(local_rank: int, launcher_pid: int, main_fn, cfg, plan, error_dir: str) -> None:
-    supervise.bind_to_launcher(launcher_pid)  # never outlive the launcher, leave Ctrl-C to it
-    try:
-        _run_rank(local_rank, main_fn, cfg, plan, error_dir)
-    except BaseException:
-        # Reported in error_dir; leave at once: tearing down an interpreter whose process group's
-        # peers are gone can abort with C++ "terminate called" noise on the launcher's stderr.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-
-
-def _spawn_and_watch(main_fn, cfg: CfgNode, plan: LaunchPlan) -> None:
-    error_dir = tempfile.mkdtemp(prefix="vistrain-ranks-")
-    try:
-        with supervise.spawning_ignores_sigint():
-            context = mp.start_processes(
-                _run_spawned_rank,
-                args=(os.getpid(), main_fn, cfg, plan, error_dir),
-                nprocs=plan.local_ranks,
-                join=False,
-                start_method="spawn",
-            )
-        processes = context.processes
-        try:
-            failed = _wait_for_failure(processes)
-        except KeyboardInterrupt:  # Ctrl-C: the ranks ignore SIGINT; stop them now, no grace
-            _terminate(processes)
-            raise
-        except BaseException:
-            _stop(processes)
-            raise
-        if failed:
-            _stop(processes)
-            raise _failure(failed, processes, error_dir, plan.first_rank)
-    finally:
-        shutil.rmtree(error_dir, ignore_errors=True)
-
-
-def _wait_for_failure(processes) -> List[int]:
-    """Block until every process exited 0 (returns []) or some exited non-zero (their indices)."""
-    while True:
-        running = [p.sentinel for p in processes if p.exitcode is None]
-        failed = [i for i, p in enumerate(processes) if p.exitcode not in (None, 0)]
-        if failed or not running:
-            return failed
-        multiprocessing.connection.wait(running, timeout=5.0)
-
-
-def _stop(processes, grace: float = STOP_GRACE_SECONDS, escalation=(None, "terminate", "kill")) -> None:
-    """Let the other ranks exit on their own for ``grace`` s, then SIGTERM, then SIGKILL."""
-    for escalate in escalation:
-        for p in processes:
-            if escalate and p.is_alive():
-                getattr(p, escalate)()
-        deadline = time.monotonic() + grace
-        for p in processes:
-            p.join(max(0.0, deadline - time.monotonic()))
-        if not any(p.is_alive() for p in processes):
-            return
-
-
-def _terminate(processes, grace: float = STOP_GRACE_SECONDS) -> None:
-    """SIGTERM every rank, SIGKILL those still alive after ``grace`` s; return once all are gone."""
-    _stop(processes, grace, escalation=("terminate", "kill"))
-
-
-INPUT_ERROR, TRACEBACK = "input.json", "traceback.txt"  # what a failing rank leaves in error_dir
-
-
-def _report_path(error_dir: str, local_rank: int, what: str) -> str:
-    return os.path.join(error_dir, f"rank{local_rank}.{what}")
-
-
-def _write_report(error_dir: str, local_rank: int, what: str, text: str) -> None:
-    """A failing rank's report (``what``: INPUT_ERROR or TRACEBACK), written then renamed."""
-    path = _report_path(error_dir, local_rank, what)
-    with open(f"{path}.tmp", "w") as f:
-        f.write(text)
-    os.replace(f"{path}.tmp", path)
-
-
-def _read_reports(error_dir: str, ranks, what: str) -> Dict[int, Tuple[float, str]]:
-    """local rank -> (when written, text) of the reports ``what`` that ``ranks`` left."""
-    reports = {}
-    for i in ranks:
-        path = _report_path(error_dir, i, what)
-        if os.path.exists(path):
-            with open(path) as f:
-                reports[i] = (os.path.getmtime(path), f.read())
-    return reports
-
-
-def _failure(failed: List[int], processes, error_dir: str, first_rank: int) -> Exception:
-    """What to raise once every rank is stopped: the first InputError any rank reported (its peers
-    failing after it are consequences, whenever the launcher noticed them), else a RankFailedError."""
-    inputs = _read_reports(error_dir, range(len(processes)), INPUT_ERROR)
-    if inputs:
-        first = json.loads(min(inputs.values())[1])
-        return InputError(first["message"], kind=first["kind"])
-    return RankFailedError(_failure_report(failed, processes, error_dir, first_rank))
-
-
-def _failure_report(failed: List[int], processes, error_dir: str, first_rank: int) -> str:
-    """Describe the rank that failed first: its traceback if it raised, its signal if it was killed."""
-    tracebacks = _read_reports(error_dir, failed, TRACEBACK)
-    # A rank without a traceback died from a signal or os._exit; its peers then fail in
-    # collectives, so it is the likelier cause. Among tracebacks, the earliest written wins.
-    silent = [i for i in failed if i not in tracebacks]
-    culprit = silent[0] if silent else min(tracebacks, key=lambda i: tracebacks[i][0])
-    others = sorted(first_rank + i for i in failed if i != culprit)
-    tail = f" (also failed: ranks {others})" if others else ""
-    if culprit in tracebacks:
-        return f"rank {first_rank + culprit} failed{tail}:\n{tracebacks[culprit][1].rstrip()}"
-    return f"rank {first_rank + culprit} {_describe_exit(processes[culprit].exitcode)}{tail}"
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code} without a traceback"

@@ -8,6 +8,7 @@
 * :func:`bind_to_launcher`: a spawned rank never outlives its launcher. On Linux the kernel sends
   it SIGKILL when the launcher dies (``prctl(PR_SET_PDEATHSIG)``); elsewhere, and as a second line
   of defence, a thread exits the rank once its parent pid changes (it was re-parented).
+  :func:`die_with_parent` does the same for a rank's DataLoader workers.
 * :func:`spawning_ignores_sigint`: ranks are started with SIGINT ignored, so Ctrl-C (SIGINT to
   the whole process group) reaches only the launcher, which stops the ranks itself: no
   KeyboardInterrupt tracebacks from every rank, no C++ "terminate called" from dying gloo threads.
@@ -82,12 +83,20 @@ def _holder_line() -> str:
 def bind_to_launcher(launcher_pid: int) -> None:
     """Call first thing in a spawned rank: exit when process ``launcher_pid`` (our parent) dies."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
+    die_with_parent(launcher_pid)
+    threading.Thread(target=_exit_when_orphaned, args=(launcher_pid,), daemon=True).start()
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """This process gets SIGKILL from the kernel when ``parent_pid`` (its parent) dies (Linux
+    ``PR_SET_PDEATHSIG``; elsewhere nothing); it exits at once if the parent is already gone.
+    Used by spawned ranks and by a rank's DataLoader workers: a rank that ends with a one-line
+    error leaves at once (``os._exit``), and its workers must not keep loading batches after it."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != launcher_pid:  # it died before prctl took effect
+    if os.getppid() != parent_pid:  # it died before prctl took effect
         os._exit(1)
-    threading.Thread(target=_exit_when_orphaned, args=(launcher_pid,), daemon=True).start()
 
 
 def _exit_when_orphaned(launcher_pid: int) -> None:

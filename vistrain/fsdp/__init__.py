@@ -1,16 +1,46 @@
-"""vistrain's built-in fully sharded data parallel engine (FairScale-compatible names).
+"""vistrain's built-in fully sharded data parallel engine.
 
-from vistrain.fsdp import FullyShardedDataParallel as FSDP, auto_wrap, by_class
-model = auto_wrap(model, by_class({Block: {}}), mixed_precision=True)
+from vistrain.fsdp import FullyShardedDataParallel as FSDP, Precision, auto_wrap, by_class
+model = auto_wrap(model, by_class({Block: {}}), precision=Precision(torch.bfloat16, torch.float32))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)   # holds only this rank's shards
+
+The engine's parts: ``fully_sharded`` (the ``nn.Module`` shell), ``unit`` (one unit's state and
+phases), ``model_state`` (what a model's units share; :class:`RootOptions`), ``unit_order`` (the
+execution order and its first-step check), ``flat_param`` (flat padded shards), ``shard_grad``
+(what a shard's gradient carries: no_sync micro-batches, parameters without gradient),
+``reductions`` (gradient reductions in flight), ``collectives`` (:class:`ShardGroups`, hybrid
+groups, waits),
+``precision``, ``ownership`` (which unit owns what; the registry), ``wrap`` (policies),
+``state_dict``, ``grads`` (clipping, LARS norms, the step in backward), ``deferred_init``
+(meta-device builds), ``memory`` (storage bytes, RSS), ``backends`` (how a model is distributed).
 """
 
+from vistrain.fsdp.backends import (  # noqa: F401
+    Backend,
+    TorchShardedModel,
+    backend_of,
+    shard_handle,
+    shard_origins,
+    unwrap,
+)
+from vistrain.fsdp.collectives import (  # noqa: F401
+    CollectiveError,
+    CollectiveTimeout,
+    ShardGroups,
+    hybrid_groups,
+    replica_group_ranks,
+    shard_group_ranks,
+)
 from vistrain.fsdp.deferred_init import build_on_meta, materialize  # noqa: F401
 from vistrain.fsdp.fully_sharded import FullyShardedDataParallel  # noqa: F401
-from vistrain.fsdp.grad import SegmentValues, origin_sq_norms, origin_sq_sums  # noqa: F401
-from vistrain.fsdp.hybrid import hybrid_groups, replica_group_ranks, shard_group_ranks  # noqa: F401
-from vistrain.fsdp.mixed_precision import ShardedGradScaler  # noqa: F401
-from vistrain.fsdp.optim_in_backward import OptimizerInBackward, apply_optimizer_in_backward  # noqa: F401
-from vistrain.fsdp.query import Backend, backend_of, shard_handle, shard_origins, unwrap  # noqa: F401
-from vistrain.fsdp.torch_backend import TorchShardedModel  # noqa: F401
+from vistrain.fsdp.grads import (  # noqa: F401
+    OptimizerInBackward,
+    PartialStepError,
+    SegmentValues,
+    apply_optimizer_in_backward,
+    origin_sq_norms,
+    origin_sq_sums,
+)
+from vistrain.fsdp.model_state import RootOptions  # noqa: F401
+from vistrain.fsdp.precision import FULL_PRECISION, KEEP_FP32, Precision, ShardedGradScaler  # noqa: F401
 from vistrain.fsdp.wrap import auto_wrap, by_class, by_size, gathered, params_of  # noqa: F401

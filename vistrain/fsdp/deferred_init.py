@@ -1,8 +1,8 @@
 """Build a model on the meta device now, create its real tensors one unit at a time later.
 
 ``model = build_on_meta(build_fn, *args)`` runs the model's own constructor with every tensor on
-the meta device (no memory) while recording, per parameter and buffer, the ATen calls that made
-its values: the factory that created it (``empty``, ``zeros``, ``tensor([...])``) and the
+the meta device (no memory) while recording, per parameter and buffer (in the engine's registry,
+keyed by the tensor), the ATen calls that made its values: the factory that created it (``empty``, ``zeros``, ``tensor([...])``) and the
 in-place calls applied to it afterwards (``uniform_``, ``normal_``, ``fill_``, ``zero_``...),
 each random call with the CPU generator state it started from. Random calls also run once on a
 throw-away CPU tensor of the same shape, so the global generator advances exactly as in a normal
@@ -23,9 +23,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from vistrain.fsdp.ownership import init_recipe_of, set_init_recipe
 from vistrain.torch_compat import TorchDispatchMode, op_is_mutable, storage_id, tree_flatten, tree_map
-
-RECIPE_ATTR = "_vistrain_init_recipe"
 
 
 class _Target:
@@ -232,21 +231,21 @@ def build_on_meta(build_fn: Callable[..., nn.Module], *args: Any, **kwargs: Any)
         if recipe is None or recipe.unreplayable:
             why = recipe.unreplayable if recipe is not None else "its value was computed out of place"
             raise ValueError(f"cannot initialise {name} unit by unit: {why}")
-        setattr(tensor, RECIPE_ATTR, recipe)
+        set_init_recipe(tensor, recipe)
     return model
 
 
 def defer_value(tensor: torch.Tensor, make: Callable[[], torch.Tensor]) -> None:
     """Give meta ``tensor`` the value ``make()`` (a CPU tensor of its shape and dtype), computed
     when the sharded engine creates its unit; replaces the recorded initialisation."""
-    setattr(tensor, RECIPE_ATTR, InitRecipe([_Step(make, (), {}, None)]))
+    set_init_recipe(tensor, InitRecipe([_Step(make, (), {}, None)]))
 
 
 def materialize(tensor: torch.Tensor) -> torch.Tensor:
     """A real CPU tensor with the values the normal build gives ``tensor``; non-meta: itself."""
     if not tensor.is_meta:
         return tensor.detach()
-    recipe = getattr(tensor, RECIPE_ATTR, None)
+    recipe = init_recipe_of(tensor)
     if recipe is None:
         raise ValueError(
             f"a meta tensor of shape {tuple(tensor.shape)} has no recorded initialisation: build the "

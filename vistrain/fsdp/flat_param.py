@@ -8,12 +8,12 @@ all-gathered into ``full`` (padded_numel elements, compute dtype) and the origin
 become views of it; afterwards the storage of ``full`` is released but the tensor object is kept,
 so the autograd graph and its saved views see the data again after the next gather.
 
-With hybrid sharding (``replica_group``, see ``hybrid.py``) the ranks of the replica group hold
-the same shard; a gradient is reduce-scattered inside ``group`` and its shard then all-reduced
-over ``replica_group``, each rank's contribution divided by ``world_size * replicas`` first.
+With hybrid sharding (``groups.replica``, see ``collectives.py``) the ranks of the replica group
+hold the same shard; a gradient is reduce-scattered inside the shard group and its shard then
+all-reduced over the replica group, each rank's contribution divided by ``world_size * replicas``
+first.
 """
 
-import datetime
 import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
@@ -22,9 +22,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vistrain.fsdp.collectives import (
+    DEFAULT_COLLECTIVE_TIMEOUT,
+    ShardGroups,
+    gather_into,
+    reduce_scatter_into,
+    wait_within,
+)
 from vistrain.fsdp.deferred_init import materialize
-from vistrain.fsdp.registry import register_shard
-from vistrain.fsdp.timeouts import wait_within
+from vistrain.fsdp.ownership import register_shard
+from vistrain.fsdp.precision import Precision
+from vistrain.fsdp.shard_grad import ShardGrad, own_shard_grad
 from vistrain.torch_compat import own_parameters
 
 
@@ -80,53 +88,12 @@ def shard_slices(origins: Sequence[ParamOrigin], world_size: int, rank: int):
     return out
 
 
-def _is_gloo(group) -> bool:
-    return dist.get_backend(group) == "gloo"
-
-
-def gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool):
-    """All-gather equal shards into ``output`` (world_size * shard.numel(),)."""
-    if _is_gloo(group):
-        # gloo's list all-gather into views of ``output`` is ~1.5x faster than its
-        # all_gather_into_tensor, which stages through a temporary (measured, torch 2.14).
-        return dist.all_gather(
-            list(output.chunk(dist.get_world_size(group))), shard, group=group, async_op=async_op
-        )
-    return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
-
-
-def reduce_scatter_into(full: torch.Tensor, lo: int, hi: int, group):
-    """Sum ``full`` over ranks and return (work, this rank's reduced slice [lo, hi)).
-
-    The slice is valid once ``work`` is waited on. gloo has no native reduce-scatter (torch
-    emulates it, ~2x slower than its all-reduce here), so on gloo the full vector is all-reduced
-    in place and the slice is a view of it: ``own_shard_grad`` copies it out when the reduction
-    is finished, so the full buffer dies with the reduction (one unit's backward later).
-    """
-    if _is_gloo(group):
-        return dist.all_reduce(full, group=group, async_op=True), full[lo:hi]
-    out = torch.empty(hi - lo, dtype=full.dtype, device=full.device)
-    return dist.reduce_scatter_tensor(out, full, group=group, async_op=True), out
-
-
 @dataclass
 class InFlightGather:
     """An all-gather of one handle's shards into its ``full`` tensor, started and not yet waited."""
 
     work: dist.Work
     source: torch.Tensor  # the shard in compute dtype/device; must live until the wait
-
-
-def own_shard_grad(reduced: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``reduced`` as a tensor with its own shard-sized storage on ``device`` in ``dtype``.
-
-    A view into a larger buffer (gloo's all-reduced full gradient) would keep that whole buffer
-    alive as long as the gradient lives: storage bytes, not element counts, are what a rank holds.
-    """
-    out = reduced.to(device, dtype)
-    if out.untyped_storage().nbytes() != out.numel() * out.element_size():
-        out = out.clone()
-    return out
 
 
 class FlatParamHandle:
@@ -136,35 +103,26 @@ class FlatParamHandle:
         self,
         params: List[nn.Parameter],
         origins: List[ParamOrigin],
-        group,
+        groups: ShardGroups,
         compute_device: torch.device,
-        compute_dtype: Optional[torch.dtype],
-        reduce_dtype: Optional[torch.dtype],
+        precision: Precision,
         shard_device: torch.device,
         sync_module_states: bool,
-        timeout: datetime.timedelta,
-        replica_group=None,
     ):
         self.origins = origins
-        self.group = group
-        # ranks holding this same shard in the other shard groups (hybrid sharding), or None
-        self.replica_group = replica_group
-        self.replicas = dist.get_world_size(replica_group) if replica_group is not None else 1
-        self.replica_rank = dist.get_rank(replica_group) if replica_group is not None else 0
-        self.timeout = timeout  # of every collective this handle waits for
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.groups = groups
         self.numel = sum(o.numel for o in origins)
-        self.shard_numel = shard_size(self.numel, self.world_size)
         self.param_dtype = params[0].dtype
-        self.compute_dtype = compute_dtype or self.param_dtype
-        self.reduce_dtype = reduce_dtype or self.compute_dtype
+        self.compute_dtype = precision.compute_dtype or self.param_dtype
+        self.reduce_dtype = precision.reduce_dtype or self.compute_dtype
         self.compute_device = compute_device
+        self.timeout = DEFAULT_COLLECTIVE_TIMEOUT  # the model's collective_timeout once attached
+        self.gather_group = None  # the model's own group over the shard group's ranks once attached
         requires_grad = params[0].requires_grad
 
         shard = self._own_shard(params, compute_device, sync_module_states)
-        if sync_module_states and self.replicas > 1:  # replicas start from the first one's shard
-            dist.broadcast(shard, src=dist.get_global_rank(replica_group, 0), group=replica_group)
+        if sync_module_states and groups.replicas > 1:  # replicas start from the first one's shard
+            dist.broadcast(shard, src=dist.get_global_rank(groups.replica, 0), group=groups.replica)
         self.shard = nn.Parameter(shard.to(shard_device), requires_grad=requires_grad)
         register_shard(self.shard, self)
 
@@ -182,7 +140,30 @@ class FlatParamHandle:
         self._set_attributes(self._placeholders)
         self.gather: Optional[InFlightGather] = None
         self.is_unsharded = False
-        self.unsharded_grad_acc: Optional[torch.Tensor] = None  # summed full grads under no_sync
+        # no_sync micro-batches, origins without gradient, recovery (shard_grad.py)
+        slices = shard_slices(origins, self.world_size, self.rank)
+        self.shard_grad = ShardGrad(self.shard, [(i, start, n) for i, start, _, n in slices], len(origins))
+
+    # -- the groups ---------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """Ranks of the shard group: the flat vector is cut into this many shards."""
+        return self.groups.size
+
+    @property
+    def rank(self) -> int:
+        return self.groups.rank
+
+    def held_tensors(self):
+        """Every tensor this handle keeps alive: the shard and its gradient, the gathered weights
+        and their gradient, the ``no_sync`` accumulator, an in-flight gather's source."""
+        yield self.shard
+        for tensor in (self.shard.grad, self.full, self.full.grad):
+            if tensor is not None:
+                yield tensor
+        yield from self.shard_grad.tensors()
+        if self.gather is not None:
+            yield self.gather.source
 
     # -- construction ---------------------------------------------------------------------
     def _own_shard(self, params, device, sync: bool) -> torch.Tensor:
@@ -191,14 +172,14 @@ class FlatParamHandle:
         parameter's full values (with ``sync`` broadcast from the group's first rank)."""
         lo, hi = shard_range(self.numel, self.world_size, self.rank)
         shard = torch.zeros(hi - lo, dtype=self.param_dtype, device=device)
-        src = dist.get_global_rank(self.group, 0)
+        src = dist.get_global_rank(self.groups.shard, 0)
         with torch.no_grad():
             for p, o in zip(params, self.origins):
                 # a parameter built on the meta device is created (and initialised) only now
                 value = materialize(p).reshape(-1).to(device)
                 if sync and self.world_size > 1:
                     value = value.clone() if value.data_ptr() == p.data_ptr() else value  # not the user's
-                    dist.broadcast(value, src=src, group=self.group)
+                    dist.broadcast(value, src=src, group=self.groups.shard)
                 start, end = max(lo, o.flat_offset), min(hi, o.flat_offset + o.numel)
                 if start < end:
                     shard[start - lo : end - lo].copy_(value[start - o.flat_offset : end - o.flat_offset])
@@ -220,7 +201,8 @@ class FlatParamHandle:
         nbytes = self.full.numel() * self.full.element_size()
         self.full.untyped_storage().resize_(nbytes)
         src = self.shard.detach().to(self.compute_device, self.compute_dtype, non_blocking=True)
-        self.gather = InFlightGather(gather_into(self._full_data, src, self.group, async_op=True), src)
+        group = self.gather_group or self.groups.shard
+        self.gather = InFlightGather(gather_into(self._full_data, src, group, async_op=True), src)
         return nbytes
 
     def _finish_gather(self) -> None:
@@ -267,6 +249,10 @@ class FlatParamHandle:
         """
         sizes = [o.numel for o in self.origins]
         pieces = torch.split(self.full, sizes + [self.full.numel() - self.numel])
+        if self.shard_grad.track_origin_use and pieces[0].grad_fn is not None:
+            # the split's backward gets None for each view that received no gradient: one hook
+            # per gather tells which original parameters this rank used
+            pieces[0].grad_fn.register_prehook(self.shard_grad.note_used)
         self._set_attributes([piece.view(o.shape) for piece, o in zip(pieces, self.origins)])
 
     def restore_attributes(self) -> None:
@@ -296,7 +282,7 @@ class FlatParamHandle:
         """A fresh (padded_numel,) tensor with the full values, in the master dtype by default."""
         dtype = dtype or self.param_dtype
         out = torch.empty(padded_size(self.numel, self.world_size), dtype=dtype, device=self.compute_device)
-        gather_into(out, self.shard.detach().to(self.compute_device, dtype), self.group, False)
+        gather_into(out, self.shard.detach().to(self.compute_device, dtype), self.groups.shard, False)
         return out
 
     def write_back(self, full_copy: torch.Tensor) -> None:
@@ -311,39 +297,33 @@ class FlatParamHandle:
 
     def start_reduce_scatter(self, grad: torch.Tensor, reduce_group):
         """Sum ``grad`` (padded_numel,) / (world_size * replicas) over ranks on ``reduce_group``
-        (the same ranks as ``group``, its own queue); returns (work, output shard, kept input).
+        (the ranks of the shard group, its own queue); returns (work, output shard, kept input).
         Without replicas the output is the average; with them, :meth:`start_replica_all_reduce`
         completes it."""
-        if self.unsharded_grad_acc is not None:
-            grad = self.unsharded_grad_acc.add_(grad)
-            self.unsharded_grad_acc = None
-        grad = grad.to(self.reduce_dtype)
-        if self.world_size * self.replicas > 1:
+        grad = self.shard_grad.with_accumulated(grad).to(self.reduce_dtype)
+        if self.world_size * self.groups.replicas > 1:
             # Dividing before the sum keeps fp16 sums in range; DDP divides after. Same maths.
-            grad.div_(self.world_size * self.replicas)
+            grad.div_(self.world_size * self.groups.replicas)
         lo, hi = shard_range(self.numel, self.world_size, self.rank)
         work, out = reduce_scatter_into(grad, lo, hi, reduce_group)
         return work, out, grad
 
+    def start_replicated_all_reduce(self, grad: torch.Tensor, reduce_group):
+        """Shard groups of one rank: sum ``grad`` (padded_numel,) / replicas over the replicas on
+        ``reduce_group`` in place; returns (work, the tensor that holds the average once waited)."""
+        grad = self.shard_grad.with_accumulated(grad).to(self.reduce_dtype)
+        grad.div_(self.groups.replicas)
+        return dist.all_reduce(grad, group=reduce_group, async_op=True), grad
+
     def start_replica_all_reduce(self, reduced: torch.Tensor, reduce_group):
         """Sum a finished reduce-scatter's shard (shard_numel,) over the replicas on
-        ``reduce_group`` (the ranks of ``replica_group``, its own queue); returns (work, tensor):
+        ``reduce_group`` (the ranks of the replica group, its own queue); returns (work, tensor):
         the world's average once ``work`` is waited. The shard is copied out first, so gloo's
         full-size buffer (``reduced`` is a view of it) dies now."""
         shard = own_shard_grad(reduced, reduced.device, reduced.dtype)
         return dist.all_reduce(shard, group=reduce_group, async_op=True), shard
 
-    def accumulate_shard_grad(self, reduced: torch.Tensor) -> None:
-        """Add a finished reduction to ``shard.grad`` (created as its own shard-sized tensor)."""
-        if self.shard.grad is None:
-            self.shard.grad = own_shard_grad(reduced, self.shard.device, self.shard.dtype)
-        else:
-            self.shard.grad.add_(reduced.to(self.shard.device, self.shard.dtype))
-
     def accumulate_unsharded(self, grad: torch.Tensor) -> None:
-        """no_sync: keep the full gradient locally (fp32), reduce it with the next synced backward."""
-        grad = grad.to(self.param_dtype)
-        if self.unsharded_grad_acc is None:
-            self.unsharded_grad_acc = grad.clone()
-        else:
-            self.unsharded_grad_acc.add_(grad)
+        """no_sync: keep the full gradient locally (param dtype), reduce it with the next synced
+        backward (kept with ``shard.grad``: clearing it drops them, ``shard_grad.py``)."""
+        self.shard_grad.keep_unsharded(grad.to(self.param_dtype))

@@ -11,6 +11,8 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from vistrain.fsdp.fully_sharded import FullyShardedDataParallel
+
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Sum of ``untyped_storage().nbytes()`` over the distinct storages of ``tensors``.
@@ -33,27 +35,12 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
-class GatheredBytes:
-    """Bytes of full (gathered) parameters one wrapped model holds now and at the peak."""
-
-    def __init__(self):
-        self.current = 0
-        self.peak = 0
-
-    def reset_peak(self) -> None:
-        self.peak = self.current
-
-    def add(self, nbytes: int) -> None:
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
-
-
 def held_tensors(model: nn.Module, optimizer=None) -> Iterator[torch.Tensor]:
     """Every tensor ``model`` and ``optimizer`` keep between steps.
 
     Parameters, their gradients, buffers, optimizer state and, for units of the sharded engine,
-    every tensor attribute of each flat-parameter handle (gathered weights, their gradient,
-    gradients kept for ``no_sync``, anything added later) and in-flight reductions.
+    what each flat-parameter handle holds (``FlatParamHandle.held_tensors``: gathered weights,
+    their gradient, gradients kept for ``no_sync``) and the reductions in flight.
     """
     for p in model.parameters():
         yield p
@@ -61,25 +48,14 @@ def held_tensors(model: nn.Module, optimizer=None) -> Iterator[torch.Tensor]:
             yield p.grad
     yield from model.buffers()
     for module in model.modules():
-        unit_state = getattr(module, "unit_state", None)  # a unit of the sharded engine
-        if unit_state is not None:
-            for handle in unit_state.handles:
-                yield from _tensor_attributes(handle)
-            if unit_state.is_root:
-                yield from unit_state.model.reductions.tensors()
+        if isinstance(module, FullyShardedDataParallel):
+            for handle in module.unit_state.handles:
+                yield from handle.held_tensors()
+            if module.unit_state.is_root and module.model_state is not None:
+                yield from module.model_state.reductions.tensors()
     if optimizer is not None:
         for state in optimizer.state.values():
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
-
-
-def _tensor_attributes(obj) -> Iterator[torch.Tensor]:
-    for value in vars(obj).values():
-        if isinstance(value, torch.Tensor):
-            yield value
-            if value.is_leaf and value.grad is not None:
-                yield value.grad
-        elif isinstance(value, (list, tuple)):
-            yield from (v for v in value if isinstance(v, torch.Tensor))
 
 
 def peak_rss_mib() -> float:

@@ -1,12 +1,201 @@
-"""Which parameters and modules a unit owns, where it computes, and checks against misuse."""
+"""What the engine knows about the user's objects, and which unit owns what.
+
+**The registry.** A parameter replaced by a flat shard, the handle behind a shard, the unit
+owning a module, the scope of a tied parameter, the recorded initialisation of a meta tensor:
+each is an entry in a weak map keyed by the object (by identity: a tensor's ``==`` is
+elementwise), never an attribute pinned on it. Entries die with their keys; values are weak
+references where they name engine objects, so the registry keeps nothing alive. The optimizer
+check lives here too: torch offers only a process-wide step pre-hook to see an optimizer the
+engine did not build, so it is installed once, and each optimizer is scanned on its first step
+and again only when its parameter lists change size.
+
+**Ownership.** A unit owns the parameters of its module not inside a nested unit. A parameter
+tied across modules (encoder/decoder weight sharing) must live in exactly one flat parameter, in
+the lowest unit that owns every module using it, or the tie is silently lost: ``auto_wrap``
+marks each tied parameter with the lowest common ancestor of its users (its *scope*); a unit
+skips tied parameters whose scope lies outside it, and the unit owning the scope takes them with
+every place they appear. Wrapping by hand in an order that splits a tie, or wrapping a module
+that is also reachable under another, unwrapped name, is refused at wrap time naming both paths.
+"""
+
+import weakref
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
-from vistrain.fsdp import registry
-from vistrain.fsdp.names import clean_name
-from vistrain.torch_compat import own_parameters
+from vistrain.torch_compat import child_modules, own_parameters
+
+# names the wrapper adds to a module tree
+WRAPPED_NAME = "_fsdp_wrapped_module"  # attribute holding the wrapped module inside each unit
+FLAT_PARAM_PREFIX = "flat_param_"  # attributes holding a unit's flat shards
+
+
+def clean_name(name: str) -> str:
+    """Drop wrapper path components: 'a._fsdp_wrapped_module.b' -> 'a.b'."""
+    return name.replace(WRAPPED_NAME + ".", "").replace("." + WRAPPED_NAME, "").replace(WRAPPED_NAME, "")
+
+
+def is_shard_key(key: str) -> bool:
+    """A state-dict key of a flat shard (local state dicts hold them; full ones never do)."""
+    return key.rsplit(".", 1)[-1].startswith(FLAT_PARAM_PREFIX)
+
+
+class _Registry:
+    def __init__(self):
+        self.handle_of_shard = WeakIdKeyDictionary()  # shard -> weakref(FlatParamHandle)
+        self.replaced = WeakIdKeyDictionary()  # original param -> (weakref(unit), local fqn)
+        self.owner_of_module = WeakIdKeyDictionary()  # module -> weakref(unit owning it)
+        self.tie_of_param = WeakIdKeyDictionary()  # tied param -> (weakref(scope module), names)
+        self.checked_optimizers = WeakIdKeyDictionary()  # optimizer -> param counts when checked
+        self.init_recipe = WeakIdKeyDictionary()  # meta tensor -> how to create its values
+        self.optimizer_hook = None
+        # shards (their ShardGrad) holding slices of parameters no rank gave a gradient, and what
+        # an optimizer step in progress saved of them (find_unused_parameters)
+        self.held_shards = weakref.WeakSet()
+        self.held_snapshots = WeakIdKeyDictionary()  # optimizer -> [(shard, state, slices)]
+        self.hold_hooks = None
+
+
+_REGISTRY = _Registry()
+
+
+def register_shard(shard: nn.Parameter, handle) -> None:
+    _REGISTRY.handle_of_shard[shard] = weakref.ref(handle)
+
+
+def handle_of(param):
+    """The FlatParamHandle whose shard ``param`` is, or None."""
+    ref = _REGISTRY.handle_of_shard.get(param)
+    return ref() if ref is not None else None
+
+
+def mark_replaced(param: nn.Parameter, unit, local_fqn: str) -> None:
+    """``param`` now lives in a flat shard of ``unit``: an optimizer holding it must fail."""
+    _REGISTRY.replaced[param] = (weakref.ref(unit), local_fqn)
+    _install_optimizer_check()
+
+
+def replaced_by(param) -> Optional[Tuple[object, str]]:
+    """(unit, local fqn) of the unit that replaced ``param`` by a shard, or None."""
+    entry = _REGISTRY.replaced.get(param)
+    return None if entry is None else (entry[0](), entry[1])
+
+
+def set_owner(module: nn.Module, unit) -> None:
+    _REGISTRY.owner_of_module[module] = weakref.ref(unit)
+
+
+def owner_of(module: nn.Module):
+    """The sharded unit owning ``module`` (it is inside that unit, not a nested one), or None."""
+    ref = _REGISTRY.owner_of_module.get(module)
+    return ref() if ref is not None else None
+
+
+def mark_tied(param: nn.Parameter, scope: nn.Module, names: List[str]) -> None:
+    """``param`` is used at ``names``; ``scope`` is the lowest module containing them all."""
+    _REGISTRY.tie_of_param[param] = (weakref.ref(scope), names)
+
+
+def tie_of(param) -> Optional[Tuple[nn.Module, List[str]]]:
+    """(scope module, names) of a tied parameter, or None for an untied one."""
+    entry = _REGISTRY.tie_of_param.get(param)
+    return None if entry is None else (entry[0](), entry[1])
+
+
+def _install_optimizer_check() -> None:
+    if _REGISTRY.optimizer_hook is None:
+        _REGISTRY.optimizer_hook = register_optimizer_step_pre_hook(_check_optimizer)
+
+
+def _check_optimizer(optimizer, args, kwargs) -> None:
+    """Refuse a step of an optimizer built on parameters the engine replaced by shards."""
+    counts = tuple(len(group["params"]) for group in optimizer.param_groups)
+    if _REGISTRY.checked_optimizers.get(optimizer) == counts:
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param in _REGISTRY.replaced:
+                raise RuntimeError(
+                    "the optimizer holds parameters that FullyShardedDataParallel replaced by "
+                    "shards: build the optimizer on model.parameters() after wrapping"
+                )
+    _REGISTRY.checked_optimizers[optimizer] = counts
+
+
+# -- parameters without gradient inside a flat shard (find_unused_parameters) ---------------------
+# DDP leaves a parameter no rank gave a gradient at ``.grad = None``, and torch's optimizers skip
+# it: no weight decay, no momentum, no Adam moments. A flat shard steps as one tensor, so the
+# slices of such parameters get a zero gradient; every optimizer step (the ordinary one and the
+# step in backward alike) saves those slices of the shard and of its per-element optimizer state
+# before it runs and puts them back after. State the step created is zeroed there (a fresh
+# momentum or moment). The hooks are installed the first time a shard holds such slices and cost
+# one check of an empty set per step otherwise.
+
+
+def hold_slices_without_grad(shard_grad, held: bool) -> None:
+    """``shard_grad.slices_without_grad()`` of ``shard_grad.shard`` (a ``shard_grad.ShardGrad``)
+    are (``held``) or are no longer kept unchanged by every optimizer step."""
+    if not held:
+        _REGISTRY.held_shards.discard(shard_grad)
+        return
+    _REGISTRY.held_shards.add(shard_grad)
+    if _REGISTRY.hold_hooks is None:
+        _REGISTRY.hold_hooks = (
+            register_optimizer_step_pre_hook(_save_held_slices),
+            register_optimizer_step_post_hook(_restore_held_slices),
+        )
+
+
+def _save_held_slices(optimizer, args, kwargs) -> None:
+    if not _REGISTRY.held_shards:
+        return
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    saved = []
+    for shard_grad in list(_REGISTRY.held_shards):
+        shard = shard_grad.shard
+        if id(shard) not in stepped or shard.grad is None:
+            continue
+        state = optimizer.state.get(shard, {})
+        per_slice = []
+        for start, length in shard_grad.slices_without_grad():
+            values = {
+                key: value[start : start + length].clone()
+                for key, value in state.items()
+                if torch.is_tensor(value) and value.shape == shard.shape
+            }
+            per_slice.append((start, length, shard.detach()[start : start + length].clone(), values))
+        saved.append((shard, per_slice))
+    _REGISTRY.held_snapshots[optimizer] = saved
+
+
+def _restore_held_slices(optimizer, args, kwargs) -> None:
+    saved = _REGISTRY.held_snapshots.pop(optimizer, None)
+    for shard, per_slice in saved or ():
+        state = optimizer.state.get(shard, {})
+        with torch.no_grad():
+            for start, length, weights, values in per_slice:
+                shard[start : start + length].copy_(weights)
+                for key, value in state.items():
+                    if torch.is_tensor(value) and value.shape == shard.shape:
+                        before = values.get(key)  # None: this step created the state
+                        if before is None:
+                            value[start : start + length].zero_()
+                        else:
+                            value[start : start + length].copy_(before)
+
+
+def set_init_recipe(tensor, recipe) -> None:
+    """``tensor`` (meta) gets its values from ``recipe`` when its unit is created (deferred_init)."""
+    _REGISTRY.init_recipe[tensor] = recipe
+
+
+def init_recipe_of(tensor):
+    """The recipe :func:`set_init_recipe` gave ``tensor``, or None."""
+    return _REGISTRY.init_recipe.get(tensor)
 
 
 def is_unit(module: nn.Module) -> bool:
@@ -38,18 +227,18 @@ def owned_params(module: nn.Module, prefix: str = ""):
         if id(sub) in owned:
             continue
         for attr, param in own_parameters(sub).items():  # tied ones left here by nested units
-            if param is not None and registry.tie_of(param) is not None and _in_scope(param, owned):
+            if param is not None and tie_of(param) is not None and _in_scope(param, owned):
                 _add_place(found, clean_name(f"{path}.{attr}"), sub, attr, param)
     return [tuple(entry) for entry in found.values()]
 
 
 def _in_scope(param, owned) -> bool:
-    tie = registry.tie_of(param)
+    tie = tie_of(param)
     return tie is None or id(tie[0]) in owned
 
 
 def _add_place(found, fqn, sub, attr, param) -> None:
-    replaced = registry.replaced_by(param)
+    replaced = replaced_by(param)
     if replaced is not None:
         unit, local = replaced
         raise ValueError(
@@ -65,7 +254,7 @@ def _add_place(found, fqn, sub, attr, param) -> None:
 
 
 def _check_not_wrapped_elsewhere(sub: nn.Module, path: str, module: nn.Module) -> None:
-    if registry.owner_of(sub) is not None:
+    if owner_of(sub) is not None:
         raise ValueError(
             f"module {path.rstrip('.') or '<root>'} ({type(sub).__name__}) is already inside a "
             "sharded unit under another name; refer to that unit under both names (auto_wrap "
@@ -104,3 +293,59 @@ def check_wrappable(module: nn.Module) -> None:
             "FullyShardedDataParallel needs an initialised process group: call "
             "torch.distributed.init_process_group (or launch with tools/run_distributed.py) first"
         )
+
+
+def _places(root: nn.Module):
+    """id(param) -> [(path, module, attr)], each distinct (module, attr) once."""
+    places: Dict[int, List[Tuple[str, nn.Module, str]]] = {}
+    seen = set()
+    for path, module in root.named_modules(remove_duplicate=False):
+        for attr, param in own_parameters(module).items():
+            if param is None or (id(module), attr) in seen:
+                continue
+            seen.add((id(module), attr))
+            places.setdefault(id(param), []).append((path, module, attr))
+    return places
+
+
+def _common_prefix(paths: List[str]) -> str:
+    parts = [p.split(".")[:-1] for p in paths]  # the module path of each "module.attr"
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def mark_tied_params(root: nn.Module) -> None:
+    """Give every parameter used in several places the lowest module containing all of them."""
+    params = {id(p): p for _, p in root.named_parameters(remove_duplicate=False)}
+    for key, where in _places(root).items():
+        if len(where) < 2:
+            continue
+        names = [f"{path}.{attr}" if path else attr for path, _, attr in where]
+        scope = root.get_submodule(_common_prefix(names))
+        mark_tied(params[key], scope, names)
+
+
+def module_references(root: nn.Module) -> Dict[int, List[Tuple[nn.Module, str]]]:
+    """id(module) -> every (parent, child name) holding it; more than one for shared modules."""
+    refs: Dict[int, List[Tuple[nn.Module, str]]] = {}
+    for parent in root.modules():
+        for name, child in child_modules(parent).items():
+            if child is not None:
+                refs.setdefault(id(child), []).append((parent, name))
+    return refs
+
+
+def check_untied_leftovers(root: nn.Module) -> None:
+    """After ``auto_wrap(wrap_root=False)``: a tied parameter no unit could own is an error."""
+    for param in root.parameters():
+        tie = tie_of(param)
+        if tie is not None and replaced_by(param) is None:
+            names = tie[1]
+            raise ValueError(
+                f"tied parameter {' = '.join(names)}: no sharded unit contains all its users; "
+                "wrap their common parent (or the root)"
+            )

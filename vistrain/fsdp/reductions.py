@@ -1,18 +1,10 @@
-"""Gradient reductions of one wrapped model: their process groups and the ones in flight.
+"""Gradient reductions of one wrapped model: the ones in flight, deferred, and finished.
 
-Collectives of one process group run in issue order, so a backward prefetch (all-gather) issued
-after a gradient reduction would wait for it. Reductions therefore run on a second group over
-the same ranks (their own gloo threads, or their own NCCL communicator and stream), and overlap.
-
-``new_group`` must be called by every rank of the world, in the same order, for every group,
-members or not. Ranks that shard over different groups (a group per node, or the subgroups of
-the engine-state tests) each know only their own, so :func:`create_reduction_groups` first
-all-gathers every rank's list over the world and then creates every group in one sorted order.
-Hybrid sharding's replica groups get their second group the same way.
-
-With replica groups a reduction has two stages, each on its own group, each overlapping the next
-unit's backward: the reduce-scatter inside the shard group, then the all-reduce of the shard over
-the replica group. A handle's ``shard.grad`` is final (``on_shard_grad_ready``) only after both.
+Reductions run on reduction groups of their own (``collectives.create_reduction_groups``), so
+they overlap the gathers and the next unit's backward. With replica groups a reduction has two
+stages, each on its own group, each overlapping the next unit's backward: the reduce-scatter
+inside the shard group, then the all-reduce of the shard over the replica group. A handle's
+``shard.grad`` is final (``on_shard_grad_ready``) only after both.
 """
 
 import functools
@@ -22,34 +14,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from vistrain.fsdp.collectives import Ranks, group_ranks, wait_within
 from vistrain.fsdp.flat_param import FlatParamHandle
-from vistrain.fsdp.heap import HeapRelease
-from vistrain.fsdp.timeouts import wait_within
-
-Ranks = Tuple[int, ...]
-
-
-def group_ranks(group) -> Ranks:
-    return tuple(dist.get_process_group_ranks(group))
-
-
-def create_reduction_groups(groups: Sequence) -> Dict[Ranks, object]:
-    """A reduction group for each of ``groups`` (this rank's units' groups), keyed by ranks.
-
-    Collective over the whole world: every rank calls it once per wrapped model, at the root's
-    first forward. Groups of one rank need no second group and get their own.
-    """
-    mine = sorted({group_ranks(g) for g in groups})
-    everyone = [mine]
-    if dist.get_world_size() > 1:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-    created = {}
-    for ranks in sorted({tuple(r) for lists in everyone for r in lists}):
-        if len(ranks) > 1:
-            created[ranks] = dist.new_group(list(ranks))  # every rank, members or not
-    by_ranks = {group_ranks(g): g for g in groups}
-    return {ranks: created.get(ranks, group) for ranks, group in by_ranks.items()}
 
 
 @dataclass
@@ -62,14 +28,15 @@ class PendingReduction:
     work: dist.Work
     reduced: torch.Tensor  # (shard_numel,) this rank's slice of the averaged gradient
     source: torch.Tensor  # (padded_numel,) the full gradient being reduced; alive until the wait
+    without_grad: Tuple[int, ...] = ()  # origins no rank gave a gradient (find_unused_parameters)
 
 
 class ReductionQueue:
     """The model's gradient reductions: in flight, deferred to the end of backward, finished."""
 
-    def __init__(self, reduction_groups: Dict[Ranks, object], heap: HeapRelease):
+    def __init__(self, reduction_groups: Dict[Ranks, object], on_freed: Callable[[int], None]):
         self.reduction_groups = reduction_groups
-        self.heap = heap  # told of the full gradients freed
+        self.on_freed = on_freed  # told the bytes of each full gradient dropped (the heap release)
         # called with each handle whose shard gradient is final for this backward (the optimizer
         # step in backward); None: gradients wait in ``shard.grad`` for ``optimizer.step()``
         self.on_shard_grad_ready: Optional[Callable[[FlatParamHandle], None]] = None
@@ -78,15 +45,22 @@ class ReductionQueue:
         # find_unused_parameters: full gradients kept until the end of backward, by handle.
         self.deferred: Dict[FlatParamHandle, torch.Tensor] = {}
 
-    def start(self, handle: FlatParamHandle, grad: torch.Tensor) -> None:
+    def start(self, handle: FlatParamHandle, grad: torch.Tensor, without_grad: Tuple[int, ...] = ()) -> None:
         # The previous reduction had this handle's whole backward to overlap with; moving it on now
         # bounds the full-size gradient buffers alive at any time to this one's and one in flight
         # (gloo reduces the full vector in place: its buffer lives until the reduce-scatter is
         # waited); a cross-replica all-reduce holds only a shard.
         self._advance()
-        group = self.reduction_groups[group_ranks(handle.group)]
+        if handle.world_size == 1 and handle.groups.replica is not None:
+            # replicated (shard groups of one rank): the gradient is the shard; one all-reduce over
+            # the replicas, started now, as DDP's buckets (no reduce-scatter over one rank first)
+            group = self.reduction_groups[group_ranks(handle.groups.replica)]
+            work, reduced = handle.start_replicated_all_reduce(grad, group)
+            self.across.append(PendingReduction(handle, work, reduced, reduced, without_grad))
+            return
+        group = self.reduction_groups[group_ranks(handle.groups.shard)]
         work, reduced, source = handle.start_reduce_scatter(grad, group)
-        self.pending.append(PendingReduction(handle, work, reduced, source))
+        self.pending.append(PendingReduction(handle, work, reduced, source, without_grad))
 
     def defer(self, handle: FlatParamHandle, grad: torch.Tensor) -> None:
         self.deferred[handle] = grad
@@ -106,14 +80,14 @@ class ReductionQueue:
         pending, self.pending = self.pending, []
         for reduction in pending:
             self._wait(reduction, _reduction_description)
-            self.heap.freed(reduction.source.untyped_storage().nbytes())  # the full gradient, now dropped
+            self.on_freed(reduction.source.untyped_storage().nbytes())  # the full gradient, now dropped
             handle = reduction.handle
-            if handle.replica_group is None:
+            if handle.groups.replica is None:
                 self._finish(reduction)
                 continue
-            group = self.reduction_groups[group_ranks(handle.replica_group)]
+            group = self.reduction_groups[group_ranks(handle.groups.replica)]
             work, shard = handle.start_replica_all_reduce(reduction.reduced, group)
-            self.across.append(PendingReduction(handle, work, shard, shard))
+            self.across.append(PendingReduction(handle, work, shard, shard, reduction.without_grad))
 
     @staticmethod
     def _wait(reduction: PendingReduction, describe: Callable[[FlatParamHandle], str]) -> None:
@@ -126,7 +100,7 @@ class ReductionQueue:
 
     def _finish(self, reduction: PendingReduction) -> None:
         """The shard gradient is averaged over the whole world: add it, announce it."""
-        reduction.handle.accumulate_shard_grad(reduction.reduced)
+        reduction.handle.shard_grad.add_reduced(reduction.reduced, reduction.without_grad)
         if self.on_shard_grad_ready is not None:
             self.on_shard_grad_ready(reduction.handle)
 
@@ -142,15 +116,18 @@ class ReductionQueue:
     def reduce_deferred(self, handles: List[FlatParamHandle], groups: Sequence) -> None:
         """find_unused_parameters: reduce, in the canonical unit order, every handle some rank used.
 
-        A MAX all-reduce of per-handle "has a gradient here" flags (over the shard group, then
-        the replica group: ``groups``) tells every rank which handles to reduce; a rank that did
-        not use one contributes zeros. Handles no rank used keep ``.grad`` as it was, as DDP
-        leaves globally unused parameters.
+        A MAX all-reduce of per-handle "has a gradient here" flags and per-origin "got a
+        gradient here" flags (over the shard group, then the replica group: ``groups``) tells
+        every rank which handles to reduce, and inside them which original parameters no rank
+        used; a rank that did not use a handle contributes zeros. Handles no rank used keep
+        ``.grad`` as it was, as DDP leaves globally unused parameters; origins no rank used are
+        recorded with the shard gradient (the optimizer step leaves them alone).
         """
         handles = [h for h in handles if h.shard.requires_grad]
-        local = [h in self.deferred or h.unsharded_grad_acc is not None for h in handles]
+        local = [h in self.deferred or h.shard_grad.accumulated() is not None for h in handles]
+        origins = [used for h in handles for used in h.shard_grad.used_origins()]
         device = handles[0].compute_device if handles else torch.device("cpu")
-        flags = torch.tensor(local, dtype=torch.uint8, device=device)
+        flags = torch.tensor(local + origins, dtype=torch.uint8, device=device)
         for group in groups:
             if not handles or dist.get_world_size(group) == 1:
                 continue
@@ -158,12 +135,18 @@ class ReductionQueue:
             wait_within(
                 work, handles[0].timeout, "the used-parameter flags of find_unused_parameters", flags.device
             )
-        for handle, used in zip(handles, flags.tolist()):
+        flags = flags.tolist()
+        used_origins = flags[len(handles) :]
+        for handle, used in zip(handles, flags):
+            origin_flags, used_origins = (
+                used_origins[: len(handle.origins)],
+                used_origins[len(handle.origins) :],
+            )
             if used:
                 grad = self.deferred.pop(handle, None)
                 if grad is None:
                     grad = torch.zeros_like(handle.full, dtype=handle.compute_dtype).detach()
-                self.start(handle, grad)
+                self.start(handle, grad, tuple(i for i, u in enumerate(origin_flags) if not u))
         self.deferred.clear()
 
     def tensors(self):

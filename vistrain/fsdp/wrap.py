@@ -6,8 +6,8 @@ from typing import Callable, Dict, Iterable, Optional, Type, Union
 from torch import nn
 
 from vistrain.fsdp.fully_sharded import FullyShardedDataParallel
-from vistrain.fsdp.registry import owner_of
-from vistrain.fsdp.sharing import check_untied_leftovers, mark_tied_params, module_references
+from vistrain.fsdp.model_state import RootOptions
+from vistrain.fsdp.ownership import check_untied_leftovers, mark_tied_params, module_references, owner_of
 
 # A policy maps a module to None (not a unit of its own) or to per-unit option overrides.
 Policy = Callable[[nn.Module], Optional[dict]]
@@ -16,7 +16,7 @@ Policy = Callable[[nn.Module], Optional[dict]]
 def by_class(classes: Union[Iterable[Type[nn.Module]], Dict[Type[nn.Module], dict]]) -> Policy:
     """Policy wrapping every instance of the given classes; a dict gives per-class overrides.
 
-    Example: ``by_class({ResBottleneckBlock: {}, nn.BatchNorm2d: {"keep_fp32": True}})``.
+    Example: ``by_class({ResBottleneckBlock: {}, nn.BatchNorm2d: {"precision": KEEP_FP32}})``.
     """
     table = dict(classes) if isinstance(classes, dict) else {c: {} for c in classes}
 
@@ -38,20 +38,27 @@ def by_size(min_num_params: int) -> Policy:
     return policy
 
 
-def auto_wrap(module: nn.Module, policy: Policy, wrap_root: bool = True, **fsdp_kwargs) -> nn.Module:
+def auto_wrap(
+    module: nn.Module,
+    policy: Policy,
+    wrap_root: bool = True,
+    root: Optional[RootOptions] = None,
+    **unit_kwargs,
+) -> nn.Module:
     """Wrap, children first, every submodule the policy selects, then the root.
 
-    ``fsdp_kwargs`` are the defaults of every unit; the policy's overrides win per unit.
-    Returns the root ``FullyShardedDataParallel`` (or the module itself when not ``wrap_root``).
-    Tied parameters go to the lowest unit that owns all their users; a submodule reachable
-    under several names becomes one unit referenced under all of them.
+    ``unit_kwargs`` (``FullyShardedDataParallel``'s per-unit arguments) are the defaults of every
+    unit; the policy's overrides win per unit. ``root``: the whole model's options, given to the
+    root. Returns the root ``FullyShardedDataParallel`` (or the module itself when not
+    ``wrap_root``). Tied parameters go to the lowest unit that owns all their users; a submodule
+    reachable under several names becomes one unit referenced under all of them.
     """
     mark_tied_params(module)
-    _wrap_children(module, policy, fsdp_kwargs, module_references(module))
+    _wrap_children(module, policy, unit_kwargs, module_references(module))
     if not wrap_root:
         check_untied_leftovers(module)
         return module
-    return FullyShardedDataParallel(module, **fsdp_kwargs)
+    return FullyShardedDataParallel(module, **unit_kwargs, root=root)
 
 
 def _wrap_children(module: nn.Module, policy: Policy, defaults: dict, refs, prefix: str = "") -> None:

@@ -4,7 +4,7 @@
 ``eta * ||w_l|| / (||grad L(w_l)|| + beta * ||w_l||)`` with beta the weight decay. Here "layer" is
 one ORIGINAL parameter. Under the sharded engine a flat shard holds slices of several original
 parameters and every original parameter is split across ranks, so the norms come from
-``vistrain.fsdp.grad.origin_sq_sums``: per slice of an original parameter inside a shard, the
+``vistrain.fsdp.grads.origin_sq_sums``: per slice of an original parameter inside a shard, the
 squared norm of that original parameter summed over shards and ranks; the trust ratio scales
 the update slice by slice (nothing per element). Sharded LARS therefore equals DDP LARS.
 """

@@ -3,7 +3,9 @@
 Per iteration the trainer only adds tensors on the device (no host sync). Every LOG_FREQUENCY
 iterations :meth:`TrainingMeter.log` reduces the window over ranks in one all-reduce and rank 0
 writes one line, one JSON object and the TensorBoard scalars. The same reduction catches a NaN/inf
-loss on any rank in the window and stops every rank with the same error.
+loss on any rank in the window and stops every rank with the same error. Under fp16 loss scaling
+the record also holds the scale and the steps skipped on overflow so far (``loss_scale``,
+``skipped_steps``; the same on every rank).
 """
 
 import datetime
@@ -16,10 +18,14 @@ from typing import Optional
 
 import torch
 
+from vistrain.config.errors import DivergedError
+from vistrain.config.words import plural
 from vistrain.distributed import comm
 from vistrain.fsdp.memory import peak_rss_mib
+from vistrain.runtime.precision import LossScaling
 
 logger = logging.getLogger("vistrain")
+LOG_FILE_ONLY = {"log_file_only": True}  # logger.info(line, extra=LOG_FILE_ONLY): log.txt, not the console
 
 
 def setup_logging(run_dir: str) -> logging.Logger:
@@ -33,7 +39,9 @@ def setup_logging(run_dir: str) -> logging.Logger:
     logger.setLevel(logging.INFO)
     os.makedirs(run_dir, exist_ok=True)
     fmt = logging.Formatter("[%(asctime)s vistrain] %(message)s", datefmt="%H:%M:%S")
-    for handler in (logging.StreamHandler(sys.stdout), logging.FileHandler(os.path.join(run_dir, "log.txt"))):
+    console = logging.StreamHandler(sys.stdout)
+    console.addFilter(lambda record: not getattr(record, "log_file_only", False))
+    for handler in (console, logging.FileHandler(os.path.join(run_dir, "log.txt"))):
         handler.setFormatter(fmt)
         logger.addHandler(handler)
     return logger
@@ -46,22 +54,45 @@ def peak_memory_mib(device: torch.device) -> float:
     return peak_rss_mib()
 
 
-class NonFiniteLossError(FloatingPointError):
-    """The training loss became NaN or infinite."""
+class NonFiniteLossError(DivergedError):
+    """The training loss (or the weights) became NaN or infinite: one line, exit 3 (see
+    :func:`divergence_message`)."""
+
+
+def divergence_message(what: str, iteration: int, run_dir: str) -> str:
+    """``what`` ("loss became nan"...) by ``iteration``, the last good checkpoint (no save of a
+    diverged run replaces it) and what to change."""
+    from vistrain.checkpoint import find_latest_checkpoint  # checkpoint is a lower layer
+
+    latest = find_latest_checkpoint(run_dir)
+    kept = f"last good checkpoint {latest} kept" if latest else f"no checkpoint in {run_dir} yet"
+    return (
+        f"{what} by iteration {iteration}; {kept}; lower OPTIMIZER.param_schedulers.lr.base_value, "
+        "set OPTIMIZER.clip_grad_norm or check the data, then rerun"
+    )
 
 
 class TrainingMeter:
     """Accumulates per-iteration loss and image counts; reduces and writes them every ``log_frequency``."""
 
     # slots of the window tensor summed over ranks in one all-reduce
-    _LOSS_SUM, _ITERS, _IMAGES, _SKIPPED, _NONFINITE, _LAST_LOSS = range(6)
+    _LOSS_SUM, _ITERS, _IMAGES, _SKIPPED, _NONFINITE, _LAST_LOSS, _NAN = range(7)
 
-    def __init__(self, run_dir: str, log_frequency: int, total_iterations: int, device: torch.device):
+    def __init__(
+        self,
+        run_dir: str,
+        log_frequency: int,
+        total_iterations: int,
+        device: torch.device,
+        scaling: Optional[LossScaling] = None,
+        console: bool = True,
+    ):
+        """``console`` False: the periodic lines go to log.txt only (metrics and TensorBoard as ever)."""
         if log_frequency < 1:
             raise ValueError(f"LOG_FREQUENCY must be >= 1, got {log_frequency}")
         self.run_dir, self.log_frequency, self.total = run_dir, log_frequency, total_iterations
-        self.device = device
-        self.window = torch.zeros(6, dtype=torch.float64, device=device)
+        self.device, self.scaling, self.console = device, scaling, console
+        self.window = torch.zeros(7, dtype=torch.float64, device=device)
         self.window_start = self.run_start = time.perf_counter()
         self.images_seen = 0.0  # this run, all ranks
         self.skipped_total = 0.0
@@ -80,6 +111,7 @@ class TrainingMeter:
         w = self.window
         w[self._LOSS_SUM] += torch.where(finite, loss, torch.zeros_like(loss))
         w[self._NONFINITE] += (~finite).to(torch.float64)
+        w[self._NAN] += torch.isnan(loss).to(torch.float64)
         w[self._LAST_LOSS] = loss
         w[self._ITERS] += 1
         w[self._IMAGES] += num_images
@@ -91,12 +123,11 @@ class TrainingMeter:
 
     def check_finite(self, iteration: int, epoch: int) -> None:
         """Collective: raise on every rank if any rank saw a NaN/inf loss in the current window."""
-        bad = comm.all_reduce_sum(self.window[self._NONFINITE].clone())
-        if bad.item() > 0:
+        bad = comm.all_reduce_sum(self.window[[self._NONFINITE, self._NAN]].clone()).tolist()
+        if bad[0] > 0:
+            value = "nan" if bad[1] > 0 else "inf"
             raise NonFiniteLossError(
-                f"loss became NaN/inf by iteration {iteration} (epoch {epoch}); stopping. Lower the learning "
-                f"rate (OPTIMIZER.param_schedulers.lr.base_value), enable clipping (OPTIMIZER.clip_grad_norm) "
-                f"or check the data"
+                divergence_message(f"loss became {value}", iteration, self.run_dir), agreed=True
             )
 
     def log(self, iteration: int, epoch: int, num_epochs: int, lr: float) -> None:
@@ -123,21 +154,28 @@ class TrainingMeter:
             "peak_mem_mib": peak,
             "skipped_images": int(self.skipped_total),
         }
+        if self.scaling is not None:
+            record.update(loss_scale=self.scaling.scale, skipped_steps=self.scaling.skipped_steps)
         if comm.is_main_process():
             self._write(record, num_epochs)
 
     def _write(self, record: dict, num_epochs: int) -> None:
         eta = datetime.timedelta(seconds=int(record["eta_seconds"]))
         skipped = f"  skipped {record['skipped_images']}" if record["skipped_images"] else ""
+        if "loss_scale" in record:
+            skipped += f"  scale {record['loss_scale']:g} ({record['skipped_steps']} steps skipped)"
         logger.info(
             f"epoch {record['epoch'] + 1}/{num_epochs}  it {record['iteration']}/{self.total}  "
             f"loss {record['loss']:.4f} (avg {record['loss_avg']:.4f})  lr {record['lr']:.4g}  "
-            f"{record['images_per_sec']:.1f} img/s  eta {eta}  mem {record['peak_mem_mib']:.0f} MiB{skipped}"
+            f"{record['images_per_sec']:.1f} img/s  eta {eta}  mem {record['peak_mem_mib']:.0f} MiB{skipped}",
+            extra=None if self.console else LOG_FILE_ONLY,
         )
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
-        for name in ("loss", "loss_avg", "lr", "images_per_sec", "peak_mem_mib", "skipped_images"):
-            self.writer.add_scalar(f"train/{name}", record[name], record["iteration"])
+        names = ("loss", "loss_avg", "lr", "images_per_sec", "peak_mem_mib", "skipped_images")
+        for name in names + ("loss_scale", "skipped_steps"):
+            if name in record:
+                self.writer.add_scalar(f"train/{name}", record[name], record["iteration"])
         self.writer.flush()
 
     def summary(self) -> None:
@@ -147,8 +185,12 @@ class TrainingMeter:
             loss = "n/a" if self.last_loss is None else f"{self.last_loss:.4f}"
             logger.info(
                 f"done in {datetime.timedelta(seconds=int(total))}: final loss {loss}, "
-                f"{self.images_seen / max(total, 1e-9):.1f} img/s overall, "
-                f"{int(self.skipped_total)} corrupt images skipped"
+                f"{self.images_seen / max(total, 1e-9):.1f} img/s overall"
+                + (
+                    f", skipped {plural(int(self.skipped_total), 'corrupt image')}"
+                    if self.skipped_total
+                    else ""
+                )
             )
         self.close()
 

@@ -9,10 +9,11 @@ import torch
 
 from vistrain.checkpoint.files import fsync_dir
 from vistrain.config import save_config
+from vistrain.config.words import plural
 from vistrain.distributed import comm
 from vistrain.distributed.launch import resolve_device
 from vistrain.runtime.host_memory import set_mmap_threshold
-from vistrain.runtime.logger import setup_logging
+from vistrain.runtime.logger import logger, setup_logging
 
 
 def start_run(cfg) -> torch.device:
@@ -28,6 +29,7 @@ def start_run(cfg) -> torch.device:
     if device == "cpu":
         set_mmap_threshold(cfg.MACHINE.CPU_MMAP_THRESHOLD_MIB)
     check_run_dir_is_shared(run_dir)
+    logger.info(f"{plural(comm.get_world_size(), 'rank')} on {device}: building the model, reading the data")
     random.seed(cfg.SEED_VALUE)
     np.random.seed(cfg.SEED_VALUE)
     torch.manual_seed(cfg.SEED_VALUE)

@@ -1,9 +1,9 @@
 """AUTO_SETUP_FSDP: turn a built SSL model into a sharded one (a transform; models stay plain).
 
-Units: every RegNet block, the stem, each head MLP and each SwAV prototype layer (full
-precision: it is re-normalised after every step and feeds Sinkhorn's exp(score / eps)), plus
-the whole model as root. Under AMP or the engine's mixed precision every BatchNorm also becomes
-its own fp32 unit (parameters, buffers and arithmetic), so statistics never see bf16/fp16.
+Units: the RegNet SSL table of ``vistrain.models.units`` (blocks or stages, stem, head MLPs, SwAV
+prototypes in full precision) plus every large layer, and the whole model as root. Under AMP or
+the engine's mixed precision every BatchNorm also becomes its own fp32 unit (parameters, buffers
+and arithmetic), so statistics never see bf16/fp16.
 """
 
 import contextlib
@@ -14,49 +14,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from torchvision.models.regnet import AnyStage, ResBottleneckBlock, SimpleStemIN
 
-from vistrain.fsdp import TorchShardedModel, auto_wrap, by_class, hybrid_groups
+from vistrain.fsdp import (
+    KEEP_FP32,
+    Precision,
+    RootOptions,
+    TorchShardedModel,
+    auto_wrap,
+    by_class,
+    hybrid_groups,
+)
 from vistrain.fsdp.deferred_init import build_on_meta
-from vistrain.models.heads.mlp import MLP
-from vistrain.models.heads.swav import SwAVPrototypes
+from vistrain.models.units import CHECKPOINTED, is_large_layer, unit_classes
 from vistrain.runtime.precision import compute_dtype
 from vistrain.torch_compat import BatchNormBase
 
 BACKENDS = ("builtin", "torch")
 
 
-GRANULARITIES = ("block", "stage", "model")
-
-
-def unit_classes(fp32_batchnorm: bool, granularity: str = "block") -> dict:
-    """Module class -> unit options of the RegNet SSL wrap policy.
-
-    ``granularity`` (``MODEL.FSDP_CONFIG.wrap_granularity``): "block" makes every RegNet block,
-    the stem and each head MLP a unit; "stage" every stage instead of its blocks; "model" none of
-    them (the root holds them: one gather and one reduction per step). Fewer, larger units mean
-    fewer collectives and more weights gathered at once; the numbers are the same. The fp32 units
-    (SwAV prototypes; BatchNorm under low precision) stay units at every granularity.
-    """
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"wrap granularity must be one of {GRANULARITIES}, got {granularity!r}")
-    structure = {"block": (ResBottleneckBlock, SimpleStemIN, MLP), "stage": (AnyStage, SimpleStemIN, MLP)}
-    classes = {cls: {} for cls in structure.get(granularity, ())}
-    classes[SwAVPrototypes] = {"keep_fp32": True}
-    if fp32_batchnorm:
-        classes[BatchNormBase] = {"keep_fp32": True}
-    return classes
-
-
-# A convolution or linear layer with at least this many weights (64 MiB in fp32) is its own unit
-# inside its block: a unit's full weights and full gradient are alive together in backward, so
-# the largest unit sets the peak (RegNetY-128GF's last block holds 154M weights, 588 MiB).
-LARGE_LAYER_PARAMS = 2**24
-
-
 def wrap_policy(fp32_batchnorm: bool, granularity: str = "block") -> Callable[[nn.Module], Optional[dict]]:
-    """The builtin backend's units: :func:`unit_classes` plus every large layer."""
-    by_type = by_class(unit_classes(fp32_batchnorm, granularity))
+    """The builtin backend's units: :func:`unit_classes` plus every large layer; the fp32 units
+    run in full precision with autocast off (``KEEP_FP32``)."""
+    table = unit_classes(fp32_batchnorm, granularity)
+    by_type = by_class(
+        {cls: {"precision": KEEP_FP32} if opts.get("keep_fp32") else {} for cls, opts in table.items()}
+    )
 
     def policy(module: nn.Module) -> Optional[dict]:
         overrides = by_type(module)
@@ -67,11 +49,6 @@ def wrap_policy(fp32_batchnorm: bool, granularity: str = "block") -> Callable[[n
     return policy
 
 
-def is_large_layer(module: nn.Module) -> bool:
-    layer = isinstance(module, (nn.Conv2d, nn.Linear))
-    return layer and sum(p.numel() for p in module.parameters()) >= LARGE_LAYER_PARAMS
-
-
 def apply_activation_checkpointing(model: nn.Module, granularity: str) -> nn.Module:
     """Recompute each RegNet block ("block") or stage ("stage") in backward instead of storing
     its activations. Patches ``forward`` in place, so parameter names do not change.
@@ -79,14 +56,13 @@ def apply_activation_checkpointing(model: nn.Module, granularity: str) -> nn.Mod
     Exact: the recomputation sees the same inputs and weights, and its BatchNorms use the batch
     statistics without moving the running ones a second time (torch's checkpoint alone would
     apply the momentum twice per step)."""
-    targets = {"block": ResBottleneckBlock, "stage": AnyStage}
-    if granularity not in targets:
+    if granularity not in CHECKPOINTED:
         raise ValueError(
             f"MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY must be one of "
-            f"{sorted(targets)}, got {granularity!r}"
+            f"{sorted(CHECKPOINTED)}, got {granularity!r}"
         )
     for module in model.modules():
-        if isinstance(module, targets[granularity]):
+        if isinstance(module, CHECKPOINTED[granularity]):
             contexts = functools.partial(_recompute_contexts, module)
             module.forward = functools.partial(_checkpointed, module.forward, contexts)
     return model
@@ -144,26 +120,36 @@ def shard_model(model: nn.Module, model_cfg, param_group_fn: Optional[Callable] 
     low_precision = fsdp_cfg.mixed_precision or model_cfg.AMP_PARAMS.USE_AMP
     classes = unit_classes(low_precision, fsdp_cfg.wrap_granularity)
     if fsdp_cfg.BACKEND == "torch":
-        return torch_fully_shard(model, fsdp_cfg, classes)
-    dtype = compute_dtype(fsdp_cfg)
-    # hybrid sharding: shards within groups of shard_group_size ranks, replicas across them
-    shard_group, replica_group = hybrid_groups(fsdp_cfg.shard_group_size)
+        sharded = torch_fully_shard(
+            model, classes, fsdp_cfg.reshard_after_forward, fsdp_cfg.shard_group_size,
+            compute_dtype(fsdp_cfg), fsdp_cfg.fp32_reduce_scatter,
+        )  # fmt: skip
+        return TorchShardedModel(sharded)
     return auto_wrap(
         model,
         wrap_policy(low_precision, fsdp_cfg.wrap_granularity),
-        process_group=shard_group,
-        replica_group=replica_group,
+        # hybrid sharding: shards within groups of shard_group_size ranks, replicas across them
+        groups=hybrid_groups(fsdp_cfg.shard_group_size),
         reshard_after_forward=fsdp_cfg.reshard_after_forward,
-        mixed_precision=dtype is not None,
-        fp32_reduce_scatter=fsdp_cfg.fp32_reduce_scatter,
+        precision=unit_precision(fsdp_cfg),
         flatten_parameters=fsdp_cfg.flatten_parameters,
-        compute_dtype=dtype,
         move_params_to_cpu=fsdp_cfg.move_params_to_cpu,
-        prefetch_depth=fsdp_cfg.prefetch_depth,
         param_group_fn=param_group_fn,
-        # as the DDP path: synced BN keeps statistics equal, else rank 0's are broadcast
-        broadcast_buffers=not model_cfg.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN,
+        root=RootOptions(
+            # as the DDP path: synced BN keeps statistics equal, else rank 0's are broadcast
+            broadcast_buffers=not model_cfg.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN,
+            prefetch_depth=fsdp_cfg.prefetch_depth,
+        ),
     )
+
+
+def unit_precision(fsdp_cfg) -> Precision:
+    """The engine's :class:`Precision` for ``MODEL.FSDP_CONFIG``: ``compute_dtype`` under
+    ``mixed_precision``, gradients reduced in fp32 with ``fp32_reduce_scatter``. Without mixed
+    precision gradients are reduced in the parameters' own dtype (a float64 model in float64)."""
+    dtype = compute_dtype(fsdp_cfg)
+    reduce = torch.float32 if fsdp_cfg.fp32_reduce_scatter and dtype is not None else None
+    return Precision(dtype, reduce)
 
 
 def torch_mesh(device_type: str, shard_group_size: int):
@@ -178,16 +164,22 @@ def torch_mesh(device_type: str, shard_group_size: int):
     return init_device_mesh(device_type, (world // k, k), mesh_dim_names=("replicate", "shard"))
 
 
-def torch_fully_shard(model: nn.Module, fsdp_cfg, classes: dict) -> nn.Module:
-    """The same wrap policy through PyTorch's ``fully_shard`` (FSDP2), for comparison."""
+def torch_fully_shard(
+    model: nn.Module,
+    classes: dict,
+    reshard_after_forward: bool,
+    shard_group_size: int = 0,
+    dtype: Optional[torch.dtype] = None,
+    fp32_reduce_scatter: bool = False,
+) -> nn.Module:
+    """The same wrap policy through PyTorch's ``fully_shard`` (FSDP2), for comparison: every
+    module of ``classes`` (children before parents; ``keep_fp32`` ones without mixed precision),
+    then ``model``, on :func:`torch_mesh`. Returns ``model``, sharded in place."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device = next(model.parameters()).device
-    mesh = torch_mesh(device.type, fsdp_cfg.shard_group_size)
-    low = MixedPrecisionPolicy(
-        param_dtype=compute_dtype(fsdp_cfg),
-        reduce_dtype=torch.float32 if fsdp_cfg.fp32_reduce_scatter else None,
-    )
+    mesh = torch_mesh(device.type, shard_group_size)
+    low = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if fp32_reduce_scatter else None)
     full = MixedPrecisionPolicy()
     for module in list(model.modules())[::-1]:  # children before parents
         options = next((opts for cls, opts in classes.items() if isinstance(module, cls)), None)
@@ -195,8 +187,8 @@ def torch_fully_shard(model: nn.Module, fsdp_cfg, classes: dict) -> nn.Module:
             fully_shard(
                 module,
                 mesh=mesh,
-                reshard_after_forward=fsdp_cfg.reshard_after_forward,
+                reshard_after_forward=reshard_after_forward,
                 mp_policy=full if options.get("keep_fp32") else low,
             )
-    fully_shard(model, mesh=mesh, reshard_after_forward=fsdp_cfg.reshard_after_forward, mp_policy=low)
-    return TorchShardedModel(model)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=low)
+    return model

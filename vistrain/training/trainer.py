@@ -5,7 +5,7 @@ every batch: forward under autocast -> loss -> backward (accumulating over ``upd
 micro-batches without gradient sync) -> clip -> step -> log -> checkpoint. Method state (SwAV
 queue, prototype freezing and normalisation) lives on the criterion and is called explicitly.
 With ``OPTIMIZER.step_in_backward`` the sharded engine runs the step inside the last micro-batch's
-backward, shard by shard (``vistrain.fsdp.optim_in_backward``); the loop then only tells it which
+backward, shard by shard (``vistrain.fsdp.grads``); the loop then only tells it which
 parameters are frozen this step.
 
 Iterations are counted per data batch; ``iteration`` in logs, metrics and checkpoint names is the
@@ -30,25 +30,35 @@ from vistrain.checkpoint import (
     save_sharded_checkpoint,
     set_aside,
 )
-from vistrain.config import ConfigError
+from vistrain.config import ConfigError, InputError
+from vistrain.config.words import plural
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed import comm
+from vistrain.distributed.launch import resolve_device
 from vistrain.fsdp import (
     Backend,
     OptimizerInBackward,
-    ShardedGradScaler,
+    PartialStepError,
     apply_optimizer_in_backward,
     backend_of,
 )
 from vistrain.losses import build_loss
 from vistrain.models import build_model
 from vistrain.optim import build_lr_schedule, build_optimizer, param_group_key, set_lr
+from vistrain.planner.across_nodes import choose_across_nodes
+from vistrain.planner.auto_tune import check_same_knobs, exact_knobs_of
 from vistrain.runtime import precision
-from vistrain.runtime.auto_tune import check_same_knobs, exact_knobs_of
-from vistrain.runtime.logger import NonFiniteLossError, TrainingMeter, logger
+from vistrain.runtime.logger import (
+    LOG_FILE_ONLY,
+    NonFiniteLossError,
+    TrainingMeter,
+    divergence_message,
+    logger,
+)
 from vistrain.runtime.parallel import parallelize
 from vistrain.runtime.run_setup import record_config, start_run
 from vistrain.runtime.sharding import build_for_run
+from vistrain.training.preemption import BoundaryStop
 
 
 @dataclasses.dataclass
@@ -57,23 +67,67 @@ class StepSettings:
 
     device: torch.device
     amp_dtype: Optional[torch.dtype]  # None: no autocast
-    scaler: Optional[torch.amp.GradScaler]  # float16 only
+    scaling: Optional[precision.LossScaling]  # float16 only
     update_freq: int
     clip_grad_norm: float
     in_backward: Optional[OptimizerInBackward]  # the step runs inside backward (sharded engine)
 
 
-def train(cfg, notes: Sequence[str] = ()) -> None:
+@dataclasses.dataclass
+class _Run:
+    """What a training run builds before its loop."""
+
+    loader: object
+    model: nn.Module
+    criterion: nn.Module
+    optimizer: torch.optim.Optimizer
+    lr_schedule: object
+    settings: StepSettings
+    layout: EpochLayout
+    num_epochs: int
+
+    @property
+    def total_iterations(self) -> int:
+        return self.num_epochs * self.layout.iters_per_epoch
+
+
+def train(cfg, notes: Sequence[str] = (), across_nodes=None) -> None:
     """Pre-train ``cfg.MODEL`` with ``cfg.LOSS`` on ``cfg.DATA.TRAIN``; call on every rank (see
-    launch). ``notes``: lines rank 0 logs first (what the auto-tuner chose)."""
-    run_dir = cfg.CHECKPOINT.DIR
+    launch). ``notes``: lines rank 0 writes first to log.txt (what the auto-tuner chose, in
+    detail); ``across_nodes``: the auto-tuner's ``(candidates, layout)`` for the ranks of a
+    multi-node job to choose from (``vistrain.planner.across_nodes``), before anything is seeded or
+    built."""
+    choice_across_nodes = None
+    if across_nodes:
+        cfg, choice_across_nodes = choose_across_nodes(cfg, *across_nodes, _this_device(cfg))
     device = start_run(cfg)
     for note in notes:
-        logger.info(note)
+        logger.info(note, extra=LOG_FILE_ONLY)  # the console had the launcher's short line
+    if choice_across_nodes:
+        logger.info(choice_across_nodes)
     if cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:  # nodes that planned for different budgets would disagree
         check_same_knobs(comm.all_gather_object(exact_knobs_of(cfg)))
+    run = _build(cfg, device)
+    iteration, resumed_from = 0, 0
+    if cfg.CHECKPOINT.AUTO_RESUME:
+        iteration, resumed_from = _resume(cfg.CHECKPOINT.DIR, run)
+    iters_per_epoch = run.layout.iters_per_epoch
+    if iteration >= run.total_iterations:
+        logger.info(
+            f"nothing to do: {cfg.CHECKPOINT.DIR} already holds {plural(iteration / iters_per_epoch, 'epoch')} "
+            f"of the {run.num_epochs} asked for (raise OPTIMIZER.num_epochs to train on)"
+        )
+        return
+    record_config(cfg, trained_until=resumed_from)
+    logger.info(
+        f"training {plural(run.num_epochs, 'epoch')} x {plural(iters_per_epoch, 'iteration')} on "
+        f"{plural(comm.get_world_size(), 'rank')} ({device.type}), from iteration {iteration}"
+    )
+    _train_epochs(cfg, run, iteration)
 
-    # ---- build
+
+def _build(cfg, device: torch.device) -> _Run:
+    """Data, model (sharded or DDP), loss, optimizer, schedule and step settings of ``cfg``."""
     loader = build_loader(cfg.DATA, "TRAIN", seed=cfg.SEED_VALUE, device=device)
     iters_per_epoch = len(loader)
     if iters_per_epoch == 0:
@@ -83,61 +137,56 @@ def train(cfg, notes: Sequence[str] = ()) -> None:
     if cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE:
         load_pretrained(model, cfg.MODEL.WEIGHTS_INIT)  # before sharding (deferred when on meta)
     model = parallelize(model, cfg.MODEL, device, group_key)
-    criterion = build_loss(cfg.LOSS).to(device)
     optimizer = build_optimizer(cfg.OPTIMIZER, model)
-    lr_schedule = build_lr_schedule(cfg.OPTIMIZER, iters_per_epoch)
     settings = _step_settings(cfg, model, optimizer, device)
-    layout = EpochLayout(
-        iters_per_epoch,
-        cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA * comm.get_world_size(),
-        len(loader.dataset),
-        settings.update_freq,
-    )
-    num_epochs = cfg.OPTIMIZER.num_epochs
-    total_iterations = num_epochs * iters_per_epoch
+    global_batch = cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA * comm.get_world_size()
+    layout = EpochLayout(iters_per_epoch, global_batch, len(loader.dataset), settings.update_freq)
+    return _Run(
+        loader, model, build_loss(cfg.LOSS).to(device), optimizer,
+        build_lr_schedule(cfg.OPTIMIZER, iters_per_epoch), settings, layout, cfg.OPTIMIZER.num_epochs,
+    )  # fmt: skip
 
-    # ---- resume
-    iteration, resumed_from = 0, 0
-    if cfg.CHECKPOINT.AUTO_RESUME:
-        iteration, resumed_from = _resume(run_dir, model, optimizer, criterion, settings.scaler, layout)
-    if iteration >= total_iterations:
-        logger.info(
-            f"nothing to do: {run_dir} already holds {iteration / iters_per_epoch:g} epochs of the "
-            f"{num_epochs} asked for (raise OPTIMIZER.num_epochs to train on)"
-        )
-        return
-    record_config(cfg, trained_until=resumed_from)
-    logger.info(
-        f"training {num_epochs} epochs x {iters_per_epoch} iterations on {comm.get_world_size()} ranks "
-        f"({device.type}), from iteration {iteration}"
-    )
 
-    # ---- loop
-    meter = TrainingMeter(run_dir, cfg.LOG_FREQUENCY, total_iterations, device)
+def _train_epochs(cfg, run: _Run, iteration: int) -> None:
+    """The loop, from ``iteration`` to the last epoch: per batch set the lr, forward and backward
+    (accumulating), step at the end of each accumulation group, log, checkpoint."""
+    model, criterion, optimizer, settings = run.model, run.criterion, run.optimizer, run.settings
+    iters_per_epoch = run.layout.iters_per_epoch
+    meter = TrainingMeter(
+        cfg.CHECKPOINT.DIR, cfg.LOG_FREQUENCY, run.total_iterations, settings.device, settings.scaling
+    )
+    stop = BoundaryStop(cfg, run.total_iterations)  # SIGTERM / SIGUSR1: stop and save at a boundary
     saved_at = iteration
     start_epoch, skip = divmod(iteration, iters_per_epoch)
-    for epoch in range(start_epoch, num_epochs):
-        set_epoch(loader, epoch, start_iteration=skip if epoch == start_epoch else 0)
+    for epoch in range(start_epoch, run.num_epochs):
+        set_epoch(run.loader, epoch, start_iteration=skip if epoch == start_epoch else 0)
         criterion.set_epoch(epoch)
-        for batch in loader:
-            lr = lr_schedule(iteration)
+        for batch in run.loader:
+            lr = run.lr_schedule(iteration)
             set_lr(optimizer, lr)
-            in_epoch = iteration - epoch * iters_per_epoch
-            group = _accumulation_group(in_epoch, iters_per_epoch, settings.update_freq)
+            group = _accumulation_group(
+                iteration - epoch * iters_per_epoch, iters_per_epoch, settings.update_freq
+            )
             if settings.in_backward is not None and group.is_last:
                 settings.in_backward.freeze(criterion.frozen_params(model, iteration))
-            loss = _forward_backward(model, criterion, batch, settings, group)
+            loss = _forward_backward(
+                model, criterion, batch, settings, group, (cfg.CHECKPOINT.DIR, iteration)
+            )
             meter.update(loss, num_images=batch["index"].shape[0], num_skipped=batch.get("num_skipped", 0))
             if group.is_last:
                 _optimizer_step(model, criterion, optimizer, settings, iteration)
             iteration += 1
             if meter.should_log(iteration):
-                meter.log(iteration, epoch, num_epochs, lr)
+                meter.log(iteration, epoch, run.num_epochs, lr)
             if group.is_last and _crossed(saved_at, iteration, cfg.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY):
-                saved_at = _checkpoint(cfg, meter, model, optimizer, criterion, settings, iteration, layout)
-        last_epoch = epoch + 1 == num_epochs
+                saved_at = _checkpoint(cfg, meter, run, iteration)
+            if group.is_last and stop.requested():
+                stop.save_and_stop(
+                    iteration, saved_at, functools.partial(_checkpoint, cfg, meter, run, iteration)
+                )
+        last_epoch = epoch + 1 == run.num_epochs
         if saved_at != iteration and (last_epoch or _every(epoch + 1, cfg.CHECKPOINT.CHECKPOINT_FREQUENCY)):
-            saved_at = _checkpoint(cfg, meter, model, optimizer, criterion, settings, iteration, layout)
+            saved_at = _checkpoint(cfg, meter, run, iteration)
     meter.summary()
 
 
@@ -159,10 +208,18 @@ def _accumulation_group(in_epoch: int, iters_per_epoch: int, update_freq: int) -
     return _Group(size=size, is_last=in_epoch + 1 == start + size)
 
 
+class PartlyUpdatedError(InputError):
+    """A backward failed after the step in backward had updated some units: training stops in
+    one line (the checkpoints on disk are whole; a rerun resumes from the last one)."""
+
+    kind = "training stopped"
+
+
 def _forward_backward(
-    model: nn.Module, criterion, batch: dict, s: StepSettings, group: _Group
+    model: nn.Module, criterion, batch: dict, s: StepSettings, group: _Group, where: Tuple[str, int]
 ) -> torch.Tensor:
-    """Forward + loss under autocast, backward of loss / group size. Returns the (unscaled) loss."""
+    """Forward + loss under autocast, backward of loss / group size. Returns the (unscaled) loss.
+    ``where``: (run folder, iteration), named if a failed backward left the model partly updated."""
     crops = [c.to(s.device, non_blocking=True) for c in batch["crops"]]
     # DDP and the sharded engine skip the gradient all-reduce / reduce-scatter inside no_sync()
     sync = contextlib.nullcontext() if group.is_last else model.no_sync()
@@ -173,8 +230,34 @@ def _forward_backward(
             loss = criterion(model(crops), len(crops))
         # dividing by the group size makes the accumulated gradient the mean over its micro-batches
         scaled = loss / group.size
-        (s.scaler.scale(scaled) if s.scaler is not None else scaled).backward()
+        try:
+            (s.scaling.scaler.scale(scaled) if s.scaling is not None else scaled).backward()
+        except Exception as error:
+            if s.in_backward is not None:
+                _stop_if_partly_updated(model, error, *where)
+            raise
     return loss.detach()
+
+
+def _stop_if_partly_updated(model: nn.Module, error: Exception, run_dir: str, iteration: int) -> None:
+    """With the step in backward: raise :class:`PartlyUpdatedError` (one line) when ``error``
+    stopped a backward after some units stepped; the original traceback goes to the log."""
+    try:
+        model.reset_iter_state()
+        return  # nothing had stepped: the original error stands
+    except PartialStepError as partial:
+        stepped = partial.stepped_units
+    except Exception:  # recovery failed too (peers gone): the original error says more
+        return
+    logger.error("the backward failed", exc_info=error)
+    latest = find_latest_checkpoint(run_dir)
+    resume = f"from {latest}" if latest else f"from the start (no checkpoint in {run_dir} yet)"
+    first_line = (str(error).splitlines() or [""])[0]
+    raise PartlyUpdatedError(
+        f"the backward of iteration {iteration + 1} failed ({type(error).__name__}: {first_line}) after the "
+        f"step in backward had updated units {', '.join(stepped)}: the weights are partly updated and "
+        f"were not saved; rerun the same command to resume {resume}"
+    ) from error
 
 
 def _optimizer_step(model: nn.Module, criterion, optimizer, s: StepSettings, iteration: int) -> None:
@@ -183,15 +266,14 @@ def _optimizer_step(model: nn.Module, criterion, optimizer, s: StepSettings, ite
         return
     criterion.before_optimizer_step(model, iteration)
     if s.clip_grad_norm > 0:
-        if s.scaler is not None:
-            s.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+        if s.scaling is not None:
+            s.scaling.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
         if backend_of(model) is not Backend.REPLICATED:  # sharded: the norm spans all shards
             model.clip_grad_norm_(s.clip_grad_norm)
         else:
             torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip_grad_norm)
-    if s.scaler is not None:
-        s.scaler.step(optimizer)
-        s.scaler.update()
+    if s.scaling is not None:
+        s.scaling.step(optimizer)  # skipped when some rank found an inf/NaN gradient
     else:
         optimizer.step()
     criterion.after_optimizer_step(model)
@@ -202,22 +284,22 @@ def _optimizer_step(model: nn.Module, criterion, optimizer, s: StepSettings, ite
 # setup helpers
 
 
+def _this_device(cfg) -> torch.device:
+    """This rank's device (the launcher set the CUDA one)."""
+    if resolve_device(cfg.MACHINE) == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _step_settings(cfg, model: nn.Module, optimizer, device: torch.device) -> StepSettings:
     amp_dtype = precision.amp_dtype(cfg.MODEL)  # name and device were checked before launch
     update_freq = cfg.OPTIMIZER.update_freq
-    scaler = _grad_scaler(model) if amp_dtype == torch.float16 else None
+    scaling = precision.loss_scaling(model, cfg.MODEL, device)
     # checked before launch: the built-in engine, no clipping, no fp16 scaler
     in_backward = apply_optimizer_in_backward(model, optimizer) if cfg.OPTIMIZER.step_in_backward else None
     return StepSettings(
-        device, amp_dtype, scaler, update_freq, float(cfg.OPTIMIZER.clip_grad_norm), in_backward
+        device, amp_dtype, scaling, update_freq, float(cfg.OPTIMIZER.clip_grad_norm), in_backward
     )
-
-
-def _grad_scaler(model: nn.Module) -> torch.amp.GradScaler:
-    """float16 loss scaling; the sharded engine needs its own scaler (inf checks across shards)."""
-    if backend_of(model) is Backend.BUILTIN:
-        return ShardedGradScaler()
-    return torch.amp.GradScaler("cuda")
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,18 +315,17 @@ def _crossed(saved_at: int, iteration: int, frequency: int) -> bool:
     return frequency > 0 and iteration // frequency > saved_at // frequency
 
 
-def _checkpoint(
-    cfg, meter, model, optimizer, criterion, s: StepSettings, iteration: int, layout: EpochLayout
-) -> int:
+def _checkpoint(cfg, meter, run: _Run, iteration: int) -> int:
     """Save ``checkpoint_<iteration>`` (collective); returns ``iteration``."""
+    layout, scaling = run.layout, run.settings.scaling
     epoch, in_epoch = divmod(iteration, layout.iters_per_epoch)
     # never save a run that diverged: the loss window, and the weights (a step can make them NaN
     # before any loss shows it)
     meter.check_finite(iteration, epoch)
-    _check_finite_weights(model, iteration)
-    extra = {"loss": criterion.state_dict()}  # per rank: the SwAV queue differs between ranks
-    if s.scaler is not None:
-        extra["grad_scaler"] = s.scaler.state_dict()
+    _check_finite_weights(run.model, iteration, cfg.CHECKPOINT.DIR)
+    extra = {"loss": run.criterion.state_dict()}  # per rank: the SwAV queue differs between ranks
+    if scaling is not None:
+        extra.update(scaling.state_dict())  # "grad_scaler", "skipped_steps": an exact resume
     meta = {
         "epoch": epoch,
         "iteration_in_epoch": in_epoch,
@@ -253,13 +334,19 @@ def _checkpoint(
         "config": cfg.dump(),
     }
     path = save_sharded_checkpoint(
-        cfg.CHECKPOINT.DIR, iteration, model, optimizer, extra, meta, keep_last=cfg.CHECKPOINT.KEEP_LAST
+        cfg.CHECKPOINT.DIR,
+        iteration,
+        run.model,
+        run.optimizer,
+        extra,
+        meta,
+        keep_last=cfg.CHECKPOINT.KEEP_LAST,
     )
     logger.info(f"saved {path}")
     return iteration
 
 
-def _check_finite_weights(model: nn.Module, iteration: int) -> None:
+def _check_finite_weights(model: nn.Module, iteration: int, run_dir: str) -> None:
     """Collective: raise on every rank if any rank's parameters (or shards) hold NaN/inf."""
     bad = torch.zeros(1, device=next(model.parameters()).device)
     torch_sharded = backend_of(model) is Backend.TORCH
@@ -268,11 +355,11 @@ def _check_finite_weights(model: nn.Module, iteration: int) -> None:
         bad += (~torch.isfinite(local.detach())).any()
     if comm.all_reduce_sum(bad).item() > 0:
         raise NonFiniteLossError(
-            f"model weights became NaN/inf by iteration {iteration}; not saving a checkpoint"
+            divergence_message("model weights became nan/inf", iteration, run_dir), agreed=True
         )
 
 
-def _resume(run_dir: str, model, optimizer, criterion, scaler, layout: EpochLayout) -> Tuple[int, int]:
+def _resume(run_dir: str, run: _Run) -> Tuple[int, int]:
     """Load the most advanced complete checkpoint of ``run_dir`` (saved on any world size).
 
     Returns (the iteration to continue from, the resumed checkpoint's own iteration); (0, 0) when
@@ -282,19 +369,19 @@ def _resume(run_dir: str, model, optimizer, criterion, scaler, layout: EpochLayo
     path = comm.all_gather_object(_pick_checkpoint(run_dir) if comm.is_main_process() else None)[0]
     if path is None:
         return 0, 0
-    state = load_sharded_checkpoint(path, model, optimizer)
+    state = load_sharded_checkpoint(path, run.model, run.optimizer)
     meta, extra = state["metadata"], state["extra"]
-    iteration = resume_iteration(meta, layout, path)
+    iteration = resume_iteration(meta, run.layout, path)
     if state["same_world_size"]:  # per-rank state: rank r continues rank r's RNG streams and queue
-        criterion.load_state_dict(extra["loss"])
+        run.criterion.load_state_dict(extra["loss"])
         restore_rng(state["rng"])
     else:
         logger.info(
-            f"{path} was saved by {meta['world_size']} ranks: per-rank loss state "
+            f"{path} was saved by {plural(meta['world_size'], 'rank')}: per-rank loss state "
             "(e.g. the SwAV queue) and RNG streams start afresh"
         )
-    if scaler is not None and "grad_scaler" in extra:
-        scaler.load_state_dict(extra["grad_scaler"])
+    if run.settings.scaling is not None:
+        run.settings.scaling.load_state_dict(extra)
     logger.info(f"resumed from {path} at iteration {iteration}")
     return iteration, meta["iteration"]
 

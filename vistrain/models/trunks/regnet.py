@@ -78,15 +78,7 @@ def block_params_from_config(regnet_cfg) -> BlockParams:
     # torchvision computes the widths with tensors and reads them back with .tolist(): pin them
     # to the CPU so that building the model on the meta device (per-unit init) works.
     with torch.device("cpu"):
-        return BlockParams.from_init_params(
-            depth=depth,
-            w_0=w_0,
-            w_a=w_a,
-            w_m=w_m,
-            group_width=group_width,
-            bottleneck_multiplier=bottleneck,
-            se_ratio=se_ratio,
-        )
+        return BlockParams.from_init_params(depth, w_0, w_a, w_m, group_width, bottleneck, se_ratio)
 
 
 class RegNetTrunk(nn.Module):

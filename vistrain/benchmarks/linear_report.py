@@ -1,0 +1,80 @@
+"""What linear evaluation prints: a header, one line per training pass (each cross-validation fold,
+then the final fit) with the time left for the whole job, and a compact table of the results.
+
+Every pass trains ``num_epochs`` epochs; their iterations are known before the first one starts,
+so the ETA is (time so far / iterations done) x iterations left over the whole job, not over the
+pass in progress. The meter's periodic lines (loss, lr, images/s) go to ``log.txt``,
+``metrics.jsonl`` and TensorBoard only.
+"""
+
+import datetime
+import time
+from typing import Dict, List, Sequence
+
+from vistrain.benchmarks import lr_grid
+from vistrain.config.words import plural
+from vistrain.runtime.logger import logger
+
+
+class JobClock:
+    """Time spent and left in a job of ``total_iterations`` iterations (all passes together)."""
+
+    def __init__(self, total_iterations: int):
+        self.total = total_iterations
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> str:
+        return _clock(time.perf_counter() - self.start)
+
+    def eta(self, done: int) -> str:
+        """Time left once ``done`` of the job's iterations are done."""
+        spent = time.perf_counter() - self.start
+        return _clock(spent / max(done, 1) * max(self.total - done, 0))
+
+
+def _clock(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=int(seconds)))
+
+
+def header(names: Sequence[str], dims: Dict[str, int], num_classes: int, epochs: int, iters: int, world: int):
+    """The first line: what is evaluated, and how long the final fit is."""
+    shown = ", ".join(f"{name} ({dims[name]})" for name in names)
+    return (
+        f"linear evaluation of {shown}, {plural(num_classes, 'class', 'classes')}: "
+        f"{plural(epochs, 'epoch')} x {plural(iters, 'iteration')} on {plural(world, 'rank')}"
+    )
+
+
+def grid_plan(grid: List[float], folds: int, fraction: float) -> str:
+    """How each feature's learning rate is chosen (the second line, with a grid)."""
+    how = (
+        f"{folds}-fold cross-validation on DATA.TRAIN ({folds} folds, then the final fit)"
+        if folds > 1
+        else f"a held-out {fraction:.0%} of DATA.TRAIN (one fit on the rest, then the final fit)"
+    )
+    return f"choosing each feature's lr among {', '.join(f'{lr:g}' for lr in grid)} by {how}"
+
+
+def fold_line(fold: int, folds: int, results: Dict[str, dict], names, grid, clock: JobClock, done: int):
+    """After a fold (or the single holdout): each feature's best held-out top-1 and its lr."""
+    best = []
+    for name in names:
+        top1, lr = max((results[lr_grid.grid_key(name, i)]["top1"], -lr) for i, lr in enumerate(grid))
+        best.append(f"{name} {top1:.1f}% (lr {-lr:g})")
+    which = f"fold {fold}/{folds}" if folds > 1 else "holdout fit"
+    return f"{which} done ({clock.elapsed()}): best held-out top-1 {', '.join(best)}; eta {clock.eta(done)}"
+
+
+def results_table(title: str, results: Dict[str, dict], with_grid: bool) -> List[str]:
+    """The final table: one header line, one line per feature."""
+    columns = f"  {'feature':<10}{'dim':>7}" + (f"{'lr':>8}{'held-out':>10}" if with_grid else "")
+    lines = [title, f"{columns}{'top-1':>9}{'top-5':>9}"]
+    for name, res in results.items():
+        grid = f"{res['lr']:>8g}{res['holdout_top1']:>9.2f}%" if with_grid else ""
+        lines.append(f"  {name:<10}{res['dim']:>7}{grid}{res['top1']:>8.2f}%{res['top5']:>8.2f}%")
+    return lines
+
+
+def log_lines(lines: Sequence[str]) -> None:
+    for line in lines:
+        logger.info(line)

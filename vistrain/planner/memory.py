@@ -1,0 +1,205 @@
+"""Predict a run's peak memory per rank from its config, and search the knobs for a budget.
+
+What the run logs as ``mem`` (CPU: peak RSS of the process; CUDA: peak allocated memory) is
+modelled as the sum of, per rank (bytes; W ranks, a unit of n elements has shards of
+ceil(n / W) elements, p = fp32 master bytes 4, c = compute bytes: 2 under mixed precision):
+
+    params          sum_u ceil(n_u / W) * 4            (DDP: sum_u n_u * 4)
+    optimizer       k * params, k = 1 (SGD/LARS momentum), 2 (AdamW), 0 (SGD without momentum)
+    gathered units  backward of unit k (execution order): c * (root + w_k + w_(k-1) prefetched)
+                    (ZeRO-2: c * all units) + ``GRADIENT_COPIES`` * reduce bytes * g_k
+    grads           the shard gradients alive then: of the units reduced before k; with the step
+                    inside backward, the shard being updated and one temporary (DDP: every
+                    gradient twice: .grad and its bucket); the worst k of gathered + grads
+                    (:func:`backward_peak_bytes`). The ordinary step after backward holds every
+                    shard gradient and no gathered weights: the plan is the larger of the two.
+    activations     bytes autograd saves in one forward, measured on the meta device (scaled to
+                    2 bytes under mixed precision / AMP); with activation checkpointing the
+                    inputs of the checkpointed modules plus the largest one's own activations
+    runtime         CPU: RSS of a fresh Python process after importing the training stack (measured
+                    once per planner run) + ``CPU_ALLOWANCE_MIB`` for the process group, loader
+                    and allocator; CUDA: 0 (the CUDA context is not allocated memory)
+
+On CPU the plan is for glibc's default allocator: the engine gives freed heap pages back at unit
+boundaries (``vistrain/fsdp/model_state.py``) and ``GRADIENT_COPIES`` holds what glibc keeps until the
+next trim. The measurements the terms were fitted to and checked against: docs/notes/memory.md.
+
+``move_params_to_cpu`` on CUDA moves params, grads and optimizer state out of GPU memory.
+Which knobs fit a budget and which of them is fastest: ``knobs.py`` and ``auto_tune.py``.
+"""
+
+import functools
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from typing import Dict, Optional, Sequence, Tuple
+
+from vistrain.fsdp.flat_param import shard_size
+from vistrain.planner.shape import MIB, ModelShapes, RunShape, meta_crops, run_shape, shapes_for
+
+# gloo threads and buffers, data loader, glibc arenas: what the quick start's peak RSS holds beyond
+# the import baseline and its model terms (docs/notes/memory.md)
+CPU_ALLOWANCE_MIB = 75
+OPTIMIZER_STATES = {"sgd": 1, "lars": 1, "adamw": 2}
+# A unit's full gradient at its backward peak: per parameter, concatenated, and half of it again
+# for what glibc keeps until the next trim (fitted at glibc's default, docs/notes/memory.md).
+GRADIENT_COPIES = 2.5
+# With MACHINE.CPU_MMAP_THRESHOLD_MIB set glibc keeps nothing freed: the two copies autograd holds
+GRADIENT_COPIES_MMAPPED = 2.0
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per rank by component; ``peak`` is their sum."""
+
+    params: float
+    grads: float
+    optimizer_state: float
+    gathered_units: float
+    activations: float
+    runtime_overhead: float
+
+    @property
+    def peak(self) -> float:
+        return sum(asdict(self).values())
+
+    def as_mib(self) -> Dict[str, float]:
+        out = {"peak_mib_per_rank": round(self.peak / MIB, 1)}
+        out["breakdown_mib"] = {k: round(v / MIB, 1) for k, v in asdict(self).items()}
+        return out
+
+
+def sharded_state_bytes(
+    sizes: Sequence[int], world: int, states: int, sharded: bool = True
+) -> Dict[str, int]:
+    """params / grads / optimizer state bytes per rank (fp32 masters) for units of ``sizes``."""
+    elements = sum(shard_size(n, world) for n in sizes) if sharded else sum(sizes)
+    grads = elements * 4 if sharded else 2 * elements * 4  # DDP: .grad plus its bucket copy
+    return {"params": elements * 4, "grads": grads, "optimizer_state": states * elements * 4}
+
+
+def backward_peak_bytes(
+    sizes: Sequence[int],
+    world: int,
+    compute_bytes: int,
+    reduce_bytes: int,
+    reshard: bool,
+    in_backward: bool,
+    prefetch_depth: int = 1,
+    gradient_copies: float = None,
+) -> Tuple[int, int]:
+    """(gathered, gradients) bytes per rank at the worst unit of backward.
+
+    ``sizes``: units in execution order, root last; backward visits them last to first. In the
+    backward of unit k the root, unit k and the ``prefetch_depth`` units prefetched before it
+    (k-1, k-2, ...) are gathered (ZeRO-2: every unit), and unit k's gradient exists
+    ``gradient_copies`` times (default ``GRADIENT_COPIES``: autograd's split backward holds it
+    per parameter and concatenated; glibc keeps some of what the unit freed until the next trim).
+    Shard gradients alive then: those of the units already reduced (after k in execution order);
+    with the optimizer step inside backward only the shard being updated (unit k+1's) and one
+    update temporary of its size. The root's gradient completes last: the root gathered, its
+    gradient ``gradient_copies`` times, every unit's shard gradient (the step in backward: one).
+    """
+    copies = GRADIENT_COPIES if gradient_copies is None else gradient_copies
+    root, units = sizes[-1], list(sizes[:-1]) or [0]
+    shards = [shard_size(n, world) * 4 for n in units] + [0]
+    best = (0, 0)
+    for k, size in enumerate(units):
+        prefetched = sum(units[max(k - prefetch_depth, 0) : k])
+        weights = root + (size + prefetched if reshard else sum(units))
+        gathered = int(weights * compute_bytes + copies * size * reduce_bytes)
+        grads = 2 * shards[k + 1] if in_backward else sum(shards[k + 1 :])
+        if gathered + grads > sum(best):
+            best = (gathered, grads)
+    # the root's own gradient completes last, every other unit freed and reduced by then
+    reduced = [shard_size(n, world) * 4 for n in sizes[:-1]]
+    gathered = int(root * compute_bytes + copies * root * reduce_bytes)
+    grads = 2 * max(reduced, default=0) if in_backward else sum(reduced)
+    return max(best, (gathered, grads), key=sum)
+
+
+def checkpointed_activations(total: int, per_module: Sequence[int], inputs: Sequence[int]) -> int:
+    """Saved bytes when each module of ``per_module`` is recomputed in backward: everything
+    outside them, their inputs (kept by the checkpoint) and one module's own activations."""
+    if not per_module:
+        return total
+    return total - sum(per_module) + sum(inputs) + max(per_module)
+
+
+def plan(cfg, device: str = "cpu", shapes: Optional[ModelShapes] = None) -> MemoryPlan:
+    """Peak memory per rank of a training run of ``cfg`` on ``device`` ("cpu" or "cuda"): the
+    larger of the worst moment of backward and (the ordinary step) the moment after it.
+
+    ``shapes`` shares the meta model and its measurements between plans of one model (a search).
+    """
+    shapes = shapes_for(cfg, shapes)
+    shape = run_shape(cfg, shapes)
+    states = optimizer_states(cfg.OPTIMIZER)
+    state = sharded_state_bytes(shape.unit_sizes, shape.groups.shard_ranks, states, shape.sharded)
+    all_grads = state["grads"]
+    if device == "cuda" and shape.sharded and cfg.MODEL.FSDP_CONFIG.move_params_to_cpu:
+        state = dict.fromkeys(state, 0)
+    gathered = 0
+    if shape.sharded:
+        gathered, state["grads"] = _backward_moment(cfg, shape, device)
+    runtime = runtime_bytes(device, shapes)
+    backward_peak = MemoryPlan(
+        gathered_units=gathered,
+        activations=activation_bytes(cfg, shapes, shape.precision.low),
+        runtime_overhead=runtime,
+        **state,
+    )
+    if not shape.sharded or cfg.OPTIMIZER.step_in_backward:
+        return backward_peak
+    # the ordinary step, after backward: every shard gradient, one update temporary, no weights
+    # gathered and the activations freed
+    temporary = max(shard_size(n, shape.groups.shard_ranks) for n in shape.unit_sizes) * 4
+    step_peak = MemoryPlan(**{**state, "grads": all_grads + temporary}, gathered_units=0,
+                           activations=0, runtime_overhead=runtime)  # fmt: skip
+    return max(backward_peak, step_peak, key=lambda plan: plan.peak)
+
+
+def optimizer_states(optim_cfg) -> int:
+    """Optimizer state tensors per parameter: momentum buffers, AdamW's two moments."""
+    momentum = optim_cfg.momentum > 0 or optim_cfg.name == "adamw"
+    return OPTIMIZER_STATES.get(optim_cfg.name, 1) if momentum else 0
+
+
+def _backward_moment(cfg, shape: RunShape, device: str) -> Tuple[int, int]:
+    """:func:`backward_peak_bytes` with ``cfg``'s knobs."""
+    fsdp = cfg.MODEL.FSDP_CONFIG
+    mmapped = device == "cpu" and cfg.MACHINE.CPU_MMAP_THRESHOLD_MIB > 0
+    return backward_peak_bytes(
+        shape.unit_sizes, shape.groups.shard_ranks, shape.precision.compute_bytes,
+        shape.precision.reduce_bytes, shape.reshard_after_forward, bool(cfg.OPTIMIZER.step_in_backward),
+        fsdp.prefetch_depth, GRADIENT_COPIES_MMAPPED if mmapped else GRADIENT_COPIES,
+    )  # fmt: skip
+
+
+def activation_bytes(cfg, shapes: ModelShapes, low: bool) -> float:
+    """Autograd's saved bytes of one forward (halved in 16 bits) plus the batch itself."""
+    checkpointing = cfg.MODEL.ACTIVATION_CHECKPOINTING
+    granularity = checkpointing.GRANULARITY if checkpointing.USE_ACTIVATION_CHECKPOINTING else None
+    data, batch = cfg.DATA.TRAIN, cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA
+    total, per_module, inputs = shapes.activations(data, batch, granularity)
+    saved = checkpointed_activations(total, per_module, inputs) * (0.5 if low else 1.0)
+    return saved + sum(c.numel() * 4 for c in meta_crops(data, batch))
+
+
+def runtime_bytes(device: str, shapes: ModelShapes) -> float:
+    """CPU: the import baseline plus ``CPU_ALLOWANCE_MIB``; CUDA: 0."""
+    if device != "cpu":
+        return 0
+    return ((shapes.baseline_mib or import_baseline_mib()) + CPU_ALLOWANCE_MIB) * MIB
+
+
+@functools.lru_cache(maxsize=1)
+def import_baseline_mib() -> float:
+    """RSS of a fresh Python process that imported what a training rank imports (MiB)."""
+    code = (
+        "import torch, torchvision, vistrain.jobs\n"
+        "from vistrain.fsdp.memory import current_rss_mib\n"
+        "print(current_rss_mib())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
