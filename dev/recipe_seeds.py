@@ -9,15 +9,18 @@ pretraining; the folds and head initialisation of the probe), through the normal
    ``BENCHMARK.FEATURES`` entry, each head's lr chosen by cross-validation on the TRAIN digits).
 
 Then prints one row per seed and the mean +- standard deviation over the seeds (sample std, n - 1):
-val top-1 of every evaluated feature, the best of them, the margin of the best over the raw-pixel
+val top-1 of every evaluated feature, that of the feature a user would pick without looking at val
+(``chosen``: the highest top-1 of the probe's cross-validation on TRAIN; ties go to the first
+listed), the margin of the chosen feature over the raw-pixel
 logistic regression and over the RBF-SVM (``dev/demo_pretrain_then_eval.py``'s baselines, chosen by
 5-fold cross-validation on TRAIN), and the time taken (wall; CPU of all processes per rank in
-brackets). The claim of the README (issue 36): every seed's best feature above the pixel logistic
+brackets). The claim of the README (issue 36): every seed's chosen feature above the pixel logistic
 regression, and the mean margin at least ``--min-mean-margin`` (SimCLR 1.0, SwAV 0.5 points);
 ``--check`` exits 1 when it does not hold.
 
 Each seed's runs live in ``--out/seed_<N>/`` with their logs (``pretrain.log``, ``linear_eval.log``);
-a seed whose ``result.json`` is there is not run again (``--overwrite`` starts from scratch).
+a seed whose ``result.json`` is there is not run again, an interrupted one resumes from its last
+checkpoint (its times, marked ``*``, are those of the last part), ``--overwrite`` starts from scratch.
 ``summary.json`` holds every number printed.
 
     python dev/recipe_seeds.py                                      # SimCLR quick start, seeds 0-4
@@ -62,7 +65,7 @@ def parse_args():
         "--min-mean-margin",
         type=float,
         default=None,
-        help="required mean margin of the best feature over the pixel logistic regression "
+        help="required mean margin of the chosen feature over the pixel logistic regression "
         "(points; default: SimCLR 1.0, SwAV 0.5)",
     )
     args = parser.parse_args()
@@ -93,8 +96,8 @@ def run_seed(args, seed: int) -> dict:
             )
         return record
     pretrain_dir, eval_dir = folder / "pretrain", folder / "linear_eval"
-    for stale in (pretrain_dir, eval_dir):  # an interrupted run: start it again
-        shutil.rmtree(stale, ignore_errors=True)
+    # An interrupted seed resumes: the launcher continues from the newest complete checkpoint.
+    resumed = any(d.is_dir() and any(d.glob("checkpoint_*")) for d in (pretrain_dir, eval_dir))
     seed_arg = f"config.SEED_VALUE={seed}"
     timings, cpu = {}, {}
     pretrain = [f"config={PRETRAINING[args.method]}", f"config.CHECKPOINT.DIR={pretrain_dir}", seed_arg]
@@ -124,17 +127,31 @@ def run_seed(args, seed: int) -> dict:
             "linear_eval": timings[f"seed {seed} linear eval"],
         },
         "cpu_per_rank": {step: seconds / 2 for step, seconds in cpu.items()},
+        "resumed": resumed,  # its times are those of the part run last
     }
     done.write_text(json.dumps(record, indent=1))
     return record
 
 
+def chosen_feature(record: dict) -> str:
+    """The feature with the best cross-validated top-1 on TRAIN: chosen without seeing val."""
+    cv = record["cv_top1"]
+    return max(cv, key=lambda name: (cv[name] is not None, cv[name] or 0.0))
+
+
+def claim(records, pixels: dict, min_mean_margin: float):
+    """(holds, margins): every seed's chosen feature above the pixel logistic regression and the
+    mean margin at least ``min_mean_margin`` points; the margin of each seed."""
+    margins = [r["top1"][chosen_feature(r)] - pixels["logistic regression"] for r in records]
+    return min(margins) > 0 and statistics.fmean(margins) >= min_mean_margin, margins
+
+
 def seed_row(record: dict, pixels: dict) -> dict:
-    """The printed numbers of one seed: top-1 per feature, best, margins, minutes."""
+    """The printed numbers of one seed: top-1 per feature, chosen, margins, seconds."""
     row = dict(record["top1"])
-    row["best"] = max(record["top1"].values())
-    row["vs logistic"] = row["best"] - pixels["logistic regression"]
-    row["vs RBF-SVM"] = row["best"] - pixels["RBF-SVM"]
+    row["chosen"] = record["top1"][chosen_feature(record)]
+    row["vs logistic"] = row["chosen"] - pixels["logistic regression"]
+    row["vs RBF-SVM"] = row["chosen"] - pixels["RBF-SVM"]
     row["pretrain s"] = record["seconds"]["pretrain"]
     row["eval s"] = record["seconds"]["linear_eval"]
     return row
@@ -144,7 +161,7 @@ def print_table(args, records, pixels: dict) -> dict:
     """Per-seed rows, then mean +- std; returns {column: (mean, std)}."""
     rows = [seed_row(record, pixels) for record in records]
     columns = list(rows[0])
-    percent = len(records[0]["top1"]) + 1  # features and best are accuracies, then margins, then times
+    percent = len(records[0]["top1"]) + 1  # features and chosen are accuracies, then margins, then times
     print(
         f"\n{args.method} ({PRETRAINING[args.method]}"
         + (" " + " ".join(overrides(args.pretrain)) if args.pretrain else "")
@@ -164,7 +181,10 @@ def print_table(args, records, pixels: dict) -> dict:
 
     for record, row in zip(records, rows):
         cpu = " + ".join(f"{record['cpu_per_rank'][step]:.0f}" for step in ("pretrain", "linear_eval"))
-        print(f"| {record['seed']} | " + " | ".join(cell(c, row[c]) for c in columns) + f" | {cpu} |")
+        resumed = "*" if record.get("resumed") else ""
+        print(
+            f"| {record['seed']}{resumed} | " + " | ".join(cell(c, row[c]) for c in columns) + f" | {cpu} |"
+        )
     stats = {}
     for column in columns:
         values = [row[column] for row in rows]
@@ -189,10 +209,9 @@ def main() -> int:
     records = [run_seed(args, seed) for seed in args.seeds]
     pixels = pixel_baselines()
     stats = print_table(args, records, pixels)
-    margins = [max(r["top1"].values()) - pixels["logistic regression"] for r in records]
-    holds = min(margins) > 0 and stats["vs logistic"][0] >= args.min_mean_margin
+    holds, margins = claim(records, pixels, args.min_mean_margin)
     print(
-        f"\nclaim (every seed's best feature above the pixel logistic regression, mean margin >= "
+        f"\nclaim (every seed's chosen feature above the pixel logistic regression, mean margin >= "
         f"{args.min_mean_margin:g}): {'holds' if holds else 'does NOT hold'} "
         f"(lowest margin {min(margins):+.2f}, mean {stats['vs logistic'][0]:+.2f}); "
         f"{len(records)} seeds, {time.perf_counter() - start:.0f} s here; runs in {args.out}"
