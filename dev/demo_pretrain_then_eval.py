@@ -25,12 +25,14 @@ raw-pixel logistic regression on its best feature.
 
 import argparse
 import json
+import resource
 import shlex
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER = REPO / "tools" / "run_distributed.py"
@@ -55,16 +57,32 @@ def parse_args():
     return parser.parse_args()
 
 
-def run(name: str, argv, timings: dict) -> None:
-    """One launcher run as a subprocess; its output streams through; stop the demo if it fails."""
+def run(name: str, argv, timings: dict, log: Optional[Path] = None) -> float:
+    """One launcher run as a subprocess; stop the demo if it fails. Its output streams through,
+    or goes to ``log`` (whose tail is printed on failure). Records the wall time in
+    ``timings[name]``; returns the CPU seconds (user + system) of the launcher and its ranks."""
     command = [sys.executable, str(LAUNCHER), *argv]
-    print(f"\n=== {name}: {shlex.join(command)}", flush=True)
-    start = time.perf_counter()
-    result = subprocess.run(command, cwd=REPO)
+    print(f"\n=== {name}: {shlex.join(command)}" + (f" > {log}" if log else ""), flush=True)
+    start, cpu_before = time.perf_counter(), _children_cpu_seconds()
+    if log is None:
+        result = subprocess.run(command, cwd=REPO)
+    else:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as out:
+            result = subprocess.run(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     timings[name] = time.perf_counter() - start
     if result.returncode != 0:
-        sys.exit(f"{name} failed (exit code {result.returncode}); see its output above")
-    print(f"=== {name}: done in {timings[name]:.0f} s", flush=True)
+        tail = "\n".join(log.read_text().splitlines()[-30:]) + "\n" if log else ""
+        sys.exit(f"{tail}{name} failed (exit code {result.returncode}); see its output above")
+    cpu = _children_cpu_seconds() - cpu_before
+    print(f"=== {name}: done in {timings[name]:.0f} s ({cpu:.0f} s CPU)", flush=True)
+    return cpu
+
+
+def _children_cpu_seconds() -> float:
+    """User + system CPU time of every finished child process (and theirs) of this one."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def top1(run_dir: Path) -> dict:

@@ -94,6 +94,30 @@ def test_linear_heads_see_pooled_features_of_each_requested_stage(pool_size):
     assert {name: tuple(t.shape) for name, t in logits.items()} == dict.fromkeys(dims, (3, 10))
 
 
+def test_a_feature_joined_by_plus_is_its_parts_pooled_and_concatenated():
+    """BENCHMARK.FEATURES entry "s1+s2+avgpool": the pooled parts side by side, in that order,
+    one head over the whole width; the trunk is asked for each part once."""
+    cfg = load_config(
+        _tiny(
+            "unused",
+            "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False",
+            "config.BENCHMARK.FEATURES=[s2, s1+s2+avgpool]",
+            "config.BENCHMARK.POOL_SIZE=2",
+        )
+    )
+    assert common.trunk_model_config(cfg).TRUNK.OUT_FEATURES == ["s2", "s1", "avgpool"]
+    trunk, dims = common.build_frozen_trunk(cfg, CPU)
+    assert dims == {"s2": 16 * 4, "s1+s2+avgpool": 8 * 4 + 16 * 4 + 16}
+    images = torch.randn(3, 3, 16, 16)
+    features = common.trunk_features(trunk, images, list(dims), 2)
+    maps = trunk(images)
+    parts = [F.adaptive_avg_pool2d(maps["s1"], 2).flatten(1), F.adaptive_avg_pool2d(maps["s2"], 2).flatten(1)]
+    torch.testing.assert_close(features["s1+s2+avgpool"], torch.cat([*parts, maps["avgpool"]], dim=1))
+    torch.testing.assert_close(features["s2"], parts[1])
+    logits = LinearHeads(dims, num_classes=10)(features)
+    assert logits["s1+s2+avgpool"].shape == (3, 10)
+
+
 def _linear_eval_watching_the_trunk(rank, world_size, argv):
     """Run the engine; return the trunk's weights and buffers after it, and its modes."""
     seen = {}

@@ -66,6 +66,10 @@ def _bad_values(tmp_path):
             "BENCHMARK.FEATURES must be a non-empty list of stem, s1, s2,",
         ),
         (
+            knn + ["config.BENCHMARK.FEATURES=[s2, s1+s9]"],
+            "BENCHMARK.FEATURES must be a non-empty list of stem, s1, s2,",
+        ),
+        (
             ["config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=0"],
             "DATA.TRAIN.BATCHSIZE_PER_REPLICA must be >= 1; got 0",
         ),

@@ -31,12 +31,21 @@ from vistrain.runtime.sharding import shard_model
 # the frozen trunk
 
 
+def feature_parts(name: str) -> List[str]:
+    """The trunk features a BENCHMARK.FEATURES entry reads: ``"s2"`` -> ["s2"]; several joined by
+    "+" (``"s2+s3+avgpool"``) are each pooled, then concatenated in that order, as DINO's linear
+    evaluation concatenates the outputs of several blocks."""
+    return name.split("+")
+
+
 def trunk_model_config(cfg):
-    """``cfg.MODEL`` for a frozen feature extractor: identity head returning BENCHMARK.FEATURES."""
+    """``cfg.MODEL`` for a frozen feature extractor: identity head returning every trunk feature
+    BENCHMARK.FEATURES reads."""
     model_cfg = cfg.MODEL.clone()
     model_cfg.defrost()
     model_cfg.HEAD.NAME = "identity"
-    model_cfg.TRUNK.OUT_FEATURES = list(cfg.BENCHMARK.FEATURES)
+    parts = [part for name in cfg.BENCHMARK.FEATURES for part in feature_parts(name)]
+    model_cfg.TRUNK.OUT_FEATURES = list(dict.fromkeys(parts))
     model_cfg.freeze()
     return model_cfg
 
@@ -99,11 +108,13 @@ def trunk_features(
     """Pooled float32 features ``{name: (N, D_name)}`` of ``images`` (N, 3, H, W) from the frozen trunk.
 
     Stage maps (N, C, h, w) are average-pooled to (N, C, P, P) with P = ``pool_size`` and flattened
-    to D = C * P * P (VISSL's linear-eval protocol); "avgpool" is already (N, C).
+    to D = C * P * P (VISSL's linear-eval protocol); "avgpool" is already (N, C). A name joining
+    several features by "+" gets their pooled features concatenated along D (:func:`feature_parts`).
     """
     with torch.autocast(images.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
         out = trunk(images)
-    return {name: pool_feature(out[name], pool_size).float() for name in names}
+    pooled = {part: pool_feature(out[part], pool_size).float() for part in out}
+    return {name: torch.cat([pooled[part] for part in feature_parts(name)], dim=1) for name in names}
 
 
 def pool_feature(feature: torch.Tensor, pool_size: int) -> torch.Tensor:
@@ -114,9 +125,13 @@ def pool_feature(feature: torch.Tensor, pool_size: int) -> torch.Tensor:
 
 
 def pooled_dims(channels: Dict[str, int], names: Sequence[str], pool_size: int) -> Dict[str, int]:
-    """Width of each pooled feature: C * P * P for stage maps, C for "avgpool" (``channels``: the
-    trunk's ``feature_dims``)."""
-    return {name: channels[name] * (1 if name == "avgpool" else pool_size**2) for name in names}
+    """Width of each pooled feature: C * P * P for stage maps, C for "avgpool", the sum of its
+    parts' for a concatenation (``channels``: the trunk's ``feature_dims``)."""
+
+    def width(part: str) -> int:
+        return channels[part] * (1 if part == "avgpool" else pool_size**2)
+
+    return {name: sum(width(part) for part in feature_parts(name)) for name in names}
 
 
 @torch.no_grad()

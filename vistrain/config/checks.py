@@ -313,16 +313,22 @@ def _data_path_problem(kind: Optional[str], path: str) -> Problem:
 
 def _trunk_features(cfg: CfgNode, catalog: Catalog) -> Problem:
     """MODEL.TRUNK.OUT_FEATURES (and, for benchmarks, BENCHMARK.FEATURES) name features the trunk
-    has (a RegNet: stem, s1..sK for its K stages, avgpool)."""
+    has (a RegNet: stem, s1..sK for its K stages, avgpool); a BENCHMARK.FEATURES entry may join
+    several by "+" (concatenated, ``vistrain.benchmarks.common.feature_parts``)."""
     try:
         valid = list(catalog.trunk_features(cfg.MODEL.TRUNK))
     except ValueError as error:  # e.g. a custom RegNet with impossible design parameters
         return str(error).splitlines()[0]
-    benchmark = cfg.JOB in ("linear_eval", "knn", "extract_features")
-    for key in ("MODEL.TRUNK.OUT_FEATURES", "BENCHMARK.FEATURES")[: 2 if benchmark else 1]:
-        problem = each_one_of(valid)(get_key(cfg, key), catalog)
-        if problem:
-            return f"{key} {problem}"
+    problem = each_one_of(valid)(cfg.MODEL.TRUNK.OUT_FEATURES, catalog)
+    if problem:
+        return f"MODEL.TRUNK.OUT_FEATURES {problem}"
+    if cfg.JOB in ("linear_eval", "knn", "extract_features"):
+        features = list(cfg.BENCHMARK.FEATURES)
+        if not features or any(part not in valid for name in features for part in name.split("+")):
+            return (
+                f"BENCHMARK.FEATURES must be a non-empty list of {', '.join(valid)} (or several of "
+                f"them joined by '+', concatenated); got {features}"
+            )
     return None
 
 

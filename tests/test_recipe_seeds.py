@@ -1,0 +1,53 @@
+"""dev/recipe_seeds.py's arithmetic: which feature a seed counts, its margins, the claim."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+DEV = Path(__file__).resolve().parents[1] / "dev"
+PIXELS = {"logistic regression": 96.67, "RBF-SVM": 98.89}
+
+
+@pytest.fixture(scope="module")
+def recipe_seeds():
+    sys.path.insert(0, str(DEV))
+    spec = importlib.util.spec_from_file_location("recipe_seeds", DEV / "recipe_seeds.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _record(seed, top1, cv):
+    return {
+        "seed": seed,
+        "top1": dict(zip(["s2", "s3", "avgpool"], top1)),
+        "cv_top1": dict(zip(["s2", "s3", "avgpool"], cv)),
+    }
+
+
+def test_the_counted_feature_is_chosen_by_cross_validation_not_by_val(recipe_seeds):
+    # val says avgpool, cross-validation on TRAIN says s3: s3 counts
+    assert recipe_seeds.chosen_feature(_record(0, [97.0, 97.5, 99.0], [97.9, 98.3, 98.1])) == "s3"
+    # a tie goes to the first listed; a head without a cross-validated score never wins
+    assert recipe_seeds.chosen_feature(_record(0, [97.0, 97.5, 99.0], [98.0, 98.0, None])) == "s2"
+    row = recipe_seeds.seed_row(
+        {**_record(0, [97.0, 97.5, 99.0], [97.9, 98.3, 98.1]), "seconds": {"pretrain": 1, "linear_eval": 2}},
+        PIXELS,
+    )
+    assert row["chosen"] == 97.5
+    assert row["vs logistic"] == pytest.approx(0.83) and row["vs RBF-SVM"] == pytest.approx(-1.39)
+
+
+def test_the_claim_needs_every_seed_above_the_pixels_and_the_mean_margin(recipe_seeds):
+    good = [_record(s, [98.0, 99.0, 99.0], [97.0, 98.0, 97.0]) for s in range(5)]
+    assert recipe_seeds.claim(good, PIXELS, 1.0) == (True, [pytest.approx(2.33)] * 5)
+    # one seed at the pixel baseline (a tie is not above it) fails, whatever the mean
+    tie = good[:4] + [_record(4, [96.67, 99.0, 99.0], [98.0, 97.0, 97.0])]
+    holds, margins = recipe_seeds.claim(tie, PIXELS, 1.0)
+    assert not holds and margins[-1] == pytest.approx(0.0)
+    # every seed above, the mean below the required margin
+    small = [_record(s, [97.0, 97.0, 97.0], [98.0, 97.0, 97.0]) for s in range(5)]
+    assert recipe_seeds.claim(small, PIXELS, 0.5)[0] is False
+    assert recipe_seeds.claim(small, PIXELS, 0.3)[0] is True
