@@ -106,6 +106,27 @@ def test_ranks_die_with_a_sigkilled_launcher_and_the_lock_is_released(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_a_forked_child_does_not_keep_the_run_folder_locked(tmp_path):
+    """A forked CPU rank or DataLoader worker shares the lock's open file: it closes its copy, so
+    the lock ends with its holder, not with the last child."""
+    started, tell = os.pipe()
+    with lock_run_folder(str(tmp_path)):
+        child = os.fork()
+        if child == 0:  # the fork handlers have run once the child runs its own code
+            os.write(tell, b"1")
+            time.sleep(30)
+            os._exit(0)
+        os.read(started, 1)
+    try:
+        with lock_run_folder(str(tmp_path)):  # the holder let go; its child is still alive
+            assert _alive(child)
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        os.close(started)
+        os.close(tell)
+
+
 # A rank bound to its parent on a system without PR_SET_PDEATHSIG: only the parent-pid check acts.
 # (supervise.py is loaded from its file: the package's __init__ would import torch, which is slow.)
 _NO_PDEATHSIG_RANK = """

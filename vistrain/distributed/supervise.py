@@ -4,7 +4,8 @@
   job) holds an exclusive ``flock`` on ``<dir>/.vistrain.lock`` for the job's life; the kernel drops
   it when the process dies, whatever the signal, so there is no stale lock to clean up. A second
   run gets :class:`RunFolderBusyError` naming the holder (host, pid, since when); a folder that
-  cannot be created or opened is a one-line ConfigError.
+  cannot be created or opened is a one-line ConfigError. Forked children close their copy of the
+  lock's file, so the lock is the holder's alone.
 * :func:`bind_to_launcher`: a spawned rank never outlives its launcher. On Linux the kernel sends
   it SIGKILL when the launcher dies (``prctl(PR_SET_PDEATHSIG)``); elsewhere, and as a second line
   of defence, a thread exits the rank once its parent pid changes (it was re-parented).
@@ -66,9 +67,25 @@ def lock_run_folder(run_dir: str) -> Iterator[str]:
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, _holder_line().encode(), 0)
+        _held_locks.add(fd)
         yield path
     finally:
+        _held_locks.discard(fd)
         os.close(fd)  # releases the lock (so does the process' death)
+
+
+# A flock belongs to the open file, which a forked child (a CPU rank, a DataLoader worker) shares:
+# the lock would then last until the last child exited, not until the launcher did.
+_held_locks: set = set()
+
+
+def _drop_inherited_locks() -> None:
+    for fd in _held_locks:  # this process' copies only: the parent keeps its lock
+        os.close(fd)
+    _held_locks.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 def _holder_line() -> str:
