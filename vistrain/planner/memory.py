@@ -42,8 +42,9 @@ from vistrain.planner.shape import MIB, ModelShapes, RunShape, meta_crops, run_s
 # the import baseline and its model terms (docs/notes/memory.md)
 CPU_ALLOWANCE_MIB = 75
 # A forked rank starts without the file-backed pages its imports mapped (see forked_ranks) and
-# faults in the library code it runs: 35-60 MiB over the cases of dev/bench_planner.py that run
-# here (2 and 4 ranks); 42 keeps all of them and the 2-rank test within 10% (docs/notes/memory.md)
+# faults in the library code it runs: 15-60 MiB over the cases of dev/bench_planner.py that run
+# here (2 and 4 ranks) and the 2-rank test; 42 keeps them within 10%, but for RegNetY-3.2GF with
+# AdamW and checkpointing, 11% under (6% with spawned ranks; docs/notes/memory.md)
 FORKED_LIBRARY_MIB = 42
 OPTIMIZER_STATES = {"sgd": 1, "lars": 1, "adamw": 2}
 # A unit's full gradient at its backward peak: per parameter, concatenated, and half of it again
