@@ -205,8 +205,9 @@ def forked_ranks(cfg, device: str) -> bool:
     """Whether the command line's launcher forks this run's ranks (CPU, several per node, Linux:
     ``vistrain.distributed.spawn``). A forked rank holds of the launcher's pages only its anonymous
     memory and the library pages it touches, not every page the imports mapped in."""
-    joined = "LOCAL_WORLD_SIZE" in os.environ or "SLURM_STEP_ID" in os.environ  # torchrun / srun
-    several = cfg.DISTRIBUTED.NUM_PROC_PER_NODE > 1 and not joined
+    from vistrain.distributed.join import joined_job  # torchrun / srun start the ranks themselves
+
+    several = cfg.DISTRIBUTED.NUM_PROC_PER_NODE > 1 and joined_job(cfg.DISTRIBUTED, os.environ) is None
     return device == "cpu" and several and sys.platform.startswith("linux")
 
 
