@@ -21,7 +21,8 @@ regression, and the mean margin at least ``--min-mean-margin`` (SimCLR 1.0, SwAV
 Each seed's runs live in ``--out/seed_<N>/`` with their logs (``pretrain.log``, ``linear_eval.log``);
 a seed whose ``result.json`` is there is not run again, an interrupted one resumes from its last
 checkpoint (its times, marked ``*``, are those of the last part), ``--overwrite`` starts from scratch.
-``summary.json`` holds every number printed.
+``summary.json`` holds every number printed. ``--reuse-pretraining EARLIER_OUT`` evaluates the
+pretrained trunks of an earlier ``--out`` again (after a change of the linear evaluation).
 
     python dev/recipe_seeds.py                                      # SimCLR quick start, seeds 0-4
     python dev/recipe_seeds.py --method SwAV --seeds 5 6 7 --check # held-out seeds
@@ -60,6 +61,12 @@ def parse_args():
     parser.add_argument("--overwrite", action="store_true", help="delete --out first if it exists")
     parser.add_argument("--pretrain", nargs="*", default=[], help="extra overrides of the pretraining run")
     parser.add_argument("--eval", nargs="*", default=[], help="extra overrides of the linear evaluation")
+    parser.add_argument(
+        "--reuse-pretraining",
+        default="",
+        help="an earlier --out of the same recipe: evaluate its seeds' pretrained trunks again (another "
+        "probe) instead of pretraining; its pretraining times are reported",
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 unless the claim holds")
     parser.add_argument(
         "--min-mean-margin",
@@ -100,10 +107,13 @@ def run_seed(args, seed: int) -> dict:
     resumed = any(d.is_dir() and any(d.glob("checkpoint_*")) for d in (pretrain_dir, eval_dir))
     seed_arg = f"config.SEED_VALUE={seed}"
     timings, cpu = {}, {}
-    pretrain = [f"config={PRETRAINING[args.method]}", f"config.CHECKPOINT.DIR={pretrain_dir}", seed_arg]
-    cpu["pretrain"] = run(
-        f"seed {seed} pretrain", pretrain + overrides(args.pretrain), timings, folder / "pretrain.log"
-    )
+    if args.reuse_pretraining:
+        pretrain_dir = reused_pretraining(args, seed, recipe, timings, cpu)
+    else:
+        pretrain = [f"config={PRETRAINING[args.method]}", f"config.CHECKPOINT.DIR={pretrain_dir}", seed_arg]
+        cpu["pretrain"] = run(
+            f"seed {seed} pretrain", pretrain + overrides(args.pretrain), timings, folder / "pretrain.log"
+        )
     if args.method == "SwAV":
         print_head_diagnostics(pretrain_dir)
     evaluation = [
@@ -131,6 +141,25 @@ def run_seed(args, seed: int) -> dict:
     }
     done.write_text(json.dumps(record, indent=1))
     return record
+
+
+def reused_pretraining(args, seed: int, recipe: dict, timings: dict, cpu: dict) -> Path:
+    """The pretraining run of ``seed`` under ``--reuse-pretraining`` (made with the same pretraining
+    overrides); its times go into ``timings`` / ``cpu``."""
+    folder = Path(args.reuse_pretraining).resolve() / f"seed_{seed}"
+    earlier_file = folder / "result.json"
+    if not earlier_file.exists():
+        sys.exit(f"{earlier_file} does not exist: --reuse-pretraining needs a finished seed {seed} there")
+    earlier = json.loads(earlier_file.read_text())
+    if earlier.get("pretrain_overrides", []) != recipe["pretrain_overrides"]:
+        sys.exit(
+            f"{earlier_file} was pretrained with {earlier.get('pretrain_overrides')}, not "
+            f"{recipe['pretrain_overrides']}: pass the same --pretrain"
+        )
+    print(f"\n=== seed {seed}: pretrained in {folder / 'pretrain'}", flush=True)
+    timings[f"seed {seed} pretrain"] = earlier["seconds"]["pretrain"]
+    cpu["pretrain"] = 2 * earlier["cpu_per_rank"]["pretrain"]
+    return folder / "pretrain"
 
 
 def chosen_feature(record: dict) -> str:

@@ -118,6 +118,27 @@ def test_a_feature_joined_by_plus_is_its_parts_pooled_and_concatenated():
     assert logits["s1+s2+avgpool"].shape == (3, 10)
 
 
+def test_a_feature_part_at_p_is_pooled_to_its_own_side():
+    """ "s1@4+s2" with POOL_SIZE 1: s1 pooled to 4 x 4 (its whole map), s2 to 1 x 1, concatenated."""
+    cfg = load_config(
+        _tiny(
+            "unused",
+            "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False",
+            "config.BENCHMARK.FEATURES=[s2, s1@4+s2]",
+            "config.BENCHMARK.POOL_SIZE=1",
+        )
+    )
+    assert common.trunk_model_config(cfg).TRUNK.OUT_FEATURES == ["s2", "s1"]
+    trunk, dims = common.build_frozen_trunk(cfg, CPU)
+    assert dims == {"s2": 16, "s1@4+s2": 8 * 16 + 16}
+    images = torch.randn(3, 3, 16, 16)
+    features = common.trunk_features(trunk, images, list(dims), 1)
+    maps = trunk(images)  # s1 4x4, s2 2x2
+    expected = torch.cat([maps["s1"].flatten(1), maps["s2"].mean(dim=(2, 3))], dim=1)
+    torch.testing.assert_close(features["s1@4+s2"], expected)
+    assert LinearHeads(dims, num_classes=10)(features)["s1@4+s2"].shape == (3, 10)
+
+
 def _linear_eval_watching_the_trunk(rank, world_size, argv):
     """Run the engine; return the trunk's weights and buffers after it, and its modes."""
     seen = {}

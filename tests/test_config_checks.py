@@ -70,6 +70,18 @@ def _bad_values(tmp_path):
             "BENCHMARK.FEATURES must be a non-empty list of stem, s1, s2,",
         ),
         (
+            knn + ["config.BENCHMARK.FEATURES=[s2@0]"],
+            "BENCHMARK.FEATURES must be a non-empty list of stem, s1, s2,",
+        ),
+        (
+            knn + ["config.BENCHMARK.FEATURES=[s2@4+avgpool@2]"],
+            "BENCHMARK.FEATURES must be a non-empty list of stem, s1, s2,",
+        ),
+        (
+            knn + ["config.BENCHMARK.FEATURES=[s2@x]"],
+            "BENCHMARK.FEATURES must be a non-empty list of stem, s1, s2,",
+        ),
+        (
             ["config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=0"],
             "DATA.TRAIN.BATCHSIZE_PER_REPLICA must be >= 1; got 0",
         ),

@@ -51,3 +51,30 @@ def test_the_claim_needs_every_seed_above_the_pixels_and_the_mean_margin(recipe_
     small = [_record(s, [97.0, 97.0, 97.0], [98.0, 97.0, 97.0]) for s in range(5)]
     assert recipe_seeds.claim(small, PIXELS, 0.5)[0] is False
     assert recipe_seeds.claim(small, PIXELS, 0.3)[0] is True
+
+
+def test_reusing_pretraining_takes_the_earlier_runs_trunk_and_times_and_refuses_another_recipe(
+    recipe_seeds, tmp_path
+):
+    import json
+    from types import SimpleNamespace
+
+    earlier = tmp_path / "earlier" / "seed_3"
+    earlier.mkdir(parents=True)
+    recipe = {"pretrain_overrides": ["config.OPTIMIZER.num_epochs=40"], "eval_overrides": []}
+    record = {
+        **recipe,
+        "seconds": {"pretrain": 900.0, "linear_eval": 1.0},
+        "cpu_per_rank": {"pretrain": 287.0},
+    }
+    (earlier / "result.json").write_text(json.dumps(record))
+    args = SimpleNamespace(reuse_pretraining=str(tmp_path / "earlier"))
+    timings, cpu = {}, {}
+    assert recipe_seeds.reused_pretraining(args, 3, recipe, timings, cpu) == earlier / "pretrain"
+    assert timings == {"seed 3 pretrain": 900.0} and cpu == {"pretrain": 574.0}  # CPU of both ranks
+
+    other = {"pretrain_overrides": [], "eval_overrides": []}
+    with pytest.raises(SystemExit, match="pass the same --pretrain"):
+        recipe_seeds.reused_pretraining(args, 3, other, {}, {})
+    with pytest.raises(SystemExit, match="needs a finished seed 4 there"):
+        recipe_seeds.reused_pretraining(args, 4, recipe, {}, {})

@@ -31,11 +31,17 @@ from vistrain.runtime.sharding import shard_model
 # the frozen trunk
 
 
-def feature_parts(name: str) -> List[str]:
-    """The trunk features a BENCHMARK.FEATURES entry reads: ``"s2"`` -> ["s2"]; several joined by
-    "+" (``"s2+s3+avgpool"``) are each pooled, then concatenated in that order, as DINO's linear
-    evaluation concatenates the outputs of several blocks."""
-    return name.split("+")
+def feature_parts(name: str, pool_size: int) -> List[Tuple[str, int]]:
+    """The trunk features a BENCHMARK.FEATURES entry reads, with the side each is pooled to:
+    ``"s2"`` -> [("s2", pool_size)]; ``"s2@4"`` -> [("s2", 4)] (this part pooled to 4 x 4 instead of
+    BENCHMARK.POOL_SIZE); several joined by "+" (``"s2@4+s3+avgpool"``) are each pooled, then
+    concatenated in that order, as DINO's linear evaluation concatenates the outputs of several
+    blocks. "avgpool" is already (N, C): its side is 1."""
+    parts = []
+    for part in name.split("+"):
+        feature, _, side = part.partition("@")
+        parts.append((feature, 1 if feature == "avgpool" else int(side or pool_size)))
+    return parts
 
 
 def trunk_model_config(cfg):
@@ -44,7 +50,7 @@ def trunk_model_config(cfg):
     model_cfg = cfg.MODEL.clone()
     model_cfg.defrost()
     model_cfg.HEAD.NAME = "identity"
-    parts = [part for name in cfg.BENCHMARK.FEATURES for part in feature_parts(name)]
+    parts = [part for name in cfg.BENCHMARK.FEATURES for part, _ in feature_parts(name, 1)]
     model_cfg.TRUNK.OUT_FEATURES = list(dict.fromkeys(parts))
     model_cfg.freeze()
     return model_cfg
@@ -107,14 +113,20 @@ def trunk_features(
 ) -> Dict[str, torch.Tensor]:
     """Pooled float32 features ``{name: (N, D_name)}`` of ``images`` (N, 3, H, W) from the frozen trunk.
 
-    Stage maps (N, C, h, w) are average-pooled to (N, C, P, P) with P = ``pool_size`` and flattened
-    to D = C * P * P (VISSL's linear-eval protocol); "avgpool" is already (N, C). A name joining
-    several features by "+" gets their pooled features concatenated along D (:func:`feature_parts`).
+    Stage maps (N, C, h, w) are average-pooled to (N, C, P, P) with P = ``pool_size`` (or the
+    name's ``@P``) and flattened to D = C * P * P (VISSL's linear-eval protocol); "avgpool" is
+    already (N, C). A name joining several features by "+" gets their pooled features concatenated
+    along D (:func:`feature_parts`).
     """
     with torch.autocast(images.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
         out = trunk(images)
-    pooled = {part: pool_feature(out[part], pool_size).float() for part in out}
-    return {name: torch.cat([pooled[part] for part in feature_parts(name)], dim=1) for name in names}
+
+    def pooled(name: str) -> torch.Tensor:
+        return torch.cat(
+            [pool_feature(out[part], side).float() for part, side in feature_parts(name, pool_size)], 1
+        )
+
+    return {name: pooled(name) for name in names}
 
 
 def pool_feature(feature: torch.Tensor, pool_size: int) -> torch.Tensor:
@@ -125,13 +137,12 @@ def pool_feature(feature: torch.Tensor, pool_size: int) -> torch.Tensor:
 
 
 def pooled_dims(channels: Dict[str, int], names: Sequence[str], pool_size: int) -> Dict[str, int]:
-    """Width of each pooled feature: C * P * P for stage maps, C for "avgpool", the sum of its
-    parts' for a concatenation (``channels``: the trunk's ``feature_dims``)."""
+    """Width of each pooled feature: C * P * P for stage maps (P: its ``@P`` or ``pool_size``), C for
+    "avgpool", the sum of its parts' for a concatenation (``channels``: the trunk's ``feature_dims``)."""
 
-    def width(part: str) -> int:
-        return channels[part] * (1 if part == "avgpool" else pool_size**2)
-
-    return {name: sum(width(part) for part in feature_parts(name)) for name in names}
+    return {
+        name: sum(channels[part] * side**2 for part, side in feature_parts(name, pool_size)) for name in names
+    }
 
 
 @torch.no_grad()

@@ -313,8 +313,9 @@ def _data_path_problem(kind: Optional[str], path: str) -> Problem:
 
 def _trunk_features(cfg: CfgNode, catalog: Catalog) -> Problem:
     """MODEL.TRUNK.OUT_FEATURES (and, for benchmarks, BENCHMARK.FEATURES) name features the trunk
-    has (a RegNet: stem, s1..sK for its K stages, avgpool); a BENCHMARK.FEATURES entry may join
-    several by "+" (concatenated, ``vistrain.benchmarks.common.feature_parts``)."""
+    has (a RegNet: stem, s1..sK for its K stages, avgpool); a BENCHMARK.FEATURES entry may pool a
+    stage to its own side (``s2@4``) and join several by "+" (concatenated,
+    ``vistrain.benchmarks.common.feature_parts``)."""
     try:
         valid = list(catalog.trunk_features(cfg.MODEL.TRUNK))
     except ValueError as error:  # e.g. a custom RegNet with impossible design parameters
@@ -324,12 +325,23 @@ def _trunk_features(cfg: CfgNode, catalog: Catalog) -> Problem:
         return f"MODEL.TRUNK.OUT_FEATURES {problem}"
     if cfg.JOB in ("linear_eval", "knn", "extract_features"):
         features = list(cfg.BENCHMARK.FEATURES)
-        if not features or any(part not in valid for name in features for part in name.split("+")):
+        if not features or not all(
+            _feature_part_ok(part, valid) for name in features for part in name.split("+")
+        ):
             return (
-                f"BENCHMARK.FEATURES must be a non-empty list of {', '.join(valid)} (or several of "
-                f"them joined by '+', concatenated); got {features}"
+                f"BENCHMARK.FEATURES must be a non-empty list of {', '.join(valid)} (a stage may add "
+                f"'@P' to be pooled to P x P instead of POOL_SIZE; several joined by '+' are "
+                f"concatenated, e.g. s2@4+s3); got {features}"
             )
     return None
+
+
+def _feature_part_ok(part: str, valid: Sequence[str]) -> bool:
+    """``name`` or ``name@P`` (a stage map pooled to P x P, P >= 1; "avgpool" takes no P)."""
+    feature, at, side = part.partition("@")
+    if not at:
+        return feature in valid
+    return feature in valid and feature != "avgpool" and side.isdigit() and int(side) >= 1
 
 
 def _head_fits_trunk(cfg: CfgNode, catalog: Catalog) -> Problem:

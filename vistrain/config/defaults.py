@@ -220,7 +220,9 @@ _C.CHECKPOINT.SLURM_REQUEUE = False
 
 # ---------------------------------------------------------------------------------------------
 _C.BENCHMARK = CN()
-_C.BENCHMARK.FEATURES = ["s3", "s4", "avgpool"]  # trunk outputs evaluated / extracted (stem, s1..s4, avgpool)
+# trunk outputs evaluated / extracted (stem, s1..s4, avgpool); "s2@4" pools that stage to 4 x 4
+# instead of POOL_SIZE; "s3+avgpool" concatenates
+_C.BENCHMARK.FEATURES = ["s3", "s4", "avgpool"]
 _C.BENCHMARK.POOL_SIZE = 2  # stage maps are average-pooled to POOL_SIZE x POOL_SIZE, then flattened
 _C.BENCHMARK.LINEAR_LRS = []  # linear_eval: peak lrs tried per feature ([]: OPTIMIZER's lr only)
 _C.BENCHMARK.LINEAR_HOLDOUT_FRACTION = 0.1  # linear_eval: part of TRAIN that picks the lr from LINEAR_LRS
