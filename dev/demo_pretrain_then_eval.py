@@ -6,8 +6,8 @@ On the bundled real digits (1,437 train / 360 val images), through the normal la
 1. ``config=regnet_fsdp``: SimCLR pretraining of the quick-start RegNet, sharded over 2 CPU ranks;
 2. ``config=pretrain/swav_regnet_demo``: SwAV pretraining of the same trunk;
 3. ``config=benchmark/linear_eval_regnet`` on (a) the SimCLR trunk, (b) the SwAV trunk, (c) the same
-   architecture randomly initialised (same seed, no weights loaded): linear heads on s2, s3 and
-   avgpool, each head's lr chosen by 3-fold cross-validation on the TRAIN digits;
+   architecture randomly initialised (same seed, no weights loaded): a linear head on every
+   ``BENCHMARK.FEATURES`` entry, each head's lr chosen by 3-fold cross-validation on the TRAIN digits;
 4. raw pixels (the original 8x8 grey levels, same split), scikit-learn: logistic regression on
    standardised pixels and an RBF-SVM, their C (and gamma) chosen by 5-fold cross-validation on the
    TRAIN digits;

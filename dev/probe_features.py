@@ -2,7 +2,7 @@
 
 For a pretraining run (or a random trunk), computes the trunk's stage maps on the centre crops of
 the bundled digits (the test transform, eval mode, one process) and, for every feature spec, fits
-the screening probe of docs/ssl-recipes.md (scikit-learn logistic regression on standardised
+the screening probe of docs/notes/ssl-recipes.md (section 7) (scikit-learn logistic regression on standardised
 features, C from {0.01, 0.1, 1} by 3-fold cross-validation on TRAIN) and prints its val top-1
 (and the CV top-1 on TRAIN that chose C). A spec is ``name@P`` (stage ``name`` average-pooled to
 P x P, as ``BENCHMARK.POOL_SIZE``; ``avgpool`` takes no P) or several joined by ``+``
@@ -33,9 +33,9 @@ from vistrain.data import build_loader, set_epoch  # noqa: E402
 
 STAGES = ["stem", "s1", "s2", "s3", "avgpool"]
 DEFAULT_SPECS = [
-    "s2@2", "s3@2", "avgpool",  # the shipped probe's features
+    "s2@2", "s3@2", "avgpool", "s2@4+s3@2",  # the shipped probe's features
     "s1@2", "s1@4", "s2@1", "s2@3", "s2@4", "s3@1",
-    "s2@2+s3@2+avgpool", "s1@4+s2@2", "s2@4+s3@2", "s1@4+s2@4+s3@2+avgpool",
+    "s2@2+s3@2+avgpool", "s1@4+s2@2", "s1@4+s2@4+s3@2+avgpool",
 ]  # fmt: skip
 
 
