@@ -205,10 +205,15 @@ def _failure(
     """What to raise once every rank is stopped (``failed``: the ranks seen failing first): the
     first one-line error any rank reported (its peers failing after it are consequences, whenever
     the launcher noticed them); else, when a stop signal reached the launcher or a rank,
-    StopRequested; else a RankFailedError."""
-    reports = _read_reports(error_dir, range(len(processes)), ONE_LINE)
-    if reports:
-        first = json.loads(min(reports.values())[1])
+    StopRequested; else a RankFailedError. A rank that abandoned its step (exit 143, or killed at
+    the end of the grace) outranks a peer's "every rank stopped": that peer only saw it leave."""
+    reports = [
+        (when, json.loads(text))
+        for when, text in _read_reports(error_dir, range(len(processes)), ONE_LINE).values()
+    ]
+    only_stops = all(report["kind"] == "stopped" for _, report in reports)
+    if reports and not (only_stops and _abandoned(processes)):
+        first = min(reports, key=lambda item: item[0])[1]
         return rebuilt(first["kind"], first["message"], first["exit_code"])
     stopped = _stopped_by_signal(processes, signum)
     if stopped is not None:
@@ -225,9 +230,14 @@ def _stopped_by_signal(processes, signum: Optional[int]) -> Optional[str]:
     if signum is None and not killed and EXIT_STOPPED not in codes:
         return None
     name = signal_name(signum or (killed[0] if killed else signal.SIGTERM))
-    if EXIT_STOPPED in codes or any(code == -signal.SIGKILL for code in codes):
+    if _abandoned(processes):
         return f"{name}: the step in progress did not end within the grace and was abandoned"
     return f"{name}: every rank stopped"
+
+
+def _abandoned(processes) -> bool:
+    """A rank ended by its own grace timer (exit 143) or killed at the end of the launcher's."""
+    return any(p.exitcode in (EXIT_STOPPED, -signal.SIGKILL) for p in processes)
 
 
 def _failure_report(failed: List[int], processes, error_dir: str, first_rank: int) -> str:
