@@ -99,7 +99,7 @@ def pixel_baselines() -> dict:
     from sklearn.preprocessing import StandardScaler
     from sklearn.svm import SVC
 
-    from vistrain.data.demo_digits import split_ids
+    from vistrain.data.digits_source import split_ids
 
     pixels, labels = load_digits(return_X_y=True)
     ids = split_ids(labels)

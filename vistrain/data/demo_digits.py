@@ -30,6 +30,7 @@ import numpy as np
 from PIL import Image
 
 from vistrain.config.errors import ConfigError
+from vistrain.data.digits_source import SPLIT_SEED, VAL_FRACTION, read_digits
 from vistrain.distributed import comm
 
 try:
@@ -39,8 +40,6 @@ except ImportError:  # not POSIX: rely on the atomic rename alone
 
 DEMO_NAME = "demo_digits"
 IMAGE_SIDE = 32
-VAL_FRACTION = 0.2
-SPLIT_SEED = 0
 NUM_IMAGES = 1797
 _STALE_TMP_SECONDS = 3600  # a temporary folder this old belongs to a crashed writer
 
@@ -88,23 +87,9 @@ def _digit_to_image(pixels: np.ndarray) -> Image.Image:
     return image.convert("RGB")
 
 
-def split_ids(labels: np.ndarray):
-    """{"train": ids, "val": ids} of ``load_digits()`` samples: the demo's stratified 80/20 split
-    (also used by dev/demo_pretrain_then_eval.py for its raw-pixel baselines)."""
-    from sklearn.model_selection import train_test_split
-
-    ids = np.arange(len(labels))
-    train, val = train_test_split(ids, test_size=VAL_FRACTION, stratify=labels, random_state=SPLIT_SEED)
-    return {"train": sorted(train.tolist()), "val": sorted(val.tolist())}
-
-
 def write_demo_digits(folder: str) -> dict:
     """Write the whole set into ``folder`` (which must not exist). Returns the metadata."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()  # ships with scikit-learn: no download
-    images, labels = digits.images, digits.target
-    splits = split_ids(labels)
+    images, labels, splits = read_digits()  # in a child process (see digits_source.py)
     for split, ids in splits.items():
         for digit in range(10):
             os.makedirs(os.path.join(folder, split, str(digit)))
