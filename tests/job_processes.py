@@ -96,6 +96,15 @@ class Job:
             time.sleep(0.05)
         raise AssertionError("the job made no progress")
 
+    def wait_until_hanging(self) -> None:
+        """Block until rank 0 is inside the step that ``STOP_JOB_HANG_AT`` hangs (tests/stop_job.py):
+        a signal sent earlier can still find the iteration boundary before that step and stop there."""
+        deadline = time.monotonic() + HANG
+        while not (self.run_dir / "hanging0").exists():
+            assert time.monotonic() < deadline, "rank 0 never reached the step it hangs in"
+            assert self.proc.poll() is None, f"the job ended early:\n{self.err.read_text()[-3000:]}"
+            time.sleep(0.05)
+
     def pid(self, rank: int) -> int:
         """The pid rank ``rank`` wrote into the run folder (tests/stop_job.py)."""
         return int((self.run_dir / f"pid{rank}").read_text())

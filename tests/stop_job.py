@@ -6,7 +6,8 @@ rank (the spawned ones import this module; under torchrun and srun every rank ru
 
 Environment: ``STOP_JOB_STEP_SECONDS`` sleeps this long in every optimizer step (a window for the
 test to send a signal in); ``STOP_JOB_HANG_AT=N`` makes rank 0 hang in the step of iteration N (a
-step that cannot finish within the grace). Every rank writes ``pid<rank>`` into the run folder.
+step that cannot finish within the grace), after writing ``hanging0``. Every rank writes
+``pid<rank>`` into the run folder.
 """
 
 import os
@@ -32,6 +33,7 @@ def hooked_train(cfg, notes=()):
 
     def hooked_step(model, criterion, optimizer, settings, iteration):
         if iteration == hang_at and rank == 0:
+            Path(cfg.CHECKPOINT.DIR, "hanging0").touch()  # the test signals only once this exists
             time.sleep(3600)
         time.sleep(delay)
         step(model, criterion, optimizer, settings, iteration)

@@ -126,7 +126,7 @@ def test_a_step_that_cannot_finish_within_the_grace_is_abandoned(tmp_path):
         "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=2",
         STOP_JOB_HANG_AT="3",
     )
-    job.wait_for_iteration(3)
+    job.wait_until_hanging()
     sent = time.monotonic()
     os.kill(job.proc.pid, signal.SIGTERM)
     code, err, took = job.finish(since=sent)
@@ -180,7 +180,7 @@ def test_slurm_abandoned_step_is_reported_once_by_rank_0(tmp_path):
         "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=2",
         STOP_JOB_HANG_AT="3",
     )
-    job.wait_for_iteration(3)
+    job.wait_until_hanging()
     sent = time.monotonic()
     for rank in (0, 1):  # scancel: every task of the job step
         os.kill(job.pid(rank), signal.SIGTERM)
