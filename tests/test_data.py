@@ -3,6 +3,8 @@
 import logging
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -396,6 +398,29 @@ def _ensure_on_rank(rank, world, cache):
 def test_demo_digits_concurrent_ranks(tmp_path):
     assert run_on_ranks(_ensure_on_rank, 3, str(tmp_path)) == [1797] * 3
     assert sorted(e for e in os.listdir(tmp_path) if not e.endswith(".lock")) == ["demo_digits"]
+
+
+def test_demo_digits_are_read_without_importing_sklearn_here(tmp_path):
+    """scikit-learn and SciPy stay out of the rank that writes the set (77 MiB it would keep)."""
+    code = (
+        "import sys; from vistrain.data.demo_digits import ensure_demo_digits; "
+        f"ensure_demo_digits({str(tmp_path)!r}); print(sorted(m for m in ('sklearn', 'scipy') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    assert (tmp_path / "demo_digits" / "META.json").is_file()
+
+
+def test_demo_digits_child_failure_is_one_line(tmp_path, monkeypatch):
+    broken = tmp_path / "broken" / "sklearn"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('no scikit-learn here')\n")
+    monkeypatch.setenv("PYTHONPATH", str(broken.parent))
+    with pytest.raises(
+        RuntimeError, match="reading scikit-learn's digits failed: ImportError: no scikit-learn here"
+    ):
+        ensure_demo_digits(str(tmp_path / "cache"))
+    assert not os.path.exists(demo.demo_digits_root(str(tmp_path / "cache")))
 
 
 # ------------------------------------------------------------------- multi-rank (gloo)

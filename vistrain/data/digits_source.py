@@ -3,7 +3,7 @@
 Importing scikit-learn (and SciPy with it) adds about 77 MiB of anonymous memory that a training
 rank would keep to its end: the first quick start on a fresh cache then peaked 580 MiB per rank
 against the planner's 509 (503 once the cache exists). ``read_digits`` therefore runs this file
-as a script in a child process, which imports only NumPy and scikit-learn, and reads back the
+in a child process, which imports only NumPy and scikit-learn, and reads back the
 arrays it saved. Nothing here imports vistrain or torch.
 """
 
@@ -41,9 +41,11 @@ def read_digits():
     """(images (N, 8, 8), labels (N,), {"train": ids, "val": ids}), computed in a child process."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "digits.npz")
-        child = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), path], capture_output=True, text=True
-        )
+        # run_path, not "python this_file.py": that would put vistrain/data (datasets.py,
+        # transforms.py, ...) first on the child's import path
+        run = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
+        command = [sys.executable, "-c", run, os.path.abspath(__file__), path]
+        child = subprocess.run(command, capture_output=True, text=True)
         if child.returncode != 0:
             last = (child.stderr.strip().splitlines() or ["no output"])[-1]
             raise RuntimeError(f"reading scikit-learn's digits failed: {last}")
@@ -53,4 +55,4 @@ def read_digits():
 
 
 if __name__ == "__main__":
-    _save_digits(sys.argv[1])
+    _save_digits(sys.argv[-1])
