@@ -4,9 +4,8 @@ Everything in a checkpoint is keyed by the original parameter's clean name (``fq
 ``trunk.stem.0.weight``) and an element range of the flattened parameter, so a checkpoint does
 not depend on the world size or on the wrapper:
 
-* sharded engine (``vistrain.fsdp``): every ``model.parameters()`` entry is a flat 1-D shard;
-  ``shard_slices`` says which range of which original parameter each part of it holds (the
-  padding at the end of the last rank's shard belongs to none);
+* sharded engine (``vistrain.fsdp``): every ``model.parameters()`` entry is this rank's part of
+  one original parameter (``local_part``: a range of its flattened elements, maybe empty);
   with hybrid sharding (shard groups smaller than the world, replicated across groups) only the
   ranks of the first replica write their shards, so each shard is on disk once;
 * DDP or a plain module: every parameter is whole and replicated; rank 0 alone writes it.
@@ -20,8 +19,7 @@ from torch import nn
 
 from vistrain.checkpoint.files import CheckpointError
 from vistrain.distributed import comm
-from vistrain.fsdp import Backend, FullyShardedDataParallel, backend_of, shard_handle, unwrap
-from vistrain.fsdp.flat_param import shard_slices
+from vistrain.fsdp import Backend, FullyShardedDataParallel, backend_of, local_part, unwrap
 from vistrain.fsdp.ownership import clean_name
 from vistrain.torch_compat import persistent_buffer_names
 
@@ -75,10 +73,11 @@ def model_layout(model: nn.Module) -> ModelLayout:
 def _sharded_layout(model: FullyShardedDataParallel) -> ModelLayout:
     params, infos, first_replica = [], {}, True
     world = comm.get_world_size()
-    for shard in model.parameters():
-        handle = shard_handle(shard)
-        if handle is None:
-            raise TypeError("a parameter of the sharded model is not a flat shard; wrap the whole model")
+    for param in model.parameters():
+        part = local_part(param)
+        if part is None:
+            raise TypeError("a parameter of the sharded model is not held by the engine; wrap the whole model")
+        handle = part.handle
         if handle.world_size * handle.groups.replicas != world:
             raise NotImplementedError(
                 f"shards over {handle.world_size} ranks with {handle.groups.replicas} replica(s) do not "
@@ -86,18 +85,14 @@ def _sharded_layout(model: FullyShardedDataParallel) -> ModelLayout:
                 "tile the world (full or hybrid sharding)"
             )
         first_replica = first_replica and handle.groups.replica_rank == 0
-        origins = handle.origins
-        segments = [
-            Segment(origins[i].fqn, offset, start, length)
-            for i, offset, start, length in shard_slices(origins, handle.world_size, handle.rank)
-        ]
-        params.append(LocalParam(shard, segments))
-        for origin in origins:
-            infos[origin.fqn] = {
-                "shape": list(origin.shape),
-                "dtype": dtype_name(shard.dtype),
-                "requires_grad": shard.requires_grad,
-            }
+        fqn = part.origin.fqn
+        segments = [Segment(fqn, 0, part.start, part.length)] if part.length else []
+        params.append(LocalParam(param, segments))
+        infos[fqn] = {
+            "shape": list(part.origin.shape),
+            "dtype": dtype_name(param.dtype),
+            "requires_grad": param.requires_grad,
+        }
     # hybrid: the other replicas hold the same shards; one copy on disk
     return ModelLayout(params, infos, persistent_buffers(model), writes_params=first_replica, sharded=True)
 

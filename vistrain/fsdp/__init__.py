@@ -17,10 +17,11 @@ groups, waits),
 
 from vistrain.fsdp.backends import (  # noqa: F401
     Backend,
+    LocalPart,
     TorchShardedModel,
     backend_of,
+    local_part,
     shard_handle,
-    shard_origins,
     unwrap,
 )
 from vistrain.fsdp.collectives import (  # noqa: F401

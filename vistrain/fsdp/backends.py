@@ -6,8 +6,9 @@ testing class names or private fields; identity comes from the engine's registry
 (``ownership.py``), weak maps keyed by the objects:
 
     backend_of(model)      -> Backend.REPLICATED | Backend.BUILTIN | Backend.TORCH
-    shard_handle(param)    -> the FlatParamHandle of a flat shard, or None for a whole parameter
-    shard_origins(param)   -> the original parameters a flat shard holds (fqn, module, shape), or None
+    local_part(param)      -> which elements of which original parameter a local parameter holds
+                              (its handle, origin, start, length), or None for a whole parameter
+    shard_handle(param)    -> the FlatParamHandle behind a local parameter, or None
     unwrap(model)          -> the user's module inside DDP or the fully_shard adapter
 
 :class:`TorchShardedModel` lets the same recipes run on ``fully_shard``
@@ -16,7 +17,8 @@ DTensor shards, named as those of ``self.module``.
 """
 
 import enum
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -24,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from vistrain.fsdp.flat_param import FlatParamHandle, ParamOrigin
 from vistrain.fsdp.fully_sharded import FullyShardedDataParallel
-from vistrain.fsdp.ownership import handle_of
+from vistrain.fsdp.ownership import local_param_of
 
 
 class TorchShardedModel(nn.Module):
@@ -75,7 +77,7 @@ class Backend(enum.Enum):
     """How a model's parameters live on the ranks."""
 
     REPLICATED = "replicated"  # a plain module or DDP: every rank holds whole parameters
-    BUILTIN = "builtin"  # vistrain.fsdp.FullyShardedDataParallel: flat padded shards
+    BUILTIN = "builtin"  # vistrain.fsdp.FullyShardedDataParallel: views of flat padded shards
     TORCH = "torch"  # torch's fully_shard through TorchShardedModel: DTensor shards
 
 
@@ -87,15 +89,34 @@ def backend_of(model: nn.Module) -> Backend:
     return Backend.REPLICATED
 
 
+@dataclass(frozen=True)
+class LocalPart:
+    """What a local parameter of the built-in engine holds: elements ``[start, start + length)``
+    of the flattened original parameter ``origin`` of ``handle`` (length 0: none on this rank)."""
+
+    handle: FlatParamHandle
+    origin: ParamOrigin
+    start: int
+    length: int
+
+
+def local_part(param: nn.Parameter) -> Optional[LocalPart]:
+    """The part of an original parameter that ``param`` is on this rank, if it is a local
+    parameter of the built-in engine; None for a whole parameter."""
+    found = local_param_of(param)
+    if found is None:
+        return None
+    handle, index = found
+    for i, _, start, length in handle.local_slices():
+        if i == index:
+            return LocalPart(handle, handle.origins[index], start, length)
+    return LocalPart(handle, handle.origins[index], 0, 0)
+
+
 def shard_handle(param: nn.Parameter) -> Optional[FlatParamHandle]:
-    """The handle that owns ``param`` if it is a flat shard of the built-in engine, else None."""
-    return handle_of(param)
-
-
-def shard_origins(param: nn.Parameter) -> Optional[Sequence[ParamOrigin]]:
-    """The original parameters a flat shard holds, in flattening order; None for a whole parameter."""
-    handle = shard_handle(param)
-    return None if handle is None else handle.origins
+    """The handle behind a local parameter of the built-in engine, else None."""
+    found = local_param_of(param)
+    return None if found is None else found[0]
 
 
 def unwrap(model: nn.Module) -> nn.Module:

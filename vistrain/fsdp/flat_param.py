@@ -30,7 +30,7 @@ from vistrain.fsdp.collectives import (
     wait_within,
 )
 from vistrain.fsdp.deferred_init import materialize
-from vistrain.fsdp.ownership import register_shard
+from vistrain.fsdp.ownership import register_local_param, register_shard
 from vistrain.fsdp.precision import Precision
 from vistrain.fsdp.shard_grad import ShardGrad, own_shard_grad
 from vistrain.torch_compat import own_parameters
@@ -73,19 +73,102 @@ def shard_range(numel: int, world_size: int, rank: int) -> Tuple[int, int]:
     return rank * size, (rank + 1) * size
 
 
-def shard_slices(origins: Sequence[ParamOrigin], world_size: int, rank: int):
+def row_size(shape: Sequence[int]) -> int:
+    """Elements of one row (one index of dim 0) of a parameter: 1 for 0-D and 1-D ones."""
+    return max(1, math.prod(shape[1:])) if len(shape) >= 2 else 1
+
+
+# Padding this small is never worth a 1-D local parameter (16 KiB of fp32 per rank at most).
+ALIGNMENT_FREE_ELEMENTS = 4096
+
+
+def _place_aligned(numels: List[int], rows: List[int], shard: int, strict: bool) -> Tuple[List[int], int]:
+    """Offsets putting each rank boundary (multiples of ``shard``) that cuts a parameter between
+    two of its rows, and the row a ``strict`` placement still needs ``shard`` to be a multiple
+    of (1: none): a parameter spanning several boundaries is cut between rows at each only then.
+    Not ``strict``: such a parameter is aligned at its first boundary only."""
+    offsets, pos = [], 0
+    for n, row in zip(numels, rows):
+        boundary = (pos // shard + 1) * shard  # the first one after the parameter's start
+        if row > 1 and boundary < pos + n:
+            pos += (boundary - pos) % row  # less than one row of padding
+            if strict and boundary + shard < pos + n and shard % row:
+                return offsets, row
+        offsets.append(pos)
+        pos += n
+    return offsets, 1
+
+
+def flat_layout(shapes: Sequence[Sequence[int]], world_size: int) -> Tuple[List[int], int]:
+    """(offset of each parameter in the flat vector, elements per shard).
+
+    Parameters follow each other in order; a parameter that a rank boundary would cut inside a
+    row is moved up by less than one row, so each rank holds whole rows of it and its local
+    part is a ``(rows, *shape[1:])`` tensor (row-wise code outside forward, e.g. normalising
+    prototypes, then works on it as on the whole). A parameter spanning several boundaries
+    makes the shard a multiple of its row; where that would cost more than 1/16 of the
+    elements (and more than ``ALIGNMENT_FREE_ELEMENTS``), it is cut between rows at its first boundary only (its other parts are 1-D).
+    """
+    numels = [math.prod(s) for s in shapes]
+    rows = [row_size(s) for s in shapes]
+    total = sum(numels)
+    shard, multiple, strict = shard_size(total, world_size), 1, world_size > 1
+    for _ in range(32):
+        if world_size == 1:
+            break
+        offsets, needs = _place_aligned(numels, rows, shard, strict)
+        if needs > 1:
+            multiple = math.lcm(multiple, needs)
+            strict = multiple * world_size <= max(total // 16, ALIGNMENT_FREE_ELEMENTS)
+            multiple = multiple if strict else 1
+            shard = -(-shard // multiple) * multiple if strict else shard_size(total, world_size)
+            continue
+        end = offsets[-1] + numels[-1] if numels else 0
+        if end <= shard * world_size:
+            return offsets, shard
+        shard = -(-shard_size(end, world_size) // multiple) * multiple
+    return [sum(numels[:i]) for i in range(len(numels))], shard_size(total, world_size)
+
+
+def local_shape(shape: Sequence[int], start: int, length: int) -> Tuple[int, ...]:
+    """Shape of elements [start, start + length) of a flattened parameter of ``shape``: whole
+    rows keep the trailing dims, anything else is 1-D."""
+    shape = tuple(shape)
+    if length == math.prod(shape):
+        return shape
+    row = row_size(shape)
+    if len(shape) >= 2 and start % row == 0 and length % row == 0:
+        return (length // row,) + shape[1:]
+    return (length,)
+
+
+def shard_slices(origins: Sequence[ParamOrigin], shard_numel: int, rank: int):
     """For each origin overlapping this rank's chunk: (origin index, start in shard, start in param, length).
 
-    Pure rank arithmetic; used by state dicts and per-parameter norms.
+    Pure rank arithmetic over the layout (``flat_offset`` of each origin, ``shard_numel`` per
+    rank); used by the local parameters, state dicts and checkpoints.
     """
-    total = sum(o.numel for o in origins)
-    lo, hi = shard_range(total, world_size, rank)
+    lo, hi = rank * shard_numel, (rank + 1) * shard_numel
     out = []
     for i, o in enumerate(origins):
         start, end = max(lo, o.flat_offset), min(hi, o.flat_offset + o.numel)
         if start < end:
             out.append((i, start - lo, start - o.flat_offset, end - start))
     return out
+
+
+def split_plan(origins: Sequence[ParamOrigin], padded_numel: int) -> Tuple[List[int], List[int]]:
+    """Sizes splitting the gathered flat vector into parameters and the padding around them,
+    and the index of each origin's piece among them."""
+    sizes, pieces, pos = [], [], 0
+    for o in origins:
+        if o.flat_offset > pos:
+            sizes.append(o.flat_offset - pos)
+        pieces.append(len(sizes))
+        sizes.append(o.numel)
+        pos = o.flat_offset + o.numel
+    sizes.append(padded_numel - pos)
+    return sizes, pieces
 
 
 @dataclass
@@ -111,6 +194,9 @@ class FlatParamHandle:
     ):
         self.origins = origins
         self.groups = groups
+        offsets, self.shard_numel = flat_layout([o.shape for o in origins], groups.size)
+        for origin, offset in zip(origins, offsets):
+            origin.flat_offset = offset
         self.numel = sum(o.numel for o in origins)
         self.param_dtype = params[0].dtype
         self.compute_dtype = precision.compute_dtype or self.param_dtype
@@ -126,23 +212,22 @@ class FlatParamHandle:
         self.shard = nn.Parameter(shard.to(shard_device), requires_grad=requires_grad)
         register_shard(self.shard, self)
 
-        self.full = torch.empty(
-            padded_size(self.numel, self.world_size), dtype=self.compute_dtype, device=compute_device
-        )
+        self.full = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=compute_device)
         self.full.requires_grad_(requires_grad)
         # Collectives bump a tensor's version counter, which would invalidate the views autograd
         # saved in forward. ``.data`` aliases the same storage with its own counter.
         self._full_data = self.full.data
         self.full.untyped_storage().resize_(0)  # allocated again by each gather
-        # Outside forward/backward the modules see shape-only meta tensors: reading a released
-        # view would crash, reading a placeholder fails cleanly.
-        self._placeholders = [torch.empty(o.shape, dtype=self.compute_dtype, device="meta") for o in origins]
-        self._set_attributes(self._placeholders)
+        # The split of ``full`` into the parameters' views: padding pieces between them too.
+        self._split_sizes, self._origin_pieces = split_plan(origins, self.padded_numel)
         self.gather: Optional[InFlightGather] = None
         self.is_unsharded = False
-        # no_sync micro-batches, origins without gradient, recovery (shard_grad.py)
-        slices = shard_slices(origins, self.world_size, self.rank)
-        self.shard_grad = ShardGrad(self.shard, [(i, start, n) for i, start, _, n in slices], len(origins))
+        # Each original parameter stays a parameter of its module: this rank's part of it, a
+        # view of the shard (``local_params[i]``, empty where the rank holds none of it).
+        self.local_params = self._make_local_params(requires_grad)
+        self._show_local_params()
+        # gradients of the local parameters, no_sync micro-batches, recovery (shard_grad.py)
+        self.shard_grad = ShardGrad(self.local_params, self.local_slices(), len(origins))
 
     # -- the groups ---------------------------------------------------------------------------
     @property
@@ -153,6 +238,16 @@ class FlatParamHandle:
     @property
     def rank(self) -> int:
         return self.groups.rank
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements of the gathered flat vector: ``shard_numel`` per rank of the shard group."""
+        return self.shard_numel * self.world_size
+
+    def local_slices(self) -> List[Tuple[int, int, int, int]]:
+        """(origin index, start in the shard, start in the parameter, length) of every original
+        parameter this rank holds elements of (``shard_slices``)."""
+        return shard_slices(self.origins, self.shard_numel, self.rank)
 
     def held_tensors(self):
         """Every tensor this handle keeps alive: the shard and its gradient, the gathered weights
@@ -170,7 +265,7 @@ class FlatParamHandle:
         """(shard_numel,) this rank's slice of the flat vector, built one parameter at a time:
         never the whole flat vector (a unit of a big model can be hundreds of MiB), at most one
         parameter's full values (with ``sync`` broadcast from the group's first rank)."""
-        lo, hi = shard_range(self.numel, self.world_size, self.rank)
+        lo, hi = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
         shard = torch.zeros(hi - lo, dtype=self.param_dtype, device=device)
         src = dist.get_global_rank(self.groups.shard, 0)
         with torch.no_grad():
@@ -231,7 +326,7 @@ class FlatParamHandle:
         if self.is_unsharded:
             freed += self._free_full()
             self.is_unsharded = False
-            self._set_attributes(self._placeholders)
+            self._show_local_params()
         return freed
 
     def _gather_description(self) -> str:
@@ -247,31 +342,74 @@ class FlatParamHandle:
         One ``split`` for all views: its backward concatenates the parameters' gradients into
         one flat gradient, where separate slices would each materialise a full-size zero tensor.
         """
-        sizes = [o.numel for o in self.origins]
-        pieces = torch.split(self.full, sizes + [self.full.numel() - self.numel])
-        if self.shard_grad.track_origin_use and pieces[0].grad_fn is not None:
+        pieces = torch.split(self.full, self._split_sizes)
+        if pieces[0].grad_fn is not None:
             # the split's backward gets None for each view that received no gradient: one hook
             # per gather tells which original parameters this rank used
-            pieces[0].grad_fn.register_prehook(self.shard_grad.note_used)
-        self._set_attributes([piece.view(o.shape) for piece, o in zip(pieces, self.origins)])
+            pieces[0].grad_fn.register_prehook(self._note_used)
+        views = [pieces[k].view(o.shape) for k, o in zip(self._origin_pieces, self.origins)]
+        self._set_attributes(views)
+
+    def _note_used(self, grad_outputs) -> None:
+        self.shard_grad.note_used([grad_outputs[k] for k in self._origin_pieces])
 
     def restore_attributes(self) -> None:
         """After summon_full_params: views when gathered for compute, else placeholders."""
+        self._show_local_params()
         if self.is_unsharded:
             self.set_views()
-        else:
-            self._set_attributes(self._placeholders)
 
     def _set_attributes(self, tensors) -> None:
-        # Plain instance attributes (the parameters were unregistered at wrap time); writing
-        # __dict__ directly skips nn.Module.__setattr__'s checks on this hot path.
+        # Instance attributes shadow the registered local parameters while the unit computes
+        # (``module.weight`` is then the full view); writing __dict__ directly skips
+        # nn.Module.__setattr__'s checks on this hot path.
         for o, tensor in zip(self.origins, tensors):
             for module, attr in o.places():
-                own_parameters(module).pop(attr, None)  # registered by summon_full_params or a tie
                 module.__dict__[attr] = tensor
 
+    def _show_local_params(self) -> None:
+        """Outside compute the modules' attributes are this rank's local parameters."""
+        for o, param in zip(self.origins, self.local_params):
+            for module, attr in o.places():
+                module.__dict__.pop(attr, None)
+                own_parameters(module)[attr] = param
+
+    def _make_local_params(self, requires_grad: bool) -> List[nn.Parameter]:
+        """One parameter per origin viewing this rank's part of it in the shard: whole rows
+        keep the original trailing dims (``flat_layout`` aligns them), so row-wise code works."""
+        out = []
+        held = {i: (s_start, p_start, n) for i, s_start, p_start, n in self.local_slices()}
+        shard = self.shard.detach()
+        for i, o in enumerate(self.origins):
+            s_start, p_start, n = held.get(i, (0, 0, 0))
+            shape = (
+                local_shape(o.shape, p_start, n) if n else ((0,) + tuple(o.shape[1:]) if o.shape else (0,))
+            )
+            param = nn.Parameter(shard[s_start : s_start + n].view(shape), requires_grad=requires_grad)
+            register_local_param(param, self, i)
+            out.append(param)
+        return out
+
+    def local_views_intact(self) -> None:
+        """Put back what code outside forward assigned with ``p.data = ...``: its values go
+        into the shard and ``p`` views the shard again (in-place writes need nothing)."""
+        shard = self.shard.detach()
+        for (i, s_start, _, n), param in ((s, self.local_params[s[0]]) for s in self.local_slices()):
+            view = shard[s_start : s_start + n]
+            if param.data_ptr() != view.data_ptr() or param.numel() != n:
+                if param.numel() != n:
+                    raise ValueError(
+                        f"parameter {self.origins[i].fqn or self.origins[i].local_fqn} was given "
+                        f"{param.numel()} elements outside forward; this rank holds {n} of it "
+                        "(write with p.data.copy_(...) or under summon_full_params())"
+                    )
+                with torch.no_grad():
+                    view.copy_(param.data.reshape(-1))
+                param.data = view.view(param.shape)
+
     def expose_as_parameters(self, source: torch.Tensor) -> None:
-        """Register views of ``source`` (a full copy) as ordinary parameters of their modules."""
+        """Register views of ``source`` (a full copy) as ordinary parameters of their modules
+        (until :meth:`restore_attributes`)."""
         for o in self.origins:
             param = nn.Parameter(source[o.flat_offset : o.flat_offset + o.numel].view(o.shape), False)
             for module, attr in o.places():  # a tied parameter stays one object in every place
@@ -281,14 +419,14 @@ class FlatParamHandle:
     def gather_full_copy(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """A fresh (padded_numel,) tensor with the full values, in the master dtype by default."""
         dtype = dtype or self.param_dtype
-        out = torch.empty(padded_size(self.numel, self.world_size), dtype=dtype, device=self.compute_device)
+        out = torch.empty(self.padded_numel, dtype=dtype, device=self.compute_device)
         gather_into(out, self.shard.detach().to(self.compute_device, dtype), self.groups.shard, False)
         return out
 
     def write_back(self, full_copy: torch.Tensor) -> None:
-        lo, hi = shard_range(self.numel, self.world_size, self.rank)
+        lo = self.rank * self.shard_numel
         with torch.no_grad():
-            self.shard.copy_(full_copy[lo:hi])
+            self.shard.copy_(full_copy[lo : lo + self.shard_numel])
 
     # -- gradients ----------------------------------------------------------------------------
     def take_full_grad(self) -> Optional[torch.Tensor]:
@@ -304,8 +442,8 @@ class FlatParamHandle:
         if self.world_size * self.groups.replicas > 1:
             # Dividing before the sum keeps fp16 sums in range; DDP divides after. Same maths.
             grad.div_(self.world_size * self.groups.replicas)
-        lo, hi = shard_range(self.numel, self.world_size, self.rank)
-        work, out = reduce_scatter_into(grad, lo, hi, reduce_group)
+        lo = self.rank * self.shard_numel
+        work, out = reduce_scatter_into(grad, lo, lo + self.shard_numel, reduce_group)
         return work, out, grad
 
     def start_replicated_all_reduce(self, grad: torch.Tensor, reduce_group):

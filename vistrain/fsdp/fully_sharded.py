@@ -25,7 +25,6 @@ from vistrain.fsdp.collectives import ShardGroups
 from vistrain.fsdp.grads import OptimizerInBackward, clip_grad_norm_
 from vistrain.fsdp.model_state import ModelState, RootOptions, release_free_pages
 from vistrain.fsdp.ownership import (
-    FLAT_PARAM_PREFIX,
     WRAPPED_NAME,
     check_wrappable,
     clean_name,
@@ -97,8 +96,6 @@ class FullyShardedDataParallel(nn.Module):
             self, owned_params(module), self._groups, precision, (self._device, shard_device),
             flatten_parameters, param_group_fn, sync_module_states,
         )  # fmt: skip
-        for i, handle in enumerate(handles):
-            self.register_parameter(f"{FLAT_PARAM_PREFIX}{i}", handle.shard)
         self._unit = UnitState(handles, reshard_after_forward)
         prepare_buffers(module, self._device, self._groups, sync_module_states)
         for sub in owned_modules(module):
@@ -123,6 +120,11 @@ class FullyShardedDataParallel(nn.Module):
             if name == WRAPPED_NAME or WRAPPED_NAME not in self._modules:
                 raise
             return getattr(self._modules[WRAPPED_NAME], name)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The original parameters (this rank's part of each) under the unwrapped module's names."""
+        for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield clean_name(name), param
 
     def units(self) -> List["FullyShardedDataParallel"]:
         """This unit and every nested one, outermost first."""

@@ -1,19 +1,19 @@
-"""Gradients of flat shards: global clipping, per-original-parameter norms (LARS), and the
-optimizer step inside backward.
+"""Gradients of sharded parameters: global clipping, per-original-parameter norms (LARS), and
+the optimizer step inside backward.
 
-**The step inside backward.** ``optimizer.step()`` after backward needs every shard's gradient at once: a rank holds its whole
-gradient shard (as many bytes as its parameter shards) at the end of every backward. Here the
-model's reductions call :meth:`OptimizerInBackward.step_shard` for each flat parameter once its
-reduce-scatter has finished and been added to ``shard.grad``; the bound optimizer updates that
-shard alone and the gradient is freed. A rank then holds the shard gradients of at most the unit
-whose reduction just finished and the one in flight, and never the rest.
+**The step inside backward.** ``optimizer.step()`` after backward needs every gradient at once: a
+rank holds its whole gradient shard (as many bytes as its parameter shards) at the end of every
+backward. Here the model's reductions call :meth:`OptimizerInBackward.step_shard` for each flat
+parameter once its reduce-scatter has finished and been handed to its local parameters' ``.grad``;
+the bound optimizer updates those parameters alone and their gradients are freed. A rank then
+holds the gradients of at most the unit whose reduction just finished and the one in flight.
 
 The update is the ordinary one: ``optimizer.step()`` runs with its parameter groups restricted to
-the one shard (same hyperparameters, same ``optimizer.state`` entries, so checkpoints look alike
-and a run may resume with the step in backward switched on or off). Element-wise optimizers
-(SGD, AdamW) therefore give the same numbers; LARS computes each shard's per-original-parameter
-norms with one all-reduce per shard instead of one per step, which sums in another order (a
-rounding difference, not another formula).
+the handle's local parameters (same hyperparameters, same ``optimizer.state`` entries, so
+checkpoints look alike and a run may resume with the step in backward switched on or off).
+Element-wise optimizers (SGD, AdamW) therefore give the same numbers; LARS computes the norms of
+one handle's parameters with one all-reduce per handle instead of one per step, which sums in
+another order (a rounding difference, not another formula).
 
 What needs every gradient before any step cannot run inside backward: the global gradient norm
 (``clip_grad_norm_`` refuses) and fp16 loss scaling (a step skipped on overflow). Gradient
@@ -36,8 +36,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from vistrain.fsdp.flat_param import FlatParamHandle, shard_slices
-from vistrain.fsdp.ownership import handle_of, replaced_by
+from vistrain.fsdp.flat_param import FlatParamHandle
+from vistrain.fsdp.ownership import local_param_of, replaced_by
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -50,28 +50,31 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Scale gradients so that their global ``norm_type``-norm is at most ``max_norm``.
 
-    total = (sum over ranks and shards of sum |g|^p)^(1/p)  (max |g| for p = inf); padding
-    elements of a shard carry zero gradient, so they do not count. Same arithmetic as
-    ``torch.nn.utils.clip_grad_norm_`` on the unsharded model, in the gradients' dtype (at least
-    fp32). Returns the total norm.
+    As ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: each parameter's norm, then the
+    norm of those norms. A parameter's norm here is spread over the ranks' parts, so each rank
+    sums |g|^p of its parts per parameter (from torch's per-tensor norms, in float64 across
+    tensors and ranks: the order of a float64 sum of a few thousand terms does not show in
+    fp32), one all-reduce over ``group``, then (total)^(1/p) (max |g| for p = inf). Same
+    coefficient max_norm / (total + 1e-6), clamped to 1. Returns the total norm (fp32 at least).
     """
     norm_type = float(norm_type)
     grads = [p.grad for p in params if p.grad is not None]
     dtype = functools.reduce(torch.promote_types, [accumulation_dtype(g.dtype) for g in grads], torch.float32)
+    norms = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=dtype) for g in grads if g.numel()]
     if norm_type == math.inf:
-        local = torch.zeros((), dtype=dtype)
-        if grads:
-            local = torch.stack([g.detach().abs().max().to(dtype) for g in grads]).max()
+        local = torch.stack(norms).max() if norms else torch.zeros((), dtype=dtype)
         local = local.to(device)
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         total = local
     else:
-        local = sum(
-            (torch.linalg.vector_norm(g.detach().to(dtype), norm_type) ** norm_type for g in grads),
-            torch.zeros((), dtype=dtype),
-        ).to(device)
-        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
-        total = local ** (1.0 / norm_type)
+        powered = (
+            torch.stack(norms).double().pow(norm_type).sum()
+            if norms
+            else torch.zeros((), dtype=torch.float64)
+        )
+        powered = powered.to(device)
+        dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
+        total = powered.pow(1.0 / norm_type).to(dtype)
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.detach().mul_(clip_coef.to(g.device, g.dtype))
@@ -118,38 +121,29 @@ class SegmentValues:
 
 
 def origin_sq_sums(params: List[torch.Tensor], tensors: List[torch.Tensor]) -> List[SegmentValues]:
-    """Squared L2 norm of each *original* parameter, per slice of each (possibly sharded) param.
+    """Squared L2 norm of each *original* parameter, for each (possibly sharded) param.
 
-    For a flat shard ``p`` of the built-in engine and a tensor ``t`` shaped like it (``p.detach()``
-    or ``p.grad``): ||W_j||^2 (summed over every rank's slice of W_j) for each original W_j with a
-    slice in this shard, one segment per slice. For a plain parameter: one segment, (t*t).sum().
-    Slices come from rank arithmetic (``shard_slices``): nothing per element is built; all shards
-    share one all-reduce per process group and dtype. Sums are in the tensors' dtype (at least fp32).
+    For a local parameter ``p`` of the built-in engine (this rank's part of an original W) and a
+    tensor ``t`` shaped like it (``p.detach()`` or ``p.grad``): ||W||^2 summed over every rank's
+    part. For a plain parameter: (t*t).sum(). One segment covering the whole tensor each; all
+    local parameters share one all-reduce per process group and dtype. Sums are in the tensors'
+    dtype (at least fp32).
     """
     out: List[SegmentValues] = [None] * len(params)
     by_group = {}
     for i, (p, t) in enumerate(zip(params, tensors)):
         dtype = accumulation_dtype(t.dtype)  # float64 models keep float64 norms
-        handle = handle_of(p)
-        if handle is None:
-            out[i] = SegmentValues.whole(t.detach().to(dtype).pow(2).sum(), t.numel())
+        value = t.detach().to(dtype).pow(2).sum()
+        found = local_param_of(p)
+        if found is None or found[0].world_size == 1:
+            out[i] = SegmentValues.whole(value, t.numel())
             continue
-        slices = shard_slices(handle.origins, handle.world_size, handle.rank)
-        # one entry per origin (not per local slice): every rank all-reduces the same layout
-        sums = torch.zeros(len(handle.origins), dtype=dtype, device=t.device)
-        for idx, s_start, _, length in slices:
-            sums[idx] = t.detach()[s_start : s_start + length].to(dtype).pow(2).sum()
-        by_group.setdefault((handle.groups.shard, dtype), []).append((i, slices, sums))
+        by_group.setdefault((found[0].groups.shard, dtype), []).append((i, value))
     for (group, _), entries in by_group.items():
-        flat = torch.cat([sums for _, _, sums in entries])
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(flat, group=group)
-        offset = 0
-        for i, slices, sums in entries:
-            values = flat[offset : offset + sums.numel()][[idx for idx, *_ in slices]]
-            starts, lengths = [s for _, s, _, _ in slices], [n for *_, n in slices]
-            out[i] = SegmentValues(values, starts, lengths, tensors[i].numel())
-            offset += sums.numel()
+        flat = torch.stack([value for _, value in entries])
+        dist.all_reduce(flat, group=group)
+        for (i, _), value in zip(entries, flat):
+            out[i] = SegmentValues.whole(value, tensors[i].numel())
     return out
 
 
@@ -174,44 +168,55 @@ class PartialStepError(RuntimeError):
 
 
 class OptimizerInBackward:
-    """Runs ``optimizer`` on each flat shard of a wrapped model when its gradient is final.
+    """Runs ``optimizer`` on each flat shard's local parameters of a wrapped model when their
+    gradient is final.
 
-    Shards the optimizer does not hold keep their gradient (nothing is dropped silently);
-    shards passed to :meth:`freeze` have their gradient dropped and are not updated (SwAV's
+    Parameters the optimizer does not hold keep their gradient (nothing is dropped silently);
+    parameters passed to :meth:`freeze` have their gradient dropped and are not updated (SwAV's
     frozen prototypes: as when the ordinary loop sets their ``.grad`` to None before the step).
     ``stepped`` lists the handles updated in the current backward (cleared when one begins).
     """
 
-    def __init__(self, optimizer: Optimizer, shards: List[nn.Parameter]):
-        check_binds_shards(optimizer, shards)
+    def __init__(self, optimizer: Optimizer, params: List[nn.Parameter]):
+        check_binds_shards(optimizer, params)
         self.optimizer = optimizer
         self._frozen = set()
         self._group_index = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self.stepped: List[FlatParamHandle] = []
 
     def freeze(self, params: Iterable[nn.Parameter]) -> None:
-        """Skip these shards in the following backward passes (until the next call)."""
+        """Skip these parameters in the following backward passes (until the next call)."""
         self._frozen = {id(p) for p in params}
 
     def step_shard(self, handle: FlatParamHandle) -> None:
-        shard = handle.shard
-        index = self._group_index.get(id(shard))
-        if index is None or shard.grad is None:
+        """One ``optimizer.step()`` over the handle's local parameters that have a gradient
+        (each in its own param group's settings), then their gradients are freed."""
+        by_group = {}
+        for param in handle.local_params:
+            index = self._group_index.get(id(param))
+            if index is None or param.grad is None:
+                continue
+            if id(param) in self._frozen:
+                param.grad = None
+                continue
+            by_group.setdefault(index, []).append(param)
+        if not by_group:
             return
-        if id(shard) not in self._frozen:
-            groups = self.optimizer.param_groups
-            self.optimizer.param_groups = [{**groups[index], "params": [shard]}]
-            try:
-                self.optimizer.step()
-            finally:
-                self.optimizer.param_groups = groups
-            self.stepped.append(handle)
-        shard.grad = None
+        groups = self.optimizer.param_groups
+        self.optimizer.param_groups = [{**groups[i], "params": params} for i, params in by_group.items()]
+        try:
+            self.optimizer.step()
+        finally:
+            self.optimizer.param_groups = groups
+        for params in by_group.values():
+            for param in params:
+                param.grad = None
+        self.stepped.append(handle)
 
 
 def check_binds_shards(optimizer: Optimizer, shards: List[nn.Parameter]) -> None:
-    """An optimizer bound in backward must hold shards of the model (``shards``), never the
-    original parameters the engine replaced (it would train nothing, silently)."""
+    """An optimizer bound in backward must hold local parameters of the model (``shards``),
+    never the original parameters the engine replaced (it would train nothing, silently)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if any(replaced_by(p) is not None for p in params):
         raise ValueError(

@@ -12,9 +12,9 @@ An exception can leave it in FORWARD or BACKWARD (autograd drops the queued fina
 when backward raises). The next root forward, ``state_dict()``, ``summon_full_params()`` or an
 explicit ``reset_iter_state()`` then waits for and discards the aborted step's reductions,
 frees every gathered weight and returns to IDLE with a warning. The aborted accumulation
-group's gradients are dropped: the ``no_sync()`` micro-batches' and every ``shard.grad`` the
-group created, so training goes on as if the step had been skipped (gradients it added to an
-older ``shard.grad`` stay there, as in DDP's ``.grad``, until ``zero_grad()``). With the step in
+group's gradients are dropped: the ``no_sync()`` micro-batches' and every gradient the group
+created, so training goes on as if the step had been skipped (what it added to older gradients
+stays there, as in DDP's ``.grad``, until ``zero_grad()``). With the step in
 backward, units that already stepped cannot be undone: the reset then raises
 :class:`~vistrain.fsdp.grads.PartialStepError` naming them.
 """
@@ -60,9 +60,9 @@ class RootOptions:
         (DDP's default), so BatchNorm statistics and ``state_dict()`` agree.
     find_unused_parameters: allow units whose outputs do not reach the loss on some ranks (as
         DDP's option): weights stay gathered until the end of backward (ZeRO-2) and gradients are
-        reduced at its end, after agreeing which ones any rank produced, per unit and per
-        original parameter; optimizer steps leave the parameters no rank gave a gradient alone,
-        as DDP's ``.grad = None`` does (``shard_grad.py``).
+        reduced at its end, after agreeing which units any rank produced a gradient for. Without
+        it, a unit must get a gradient on every rank or on none; an original parameter no rank
+        gave a gradient keeps ``.grad`` as it was either way (``shard_grad.py``).
     collective_timeout: seconds (or a timedelta) after which a waited collective of a training
         step raises instead of hanging (ranks that ran different units). Default 5 minutes.
     release_host_memory: on CPU, give free heap pages back to the OS at unit boundaries once
@@ -134,6 +134,8 @@ class ModelState:
         """Reset a step an exception interrupted; for training, enter FORWARD and sync buffers."""
         if self.is_stale():
             self.reset(f"the previous {self.phase.value} did not finish")
+        for handle in self.handles():  # ``p.data = ...`` outside forward reaches the shards
+            handle.local_views_intact()
         if not training:
             return
         self._enter(Phase.FORWARD)

@@ -24,24 +24,18 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from vistrain.torch_compat import child_modules, own_parameters
 
 # names the wrapper adds to a module tree
 WRAPPED_NAME = "_fsdp_wrapped_module"  # attribute holding the wrapped module inside each unit
-FLAT_PARAM_PREFIX = "flat_param_"  # attributes holding a unit's flat shards
 
 
 def clean_name(name: str) -> str:
     """Drop wrapper path components: 'a._fsdp_wrapped_module.b' -> 'a.b'."""
     return name.replace(WRAPPED_NAME + ".", "").replace("." + WRAPPED_NAME, "").replace(WRAPPED_NAME, "")
-
-
-def is_shard_key(key: str) -> bool:
-    """A state-dict key of a flat shard (local state dicts hold them; full ones never do)."""
-    return key.rsplit(".", 1)[-1].startswith(FLAT_PARAM_PREFIX)
 
 
 class _Registry:
@@ -52,12 +46,9 @@ class _Registry:
         self.tie_of_param = WeakIdKeyDictionary()  # tied param -> (weakref(scope module), names)
         self.checked_optimizers = WeakIdKeyDictionary()  # optimizer -> param counts when checked
         self.init_recipe = WeakIdKeyDictionary()  # meta tensor -> how to create its values
+        # local parameter -> (weakref(FlatParamHandle), origin index)
+        self.origin_of_local = WeakIdKeyDictionary()
         self.optimizer_hook = None
-        # shards (their ShardGrad) holding slices of parameters no rank gave a gradient, and what
-        # an optimizer step in progress saved of them (find_unused_parameters)
-        self.held_shards = weakref.WeakSet()
-        self.held_snapshots = WeakIdKeyDictionary()  # optimizer -> [(shard, state, slices)]
-        self.hold_hooks = None
 
 
 _REGISTRY = _Registry()
@@ -68,9 +59,23 @@ def register_shard(shard: nn.Parameter, handle) -> None:
 
 
 def handle_of(param):
-    """The FlatParamHandle whose shard ``param`` is, or None."""
+    """The FlatParamHandle whose flat shard ``param`` is, or None."""
     ref = _REGISTRY.handle_of_shard.get(param)
     return ref() if ref is not None else None
+
+
+def register_local_param(param: nn.Parameter, handle, index: int) -> None:
+    """``param`` is this rank's part of ``handle.origins[index]``, a view of its shard."""
+    _REGISTRY.origin_of_local[param] = (weakref.ref(handle), index)
+
+
+def local_param_of(param):
+    """(FlatParamHandle, origin index) of a local parameter of the engine, or None."""
+    entry = _REGISTRY.origin_of_local.get(param)
+    if entry is None:
+        return None
+    handle = entry[0]()
+    return None if handle is None else (handle, entry[1])
 
 
 def mark_replaced(param: nn.Parameter, unit, local_fqn: str) -> None:
@@ -124,68 +129,6 @@ def _check_optimizer(optimizer, args, kwargs) -> None:
                     "shards: build the optimizer on model.parameters() after wrapping"
                 )
     _REGISTRY.checked_optimizers[optimizer] = counts
-
-
-# -- parameters without gradient inside a flat shard (find_unused_parameters) ---------------------
-# DDP leaves a parameter no rank gave a gradient at ``.grad = None``, and torch's optimizers skip
-# it: no weight decay, no momentum, no Adam moments. A flat shard steps as one tensor, so the
-# slices of such parameters get a zero gradient; every optimizer step (the ordinary one and the
-# step in backward alike) saves those slices of the shard and of its per-element optimizer state
-# before it runs and puts them back after. State the step created is zeroed there (a fresh
-# momentum or moment). The hooks are installed the first time a shard holds such slices and cost
-# one check of an empty set per step otherwise.
-
-
-def hold_slices_without_grad(shard_grad, held: bool) -> None:
-    """``shard_grad.slices_without_grad()`` of ``shard_grad.shard`` (a ``shard_grad.ShardGrad``)
-    are (``held``) or are no longer kept unchanged by every optimizer step."""
-    if not held:
-        _REGISTRY.held_shards.discard(shard_grad)
-        return
-    _REGISTRY.held_shards.add(shard_grad)
-    if _REGISTRY.hold_hooks is None:
-        _REGISTRY.hold_hooks = (
-            register_optimizer_step_pre_hook(_save_held_slices),
-            register_optimizer_step_post_hook(_restore_held_slices),
-        )
-
-
-def _save_held_slices(optimizer, args, kwargs) -> None:
-    if not _REGISTRY.held_shards:
-        return
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    saved = []
-    for shard_grad in list(_REGISTRY.held_shards):
-        shard = shard_grad.shard
-        if id(shard) not in stepped or shard.grad is None:
-            continue
-        state = optimizer.state.get(shard, {})
-        per_slice = []
-        for start, length in shard_grad.slices_without_grad():
-            values = {
-                key: value[start : start + length].clone()
-                for key, value in state.items()
-                if torch.is_tensor(value) and value.shape == shard.shape
-            }
-            per_slice.append((start, length, shard.detach()[start : start + length].clone(), values))
-        saved.append((shard, per_slice))
-    _REGISTRY.held_snapshots[optimizer] = saved
-
-
-def _restore_held_slices(optimizer, args, kwargs) -> None:
-    saved = _REGISTRY.held_snapshots.pop(optimizer, None)
-    for shard, per_slice in saved or ():
-        state = optimizer.state.get(shard, {})
-        with torch.no_grad():
-            for start, length, weights, values in per_slice:
-                shard[start : start + length].copy_(weights)
-                for key, value in state.items():
-                    if torch.is_tensor(value) and value.shape == shard.shape:
-                        before = values.get(key)  # None: this step created the state
-                        if before is None:
-                            value[start : start + length].zero_()
-                        else:
-                            value[start : start + length].copy_(before)
 
 
 def set_init_recipe(tensor, recipe) -> None:

@@ -18,6 +18,38 @@ from vistrain.fsdp.collectives import Ranks, group_ranks, wait_within
 from vistrain.fsdp.flat_param import FlatParamHandle
 
 
+class UsedFlags:
+    """Which original parameters of ``handle`` got a gradient on any rank: this rank's flags,
+    MAX all-reduced (asynchronously, beside the gradient's reduction) over each group the
+    gradient is reduced over. A handle of one parameter needs no collective: its reduction runs
+    on every rank only once its gradient arrived, so that parameter was used."""
+
+    def __init__(self, handle: FlatParamHandle, used: List[bool], device: torch.device):
+        self.handle = handle
+        # a gradient arrived, so something was used: no flag at all means the split's hook did
+        # not see this backward (counted as all used, never as a silently dropped gradient)
+        used = used if any(used) else [True] * len(used)
+        self.local = used
+        self.flags = torch.tensor(used, dtype=torch.uint8, device=device) if len(used) > 1 else None
+        self.work = None
+
+    def start(self, group) -> None:
+        self.wait()
+        if self.flags is not None and dist.get_world_size(group) > 1:
+            self.work = dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+    def wait(self) -> None:
+        if self.work is not None:
+            work, self.work = self.work, None
+            what = f"the used-parameter flags of {self.handle.describe()}"
+            wait_within(work, self.handle.timeout, what, self.flags.device)
+
+    def without_grad(self) -> Tuple[int, ...]:
+        self.wait()
+        used = self.flags.tolist() if self.flags is not None else [True] * len(self.local)
+        return tuple(i for i, u in enumerate(used) if not u)
+
+
 @dataclass
 class PendingReduction:
     """A gradient reduction started in backward; its result is added to the shard's ``.grad``
@@ -29,6 +61,7 @@ class PendingReduction:
     reduced: torch.Tensor  # (shard_numel,) this rank's slice of the averaged gradient
     source: torch.Tensor  # (padded_numel,) the full gradient being reduced; alive until the wait
     without_grad: Tuple[int, ...] = ()  # origins no rank gave a gradient (find_unused_parameters)
+    used: Optional[UsedFlags] = None  # the ranks' agreement on ``without_grad``, in flight
 
 
 class ReductionQueue:
@@ -45,22 +78,33 @@ class ReductionQueue:
         # find_unused_parameters: full gradients kept until the end of backward, by handle.
         self.deferred: Dict[FlatParamHandle, torch.Tensor] = {}
 
-    def start(self, handle: FlatParamHandle, grad: torch.Tensor, without_grad: Tuple[int, ...] = ()) -> None:
+    def start(
+        self, handle: FlatParamHandle, grad: torch.Tensor, without_grad: Optional[Tuple[int, ...]] = None
+    ) -> None:
+        """Start reducing ``handle``'s full gradient; ``without_grad``: the origins no rank gave a
+        gradient when the ranks agreed already (find_unused_parameters), else agreed here."""
         # The previous reduction had this handle's whole backward to overlap with; moving it on now
         # bounds the full-size gradient buffers alive at any time to this one's and one in flight
         # (gloo reduces the full vector in place: its buffer lives until the reduce-scatter is
         # waited); a cross-replica all-reduce holds only a shard.
         self._advance()
+        used = None
+        if without_grad is None:
+            used, without_grad = UsedFlags(handle, handle.shard_grad.used_origins(), grad.device), ()
         if handle.world_size == 1 and handle.groups.replica is not None:
             # replicated (shard groups of one rank): the gradient is the shard; one all-reduce over
             # the replicas, started now, as DDP's buckets (no reduce-scatter over one rank first)
             group = self.reduction_groups[group_ranks(handle.groups.replica)]
             work, reduced = handle.start_replicated_all_reduce(grad, group)
-            self.across.append(PendingReduction(handle, work, reduced, reduced, without_grad))
+            if used is not None:
+                used.start(group)
+            self.across.append(PendingReduction(handle, work, reduced, reduced, without_grad, used))
             return
         group = self.reduction_groups[group_ranks(handle.groups.shard)]
         work, reduced, source = handle.start_reduce_scatter(grad, group)
-        self.pending.append(PendingReduction(handle, work, reduced, source, without_grad))
+        if used is not None:
+            used.start(group)
+        self.pending.append(PendingReduction(handle, work, reduced, source, without_grad, used))
 
     def defer(self, handle: FlatParamHandle, grad: torch.Tensor) -> None:
         self.deferred[handle] = grad
@@ -87,7 +131,11 @@ class ReductionQueue:
                 continue
             group = self.reduction_groups[group_ranks(handle.groups.replica)]
             work, shard = handle.start_replica_all_reduce(reduction.reduced, group)
-            self.across.append(PendingReduction(handle, work, shard, shard, reduction.without_grad))
+            if reduction.used is not None:
+                reduction.used.start(group)
+            self.across.append(
+                PendingReduction(handle, work, shard, shard, reduction.without_grad, reduction.used)
+            )
 
     @staticmethod
     def _wait(reduction: PendingReduction, describe: Callable[[FlatParamHandle], str]) -> None:
@@ -100,7 +148,10 @@ class ReductionQueue:
 
     def _finish(self, reduction: PendingReduction) -> None:
         """The shard gradient is averaged over the whole world: add it, announce it."""
-        reduction.handle.shard_grad.add_reduced(reduction.reduced, reduction.without_grad)
+        without_grad = reduction.without_grad
+        if reduction.used is not None:
+            without_grad = reduction.used.without_grad()
+        reduction.handle.shard_grad.add_reduced(reduction.reduced, without_grad)
         if self.on_shard_grad_ready is not None:
             self.on_shard_grad_ready(reduction.handle)
 
@@ -109,6 +160,8 @@ class ReductionQueue:
         own) and drop the results."""
         for reduction in self.pending + self.across:
             self._wait(reduction, _discarded_description)
+            if reduction.used is not None:
+                reduction.used.wait()
         self.pending.clear()
         self.across.clear()
         self.deferred.clear()

@@ -1,23 +1,28 @@
-"""What a flat shard's gradient carries besides its values, kept as DDP keeps it in ``.grad``.
+"""The gradients of one flat shard's local parameters, kept as DDP keeps ``.grad``.
+
+Each original parameter is a parameter of its module on every rank: this rank's part of it, a
+view of the flat shard (``FlatParamHandle.local_params``). A finished reduction (this rank's
+slice of the averaged flat gradient, one shard-sized tensor) is handed to them as views, or
+added to the gradients they already hold. So ``p.grad`` is that parameter's gradient (this
+rank's part), ``p.grad = None`` / ``mul_`` / ``clamp_`` act on it alone, and an optimizer keeps
+per-parameter state, exactly as under DDP.
+
+**Parameters without gradient.** A view that got no gradient in backward is seen by a hook on
+the split of the gathered weights into views; the ranks agree (a MAX all-reduce,
+``reductions.py``), and a parameter no rank gave a gradient keeps ``.grad`` as it was (None
+stays None), as DDP leaves globally unused parameters: optimizers skip it (no weight decay,
+momentum or Adam step), in both step modes, with or without ``find_unused_parameters``.
 
 **no_sync micro-batches.** Under ``no_sync()`` a handle keeps its full (unsharded) gradient on
 the rank and reduces it with the next synced backward. DDP keeps those gradients in ``.grad``,
-so ``zero_grad()`` drops them; here they are kept *with* ``shard.grad`` (created as zeros when
-there is none): clearing or replacing ``shard.grad`` (``optimizer.zero_grad()``,
-``model.zero_grad()``, ``p.grad = None``) drops them; zeroing it in place
-(``zero_grad(set_to_none=False)``, seen by its version counter) drops the values and keeps which
-parameters had a gradient (DDP's zeroed ``.grad`` is not None).
+so ``zero_grad()`` drops them; here the local parameters get zero gradients (views of one
+placeholder) the micro-batches are kept *with*: dropping every one of them
+(``optimizer.zero_grad()``) drops the micro-batches; zeroing them in place
+(``zero_grad(set_to_none=False)``, seen by the placeholder's version counter) drops the values
+and keeps which parameters had a gradient (DDP's zeroed ``.grad`` is not None).
 
-**Parameters without gradient** (``find_unused_parameters``). A flat shard concatenates several
-original parameters; one that got no gradient on any rank gets zeros there instead of DDP's
-``.grad = None``. A hook on the split of the gathered weights into views sees, per backward,
-which views got a gradient; the ranks agree (a MAX all-reduce, ``reductions.py``), and an origin
-stays *without gradient* only while it had none in every backward since ``shard.grad`` was last
-empty. The optimizer steps then leave its slices and their optimizer state alone
-(``ownership.hold_slices_without_grad``).
-
-**Recovery.** ``created_this_step``: the current accumulation group created ``shard.grad``, so
-an interrupted step drops it (training goes on as if the step had been skipped).
+**Recovery.** The gradients the current accumulation group created are dropped when a step is
+interrupted (training goes on as if the step had been skipped).
 """
 
 import weakref
@@ -27,8 +32,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from vistrain.fsdp.ownership import hold_slices_without_grad
-from vistrain.torch_compat import version_counter
+from vistrain.torch_compat import version_counter, view_base
 
 
 def own_shard_grad(reduced: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -43,88 +47,105 @@ def own_shard_grad(reduced: torch.Tensor, device: torch.device, dtype: torch.dty
     return out
 
 
+def grad_base(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The tensor whose view ``grad`` is (itself when it is no view)."""
+    if grad is None:
+        return None
+    base = view_base(grad)
+    return base if base is not None else grad
+
+
 @dataclass
 class UnshardedAccumulator:
     """The summed full gradients (padded_numel,) of the no_sync micro-batches since the last
     synced backward (None once zeroed in place), which origins got a gradient in them, and the
-    ``shard.grad`` (and its version) they were kept with."""
+    gradient storage (and its version) they were kept with."""
 
     grad: Optional[torch.Tensor]
     used_origins: Optional[List[bool]]
-    grad_ref: "weakref.ref"
-    grad_version: int
+    kept_with: "weakref.ref"
+    kept_version: int
 
-    def follow(self, shard_grad: Optional[torch.Tensor]) -> bool:
-        """Whether anything is still kept once ``shard.grad`` is as it is now."""
-        if shard_grad is None or self.grad_ref() is not shard_grad:
+    def follow(self) -> bool:
+        """Whether anything is still kept once the local gradients are as they are now."""
+        base = self.kept_with()
+        if base is None:  # every gradient viewing it was dropped
             return False
-        if version_counter(shard_grad) != self.grad_version:  # zeroed in place
-            self.grad, self.grad_version = None, version_counter(shard_grad)
+        if version_counter(base) != self.kept_version:  # zeroed in place
+            self.grad, self.kept_version = None, version_counter(base)
         return True
 
 
 class ShardGrad:
-    """The bookkeeping of one flat ``shard``'s gradient. ``origin_slices``: (origin index,
+    """The gradients of one handle's ``local_params``. ``origin_slices``: (origin index,
     start in the shard, length) of each original parameter with elements on this rank;
     ``num_origins``: how many the flat parameter holds (on every rank)."""
 
-    def __init__(self, shard: nn.Parameter, origin_slices: Sequence[Tuple[int, int, int]], num_origins: int):
-        self.shard = shard
-        self.origin_slices = list(origin_slices)
+    def __init__(
+        self, local_params: List[nn.Parameter], origin_slices: Sequence[Tuple[int, ...]], num_origins: int
+    ):
+        self.local_params = local_params
+        self.origin_slices = [(i, start, n) for i, start, _, n in origin_slices]
         self.num_origins = num_origins
-        self.track_origin_use = False  # find_unused_parameters (set by the model)
         self._used: Optional[List[bool]] = None  # views with a gradient in this backward, this rank
         self._accumulated: Optional[UnshardedAccumulator] = None
-        self.origins_without_grad: Tuple[int, ...] = ()
-        self.created_this_step = False
-        self._placeholder: Optional[weakref.ref] = None  # zeros created to keep micro-batches with
+        self._created: Optional[weakref.ref] = None  # gradient storage this accumulation group made
 
     # -- which origins got a gradient --------------------------------------------------------
-    def note_used(self, grad_outputs) -> None:
-        """Hook on the split into views: ``grad_outputs[i]`` is None when view i got none."""
+    def note_used(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Hook on the split into views: ``grads[i]`` is None when origin i's view got none."""
         used = self._used or [False] * self.num_origins
-        self._used = [u or g is not None for u, g in zip(used, grad_outputs)]
+        self._used = [u or g is not None for u, g in zip(used, grads)]
 
     def used_origins(self) -> List[bool]:
-        """Per origin: a gradient on this rank in this backward or the kept micro-batches'
-        (all True when not tracked: without find_unused_parameters every origin counts as used)."""
-        if not self.track_origin_use:
-            return [True] * self.num_origins
+        """Per origin: a gradient on this rank in this backward or the kept micro-batches'."""
         used = self._used or [False] * self.num_origins
         accumulated = self.accumulated()
         if accumulated is not None and accumulated.used_origins is not None:
             used = [a or b for a, b in zip(used, accumulated.used_origins)]
         return used
 
-    def slices_without_grad(self) -> List[Tuple[int, int]]:
-        """(start, length) inside the shard of each origin in ``origins_without_grad``."""
-        return [(start, n) for i, start, n in self.origin_slices if i in self.origins_without_grad]
+    def _held_grads(self):
+        return [self.local_params[i].grad for i, _, _ in self.origin_slices]
 
     # -- no_sync micro-batches ---------------------------------------------------------------
     def accumulated(self) -> Optional[UnshardedAccumulator]:
-        """The kept micro-batches, unless ``shard.grad`` was cleared or replaced since."""
-        if self._accumulated is not None and not self._accumulated.follow(self.shard.grad):
+        """The kept micro-batches, unless their gradients were dropped since."""
+        if self._accumulated is not None and not self._accumulated.follow():
             self._accumulated = None
         return self._accumulated
 
     def keep_unsharded(self, grad: torch.Tensor) -> None:
         """no_sync: add the full gradient (param dtype) to the kept ones."""
         accumulated = self.accumulated()
-        used = self.used_origins() if self.track_origin_use else None
+        used = self.used_origins()
         self._used = None
         if accumulated is None:
-            if self.shard.grad is None:
-                self.shard.grad = torch.zeros_like(self.shard)
-                self.created_this_step = True
-                self._placeholder = weakref.ref(self.shard.grad)
-            accumulated = UnshardedAccumulator(grad.clone(), used, weakref.ref(self.shard.grad), 0)
+            base = self._kept_with()
+            accumulated = UnshardedAccumulator(grad.clone(), used, weakref.ref(base), 0)
         elif accumulated.grad is None:
             accumulated.grad, accumulated.used_origins = grad.clone(), used
         else:
             accumulated.grad.add_(grad)
             accumulated.used_origins = used
-        accumulated.grad_version = version_counter(self.shard.grad)
+        accumulated.kept_version = version_counter(accumulated.kept_with())
         self._accumulated = accumulated
+
+    def _kept_with(self) -> torch.Tensor:
+        """The storage of the local gradients, made (zeros, one view per held parameter) when
+        none has one: the micro-batches live as long as it does."""
+        base = next((grad_base(g) for g in self._held_grads() if g is not None), None)
+        if base is not None:
+            return base
+        shard = self.local_params[0]
+        numel = max((start + n for _, start, n in self.origin_slices), default=0)
+        base = torch.zeros(numel, dtype=shard.dtype, device=shard.device)
+        for i, start, n in self.origin_slices:
+            param = self.local_params[i]
+            if param.requires_grad:
+                param.grad = base[start : start + n].view(param.shape)
+        self._created = weakref.ref(base)
+        return base
 
     def with_accumulated(self, grad: torch.Tensor) -> torch.Tensor:
         """A synced backward's full gradient plus the kept micro-batches'; they are handed over."""
@@ -136,38 +157,43 @@ class ShardGrad:
 
     # -- the reduced gradient ----------------------------------------------------------------
     def add_reduced(self, reduced: torch.Tensor, without_grad: Tuple[int, ...]) -> None:
-        """Add a finished reduction (shard_numel,) to ``shard.grad`` (created as its own
-        shard-sized tensor); ``without_grad``: the origins no rank gave a gradient."""
-        placeholder = self._placeholder is not None and self._placeholder() is self.shard.grad
-        self._placeholder = None
-        if self.shard.grad is None or placeholder:  # no reduced gradient in it yet
-            self._set_without_grad(tuple(without_grad))
-        else:
-            self._set_without_grad(tuple(i for i in self.origins_without_grad if i in without_grad))
-        if self.shard.grad is None:
-            self.shard.grad = own_shard_grad(reduced, self.shard.device, self.shard.dtype)
-            self.created_this_step = True
-        else:
-            self.shard.grad.add_(reduced.to(self.shard.device, self.shard.dtype))
-
-    def _set_without_grad(self, origins: Tuple[int, ...]) -> None:
-        if origins or self.origins_without_grad:
-            hold_slices_without_grad(self, bool(origins))
-        self.origins_without_grad = origins
+        """Hand a finished reduction (shard_numel,) to the local parameters: a view of it where
+        a parameter has no gradient (or only the micro-batches' placeholder), added where it
+        has one; ``without_grad``: origins no rank gave a gradient (their ``.grad`` stays)."""
+        placeholder = self._created() if self._created is not None else None
+        shard = self.local_params[0]
+        reduced = own_shard_grad(reduced, shard.device, shard.dtype)
+        for i, start, n in self.origin_slices:
+            param = self.local_params[i]
+            if not param.requires_grad:
+                continue
+            held = param.grad
+            is_placeholder = placeholder is not None and grad_base(held) is placeholder
+            if i in without_grad:
+                if is_placeholder:  # zeros standing in during no_sync: DDP would have None
+                    param.grad = None
+                continue
+            if held is None or is_placeholder:
+                param.grad = reduced[start : start + n].view(param.shape)
+                self._created = weakref.ref(reduced)
+            else:
+                held.add_(reduced[start : start + n].view_as(held))
 
     # -- step boundaries ---------------------------------------------------------------------
     def end_step(self) -> None:
         """A synced backward finished: its gradients are the step's."""
-        self.created_this_step = False
+        self._created = None
 
     def drop_step(self) -> None:
-        """After an interrupted step: drop the kept micro-batches and the ``shard.grad`` this
-        accumulation group created (what it added to an older ``shard.grad`` stays, as DDP's)."""
-        self._accumulated, self._used, self._placeholder = None, None, None
-        if self.created_this_step:
-            self.shard.grad = None
-            self._set_without_grad(())
-        self.created_this_step = False
+        """After an interrupted step: drop the kept micro-batches and the gradients this
+        accumulation group created (what it added to older gradients stays, as DDP's)."""
+        self._accumulated, self._used = None, None
+        created = self._created() if self._created is not None else None
+        if created is not None:
+            for param in self.local_params:
+                if grad_base(param.grad) is created:
+                    param.grad = None
+        self._created = None
 
     def tensors(self):
         """The kept micro-batches' gradient, if any (memory accounting)."""

@@ -10,7 +10,7 @@ from typing import List, NamedTuple
 
 import torch
 
-from vistrain.fsdp.ownership import clean_name, is_shard_key
+from vistrain.fsdp.ownership import clean_name
 from vistrain.fsdp.unit import Phase
 from vistrain.torch_compat import persistent_buffer_names
 
@@ -47,8 +47,7 @@ def full_state_dict(fsdp, module_state_dict, destination=None, prefix: str = "")
     with fsdp.summon_full_params(writeback=False):
         raw = module_state_dict()
         for key, value in raw.items():
-            if not is_shard_key(key):
-                out[prefix + clean_name(key)] = value.detach().clone()
+            out[prefix + clean_name(key)] = value.detach().clone()
     metadata = getattr(out, "_metadata", None)
     if destination is not None and metadata is not None:
         for path, versions in getattr(raw, "_metadata", {}).items():
@@ -68,9 +67,9 @@ def load_as_child(fsdp, state_dict: dict, prefix: str, missing: List[str], unexp
     """A plain parent's ``load_state_dict`` reached unit ``fsdp`` under ``prefix``.
 
     Its keys there are the unwrapped module's: they are loaded as ``fsdp.load_state_dict`` does
-    (collective) and replaced in ``state_dict`` by what the unit registers (its flat shards and
-    persistent buffers, and those of the units below, at their internal names, now holding the
-    loaded values), which the parent's recursion then copies onto themselves. Missing and
+    (collective) and replaced in ``state_dict`` by what the unit registers (its local parameters
+    and persistent buffers, and those of the units below, at their internal names, now holding
+    the loaded values), which the parent's recursion then copies onto themselves. Missing and
     unexpected keys join the parent's lists.
     """
     mine = {key[len(prefix) :]: state_dict.pop(key) for key in list(state_dict) if key.startswith(prefix)}
@@ -89,7 +88,7 @@ def load_full_state_dict(fsdp, state_dict, strict: bool, module_state_dict):
     """Copy ``state_dict`` (clean keys) into the full parameters and write the shards back."""
     with fsdp.summon_full_params(writeback=True):
         internal = module_state_dict(keep_vars=True)
-        targets = {clean_name(k): v for k, v in internal.items() if not is_shard_key(k)}
+        targets = {clean_name(k): v for k, v in internal.items()}
         missing = [k for k in targets if k not in state_dict]
         unexpected = [k for k in state_dict if k not in targets]
         if strict and (missing or unexpected):

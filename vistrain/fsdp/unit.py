@@ -118,7 +118,6 @@ class UnitState:
         for handle in self.handles:
             handle.timeout = model.options.collective_timeout
             handle.gather_group = model.gather_groups[group_ranks(handle.groups.shard)]
-            handle.shard_grad.track_origin_use = model.options.find_unused_parameters
 
     @property
     def keeps_gathered(self) -> bool:
@@ -234,6 +233,7 @@ class UnitState:
         copies = []
         try:
             for handle in self.handles:
+                handle.local_views_intact()
                 full = handle.gather_full_copy()
                 handle.expose_as_parameters(full)
                 copies.append((handle, full))
@@ -274,10 +274,11 @@ def build_handles(
         by_key.setdefault(key + ((fqn,) if not flatten else ()), []).append((fqn, sub, attr, param, aliases))
     handles = []
     for members in by_key.values():
-        origins, offset = [], 0
-        for fqn, sub, attr, param, aliases in members:
-            origins.append(ParamOrigin(fqn, sub, attr, param.shape, offset, aliases=aliases))
-            offset += param.numel()
+        # offsets in the flat vector come from the handle's layout (``flat_param.flat_layout``)
+        origins = [
+            ParamOrigin(fqn, sub, attr, param.shape, 0, aliases=aliases)
+            for fqn, sub, attr, param, aliases in members
+        ]
         params = [m[3] for m in members]
         handles.append(FlatParamHandle(params, origins, groups, devices[0], precision, devices[1], sync))
         for param, origin in zip(params, origins):

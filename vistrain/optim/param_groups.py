@@ -3,20 +3,18 @@
 A parameter's group is decided from its clean name (fqn, relative to the root model) and its owning
 module, so the same rule classifies
 
-* plain / DDP models, parameter by parameter, and
-* models sharded by ``vistrain.fsdp``: the engine calls :func:`param_group_key` at wrap time so
-  every flat shard holds parameters of ONE group; the optimizer then reads the group back from the
-  original parameters the shard holds (``vistrain.fsdp.shard_origins``: ``.fqn``, ``.module``).
+plain, DDP and sharded models alike: under ``vistrain.fsdp`` every original parameter stays a
+parameter of its module (this rank's part of it), under the unwrapped model's name.
 """
 
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from vistrain.fsdp import shard_origins, unwrap
-from vistrain.fsdp.flat_param import ParamOrigin
+from vistrain.fsdp import unwrap
+from vistrain.fsdp.ownership import clean_name
 from vistrain.torch_compat import NormBase
 
 # Norm layers whose affine parameters follow ``regularize_bn``; NormBase covers every BatchNorm,
@@ -96,21 +94,7 @@ def _iter_owned_params(model: nn.Module) -> Iterator[Tuple[str, nn.Module, nn.Pa
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            yield (f"{module_name}.{name}" if module_name else name), module, param
-
-
-def _shard_traits(origins: Sequence[ParamOrigin], opt_cfg) -> GroupTraits:
-    """Traits of a flat shard: every original parameter it holds must fall in the same group."""
-    traits = classify(origins[0].fqn, origins[0].module, opt_cfg)
-    for origin in origins[1:]:
-        other = classify(origin.fqn, origin.module, opt_cfg)
-        if other != traits:
-            raise ValueError(
-                f"flat shard mixes param groups: {origins[0].fqn} is '{traits.key}' but "
-                f"{origin.fqn} is '{other.key}'; wrap the model with param_group_key so each "
-                "shard holds one group"
-            )
-    return traits
+            yield clean_name(f"{module_name}.{name}" if module_name else name), module, param
 
 
 def build_param_groups(opt_cfg, model: nn.Module) -> List[dict]:
@@ -124,8 +108,7 @@ def build_param_groups(opt_cfg, model: nn.Module) -> List[dict]:
     for fqn, module, param in _iter_owned_params(model):
         if not param.requires_grad:
             continue
-        origins = shard_origins(param)
-        traits = classify(fqn, module, opt_cfg) if origins is None else _shard_traits(origins, opt_cfg)
+        traits = classify(fqn, module, opt_cfg)
         groups.setdefault(traits.key, (traits, []))[1].append(param)
     if not groups:
         raise ValueError("model has no trainable parameters (all have requires_grad=False)")
