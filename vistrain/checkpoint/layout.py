@@ -76,7 +76,9 @@ def _sharded_layout(model: FullyShardedDataParallel) -> ModelLayout:
     for param in model.parameters():
         part = local_part(param)
         if part is None:
-            raise TypeError("a parameter of the sharded model is not held by the engine; wrap the whole model")
+            raise TypeError(
+                "a parameter of the sharded model is not held by the engine; wrap the whole model"
+            )
         handle = part.handle
         if handle.world_size * handle.groups.replicas != world:
             raise NotImplementedError(

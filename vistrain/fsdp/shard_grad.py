@@ -106,7 +106,7 @@ class ShardGrad:
         return used
 
     def _held_grads(self):
-        return [self.local_params[i].grad for i, _, _ in self.origin_slices]
+        return [param.grad for param in self.local_params]
 
     # -- no_sync micro-batches ---------------------------------------------------------------
     def accumulated(self) -> Optional[UnshardedAccumulator]:
@@ -140,8 +140,9 @@ class ShardGrad:
         shard = self.local_params[0]
         numel = max((start + n for _, start, n in self.origin_slices), default=0)
         base = torch.zeros(numel, dtype=shard.dtype, device=shard.device)
-        for i, start, n in self.origin_slices:
-            param = self.local_params[i]
+        held = {i: (start, n) for i, start, n in self.origin_slices}
+        for i, param in enumerate(self.local_params):  # empty views too: they keep ``base`` alive
+            start, n = held.get(i, (0, 0))
             if param.requires_grad:
                 param.grad = base[start : start + n].view(param.shape)
         self._created = weakref.ref(base)
@@ -163,21 +164,24 @@ class ShardGrad:
         placeholder = self._created() if self._created is not None else None
         shard = self.local_params[0]
         reduced = own_shard_grad(reduced, shard.device, shard.dtype)
-        for i, start, n in self.origin_slices:
-            param = self.local_params[i]
+        # a parameter this rank holds no element of gets an empty gradient: ``.grad is None``
+        # then means the same on every rank (optimizers that communicate, LARS, stay in step)
+        parts = {i: (start, n) for i, start, n in self.origin_slices}
+        for i, param in enumerate(self.local_params):
+            start, n = parts.get(i, (0, 0))
             if not param.requires_grad:
                 continue
-            held = param.grad
-            is_placeholder = placeholder is not None and grad_base(held) is placeholder
+            grad = param.grad
+            is_placeholder = placeholder is not None and grad_base(grad) is placeholder
             if i in without_grad:
                 if is_placeholder:  # zeros standing in during no_sync: DDP would have None
                     param.grad = None
                 continue
-            if held is None or is_placeholder:
+            if grad is None or is_placeholder:
                 param.grad = reduced[start : start + n].view(param.shape)
                 self._created = weakref.ref(reduced)
             else:
-                held.add_(reduced[start : start + n].view_as(held))
+                grad.add_(reduced[start : start + n].view_as(grad))
 
     # -- step boundaries ---------------------------------------------------------------------
     def end_step(self) -> None:

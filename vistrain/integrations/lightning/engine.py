@@ -6,7 +6,6 @@ The strategy wraps the whole LightningModule in one root unit and, through the w
 owns what no nested unit holds: the LightningModule's own parameters (a temperature...).
 """
 
-import contextlib
 import inspect
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
@@ -24,7 +23,6 @@ from vistrain.fsdp import (
     by_class,
     by_size,
     shard_handle,
-    shard_origins,
 )
 from vistrain.fsdp.grads import clip_grad_norm_
 from vistrain.integrations.lightning.errors import StrategyError
@@ -114,31 +112,30 @@ def wrap(module: nn.Module, policy: Policy, options: dict, group_of: Callable[[n
 
 
 def point_optimizers_at_shards(root, optimizers: Sequence, places: Dict[int, Place]) -> None:
-    """In every param group, put the shards holding its (original, now replaced) parameters in
-    their place; ``places`` is :func:`parameter_places` of the module before wrapping."""
-    shard_at: Dict[Place, nn.Parameter] = {}
-    for shard in root.parameters():
-        for origin in shard_origins(shard):
-            for sub, attr in origin.places():
-                shard_at[(id(sub), attr)] = shard
+    """In every param group, put the local parameter now registered where each original
+    parameter was; ``places`` is :func:`parameter_places` of the module before wrapping."""
+    local_at: Dict[Place, nn.Parameter] = {}
+    for sub in root.modules():
+        for attr, param in sub.named_parameters(recurse=False):
+            local_at[(id(sub), attr)] = param
     for optimizer in optimizers:
         for group in optimizer.param_groups:
-            shards: List[nn.Parameter] = []
+            params: List[nn.Parameter] = []
             for param in group["params"]:
                 if id(param) not in places:
                     raise StrategyError(
                         "configure_optimizers returned a tensor that is no parameter of the "
                         "LightningModule; under vistrain_fsdp every optimized tensor is a module parameter"
                     )
-                shard = shard_at[places[id(param)]]
-                if all(shard is not s for s in shards):
-                    shards.append(shard)
-            group["params"][:] = shards  # in place: LBFGS and Lightning's wrappers share the list
+                local = local_at[places[id(param)]]
+                if all(local is not p for p in params):
+                    params.append(local)
+            group["params"][:] = params  # in place: LBFGS and Lightning's wrappers share the list
 
 
 def root_owned_names(root) -> List[str]:
     """Names of the parameters the root unit itself holds (those of no nested unit)."""
-    return [o.fqn for shard in root.parameters(recurse=False) for o in shard_origins(shard)]
+    return [o.fqn for handle in root.unit_state.handles for o in handle.origins]
 
 
 def clip_global_grad_norm_(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
@@ -217,24 +214,24 @@ def unwrap(root, optimizers: Sequence) -> nn.Module:
     """The module ``root`` wraps, plain again, and ``optimizers`` pointed at its parameters.
 
     Each flat parameter is gathered in turn (device memory grows by one at a time) into host
-    memory: new ``nn.Parameter`` s in place of the engine's views (tied ones stay one), then the
-    optimizer state shaped like the shard (momentum, Adam's moments) sliced the same way, scalars
-    (``step``) copied; submodules return in place of their units. Collective: every rank ends
-    with the whole model and optimizer state, as under DDP.
+    memory: new ``nn.Parameter`` s in place of the engine's local ones (tied ones stay one), then
+    the optimizer state shaped like the local parameters (momentum, Adam's moments) gathered the
+    same way, scalars (``step``) taken from a rank that holds the parameter; submodules return in
+    place of their units. Collective: every rank ends with the whole model and optimizer state,
+    as under DDP.
     """
-    plain: Dict[int, List[nn.Parameter]] = {}  # id(shard) -> its original parameters, rebuilt
-    for shard in list(root.parameters()):
-        handle = shard_handle(shard)
+    plain: Dict[int, nn.Parameter] = {}  # id(local parameter) -> the original one, rebuilt
+    handles = [h for unit in root.units() for h in unit.unit_state.handles]
+    for handle in handles:
         full = handle.gather_full_copy().cpu()
-        plain[id(shard)] = []
-        for origin in handle.origins:
-            param = nn.Parameter(_piece(full, origin), requires_grad=shard.requires_grad)
+        for origin, local in zip(handle.origins, handle.local_params):
+            param = nn.Parameter(_piece(full, origin), requires_grad=local.requires_grad)
             for sub, attr in origin.places():
-                sub.__dict__.pop(attr, None)  # the engine's placeholder attribute
+                sub.__dict__.pop(attr, None)
                 sub.register_parameter(attr, param)
-            plain[id(shard)].append(param)
+            plain[id(local)] = param
     for optimizer in optimizers:
-        _unshard_optimizer(optimizer, plain)
+        _unshard_optimizer(optimizer, handles, plain)
     _replace_units(root.module)
     return root.module
 
@@ -244,32 +241,57 @@ def _piece(full: torch.Tensor, origin) -> torch.Tensor:
     return full[origin.flat_offset : origin.flat_offset + origin.numel].view(origin.shape).clone()
 
 
-def _unshard_optimizer(optimizer, plain: Dict[int, List[nn.Parameter]]) -> None:
+def _unshard_optimizer(optimizer, handles, plain: Dict[int, nn.Parameter]) -> None:
+    """The optimizer's per-parameter state, gathered per handle: each state tensor shaped like
+    a local parameter is laid into a shard-sized buffer at that parameter's place, the buffers
+    all-gathered and cut into the original parameters; ranks agree on the keys first."""
+    states = optimizer.state
+    local = {
+        id(h): {k for p in h.local_params for k, v in states.get(p, {}).items() if _shaped(v, p)}
+        for h in handles
+    }
+    scalars = {
+        o.fqn: {k: v for k, v in states.get(p, {}).items() if not _shaped(v, p)}
+        for h in handles
+        for o, p in zip(h.origins, h.local_params)
+        if p.numel() and states.get(p)
+    }
+    with_state = {o.fqn for h in handles for o, p in zip(h.origins, h.local_params) if states.get(p)}
+    everyone = [None] * dist.get_world_size()
+    mine = ({i: sorted(k) for i, k in enumerate(local.values())}, scalars, with_state)
+    dist.all_gather_object(everyone, mine)
+    keys = [sorted({k for keys_of, _, _ in everyone for k in keys_of[i]}) for i in range(len(handles))]
+    scalars = {fqn: value for _, found, _ in reversed(everyone) for fqn, value in found.items()}
+    with_state = set().union(*(found for _, _, found in everyone))
     state = {}
+    for handle, handle_keys in zip(handles, keys):
+        gathered = {k: _gather_state(handle, states, k).cpu() for k in handle_keys}
+        for origin, param in zip(handle.origins, handle.local_params):
+            if origin.fqn in with_state:
+                entry = {
+                    k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.get(origin.fqn, {}).items()
+                }
+                state[plain[id(param)]] = {**entry, **{k: _piece(v, origin) for k, v in gathered.items()}}
     for group in optimizer.param_groups:
-        params = []
-        for shard in group["params"]:
-            handle, mine = shard_handle(shard), optimizer.state.get(shard, {})
-            shaped = {
-                k: v for k, v in mine.items() if torch.is_tensor(v) and v.dim() > 0 and v.shape == shard.shape
-            }
-            gathered = {k: _gather_shard(v, handle.groups.shard).cpu() for k, v in sorted(shaped.items())}
-            for origin, param in zip(handle.origins, plain[id(shard)]):
-                if mine:
-                    entry = {
-                        k: v.clone() if torch.is_tensor(v) else v for k, v in mine.items() if k not in shaped
-                    }
-                    state[param] = {**entry, **{k: _piece(v, origin) for k, v in gathered.items()}}
-                params.append(param)
-        group["params"][:] = params
+        group["params"][:] = [plain[id(p)] for p in group["params"]]
     optimizer.state.clear()
     optimizer.state.update(state)
 
 
-def _gather_shard(value: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's ``value`` (shaped like its shard) concatenated: the padded flat tensor."""
-    out = value.new_empty(value.numel() * dist.get_world_size(group))
-    dist.all_gather(list(out.chunk(dist.get_world_size(group))), value.detach().contiguous(), group=group)
+def _shaped(value, param) -> bool:
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape
+
+
+def _gather_state(handle, states, key: str) -> torch.Tensor:
+    """Every rank's state ``key`` of the handle's local parameters: the padded flat tensor."""
+    mine = torch.zeros(handle.shard_numel, dtype=handle.shard.dtype, device=handle.shard.device)
+    for i, s_start, _, n in handle.local_slices():
+        value = states.get(handle.local_params[i], {}).get(key)
+        if value is not None:
+            mine[s_start : s_start + n].copy_(value.reshape(-1))
+    group = handle.groups.shard
+    out = mine.new_empty(mine.numel() * dist.get_world_size(group))
+    dist.all_gather(list(out.chunk(dist.get_world_size(group))), mine, group=group)
     return out
 
 
@@ -279,21 +301,3 @@ def _replace_units(parent: nn.Module) -> None:
             child = child.module
             setattr(parent, name, child)
         _replace_units(child)
-
-
-@contextlib.contextmanager
-def frozen_grads_kept(params: Sequence[nn.Parameter]):
-    """Inside the block, backward leaves the ``.grad`` of ``params`` as it was.
-
-    A unit's gradient covers all of its flat parameter even when a shard's ``requires_grad``
-    was switched off after wrapping (``LightningModule.toggle_optimizer``); under DDP such a
-    parameter gets no gradient, so the one the engine reduces into it is dropped here.
-    """
-    kept = [(p, p.grad) for p in params]
-    for p, _ in kept:
-        p.grad = None
-    try:
-        yield
-    finally:
-        for p, grad in kept:
-            p.grad = grad

@@ -4,13 +4,13 @@ It is Lightning's ``DDPStrategy`` (launcher, process group, collectives, sampler
 sharded instead of replicated, and each place where Lightning's defaults assume whole
 parameters made right for shards:
 
-    configure_optimizers  runs on the plain module (as under DDP); the engine then keeps every
-                          param group's parameters in flat shards of their own, and each group
-                          is pointed at its shards
+    configure_optimizers  runs on the plain module (as under DDP); each param group is then
+                          pointed at the engine's local parameters in place of the originals
     training_step         through the root unit's forward (automatic optimization); manual
                           optimization opens the root first, then runs the step as written
     gradient_clip_val     the global norm over every rank's shards (the precision plugin)
     16-mixed              the sharded grad scaler on the run's device
+    sync_batchnorm        vistrain's synchronised BatchNorm, on CPU too (``layer_sync.py``)
     accumulate_grad_*     the engine's no_sync
     checkpoints           vistrain's sharded, world-size independent folders (``checkpoint.py``)
     teardown              the full model gathered back into the plain LightningModule
@@ -32,7 +32,6 @@ from vistrain.integrations.lightning.engine import (
     bind_step_in_backward,
     broadcast_buffers,
     build_policy,
-    frozen_grads_kept,
     is_wrapped,
     no_sync,
     open_step,
@@ -45,6 +44,7 @@ from vistrain.integrations.lightning.engine import (
     wrap,
 )
 from vistrain.integrations.lightning.errors import StrategyError
+from vistrain.integrations.lightning.layer_sync import with_sharded_sync
 from vistrain.integrations.lightning.precision import ShardedPrecision, sharded_precision
 
 
@@ -137,10 +137,11 @@ class VistrainFSDPStrategy(DDPStrategy):
         self._interrupted = False
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and self._layer_sync:
-            self.model = self._layer_sync.apply(self.model)
+        self._layer_sync = with_sharded_sync(self._layer_sync)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if fitting and self._layer_sync:  # on its device: CUDA and CPU take different sync BNs
+            self.model = self._layer_sync.apply(self.model)
         _own_storage(self.model)
         if fitting:
             self.setup_optimizers(trainer)  # the user's configure_optimizers, on the plain module
@@ -199,14 +200,6 @@ class VistrainFSDPStrategy(DDPStrategy):
         with self.precision_plugin.train_step_context():
             open_step(self.model, self.lightning_module)
             return self.lightning_module.training_step(*args, **kwargs)
-
-    def backward(self, closure_loss, optimizer, *args, **kwargs):
-        # toggle_optimizer switches requires_grad off on the other optimizers' shards
-        frozen = [
-            p for o in self.optimizers for g in o.param_groups for p in g["params"] if not p.requires_grad
-        ]
-        with frozen_grads_kept(frozen):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def on_validation_start(self) -> None:
         self._evaluate_on_rank0_buffers()
