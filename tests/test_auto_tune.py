@@ -144,6 +144,25 @@ def test_a_resumed_run_keeps_its_knobs_while_they_fit(tmp_path, monkeypatch, fix
     assert "no longer fits" in line and tuned.MODEL.FSDP_CONFIG.wrap_granularity is not None
 
 
+def test_a_resumed_shard_group_size_that_does_not_divide_the_new_world_is_chosen_again(
+    tmp_path, monkeypatch, fixed_baseline
+):
+    """A run tuned to shard_group_size=2 on 4 ranks, resumed on 3: k=2 cannot split 3 ranks, so
+    it is chosen again (one note in the line); the other resumed knobs are kept."""
+    args = [*SHARDED, f"config.CHECKPOINT.DIR={tmp_path}"]
+    cfg = load_config(args)
+    recorded = with_knobs(cfg, {"shard_group_size": 2, "wrap_granularity": "block"})
+    (tmp_path / "config.yaml").write_text(recorded.dump())
+    monkeypatch.setattr("vistrain.checkpoint.find_latest_checkpoint", lambda run_dir: str(tmp_path / "ckpt"))
+    result = tune_settings(cfg, explicit_keys(args), 3, Budget(1e6, "test"), "cpu")
+    fsdp = result.cfg.MODEL.FSDP_CONFIG
+    assert fsdp.shard_group_size in (0, 1, 3) and fsdp.wrap_granularity == "block"
+    assert "shard_group_size=2 does not divide 3 ranks: chose shard_group_size=" in result.line
+    assert "\n" not in result.line
+    result = tune_settings(cfg, explicit_keys(args), 4, Budget(1e6, "test"), "cpu")  # 4 ranks: kept
+    assert result.cfg.MODEL.FSDP_CONFIG.shard_group_size == 2 and "does not divide" not in result.line
+
+
 def test_ranks_that_chose_differently_stop_with_one_line():
     same = {"wrap_granularity": "model"}
     auto_tune.check_same_knobs([same, dict(same)])

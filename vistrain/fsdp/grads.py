@@ -50,35 +50,38 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Scale gradients so that their global ``norm_type``-norm is at most ``max_norm``.
 
-    As ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: each parameter's norm, then the
-    norm of those norms. A parameter's norm here is spread over the ranks' parts, so each rank
-    sums |g|^p of its parts per parameter (from torch's per-tensor norms, in float64 across
-    tensors and ranks: the order of a float64 sum of a few thousand terms does not show in
-    fp32), one all-reduce over ``group``, then (total)^(1/p) (max |g| for p = inf). Same
-    coefficient max_norm / (total + 1e-6), clamped to 1. Returns the total norm (fp32 at least).
+    As ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: each parameter's norm, then
+    the norm of those norms in the gradients' dtype (fp32 at least), clip coefficient
+    max_norm / (total + 1e-6) clamped to 1. A parameter's norm is spread over the ranks' parts:
+    each rank sums |g|^p of its part in float64, one all-reduce over ``group`` adds the parts
+    per parameter (max |g| for p = inf), so each parameter's norm is exact before it is
+    rounded to fp32 (torch's own fp32 kernel drifts on very large tensors: docs/engine.md).
+    ``params`` must have the same parameters with a gradient on every rank of ``group`` (the
+    engine gives empty parts empty gradients). Returns the total norm.
     """
     norm_type = float(norm_type)
     grads = [p.grad for p in params if p.grad is not None]
     dtype = functools.reduce(torch.promote_types, [accumulation_dtype(g.dtype) for g in grads], torch.float32)
-    norms = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=dtype) for g in grads if g.numel()]
-    if norm_type == math.inf:
-        local = torch.stack(norms).max() if norms else torch.zeros((), dtype=dtype)
-        local = local.to(device)
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-        total = local
-    else:
-        powered = (
-            torch.stack(norms).double().pow(norm_type).sum()
-            if norms
-            else torch.zeros((), dtype=torch.float64)
-        )
-        powered = powered.to(device)
-        dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
-        total = powered.pow(1.0 / norm_type).to(dtype)
+    if not grads:
+        return torch.zeros((), dtype=dtype, device=device)
+    per_param = torch.stack([_part_norm_power(g.detach(), norm_type) for g in grads]).to(device)
+    infinite = norm_type == math.inf
+    dist.all_reduce(per_param, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM, group=group)
+    norms = per_param if infinite else per_param.pow(1.0 / norm_type)
+    total = torch.linalg.vector_norm(norms.to(dtype), norm_type)
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.detach().mul_(clip_coef.to(g.device, g.dtype))
     return total
+
+
+def _part_norm_power(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """sum |g|^p of one part of a gradient in float64 (max |g| for p = inf; 0 when empty)."""
+    if grad.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=grad.device)
+    if norm_type == math.inf:
+        return grad.abs().max().double()
+    return torch.linalg.vector_norm(grad, norm_type, dtype=torch.float64).pow(norm_type)
 
 
 @dataclass

@@ -20,6 +20,7 @@ import yaml
 from vistrain.config import ConfigError
 from vistrain.config.checks import get_key
 from vistrain.config.words import plural
+from vistrain.fsdp.collectives import shard_group_size_problem
 from vistrain.fsdp.memory import current_rss_mib
 from vistrain.planner.knobs import EXACT_KNOBS, current_knobs, exact_settings, speed_cost, with_knobs
 from vistrain.planner.memory import forked_ranks, plan
@@ -180,17 +181,16 @@ def tune_settings(
     choice = choose(settings, peaks, budget.mib * MIB, device)
     if choice.knobs is None:
         raise ConfigError(_refusal(planned, choice, budget, device, fixed, shapes))
-    kept = _resumed_knobs(cfg, settings[0].keys(), fixed)
+    kept, note = _replanned_for_world(_resumed_knobs(cfg, settings[0].keys(), fixed), choice.knobs, world)
     if kept is not None:
         peak = plan(with_knobs(planned, kept), device, shapes).peak
         if peak <= budget.mib * MIB:
             line = f"auto-tune: kept the resumed run's {_show(kept)} (planned {peak / MIB:,.0f} MiB"
             return Tuned(
-                with_knobs(cfg, kept), f"{line} per rank, budget {budget.mib:,.0f} MiB: {budget.source})"
+                with_knobs(cfg, kept),
+                f"{line} per rank, budget {budget.mib:,.0f} MiB: {budget.source}){note}",
             )
-        note = f"; the resumed run's {_show(_changed(kept, choice.knobs))} no longer fits ({peak / MIB:,.0f} MiB)"
-    else:
-        note = ""
+        note += f"; the resumed run's {_show(_changed(kept, choice.knobs))} no longer fits ({peak / MIB:,.0f} MiB)"
     line = _chosen_line(choice, budget, device, fixed) + note
     spans_nodes = planned.DISTRIBUTED.NUM_NODES > 1 and "shard_group_size" not in fixed
     candidates = _per_shard_group(settings, peaks, budget.mib * MIB, device) if spans_nodes else []
@@ -285,6 +285,22 @@ def _resumed_knobs(cfg, names, fixed: Sequence[str]) -> Optional[Setting]:
             with contextlib.suppress(KeyError, TypeError):  # written before the knob existed
                 knobs[name] = get_key(recorded, EXACT_KNOBS[name])
     return knobs
+
+
+def _replanned_for_world(
+    kept: Optional[Setting], chosen: Setting, world: int
+) -> Tuple[Optional[Setting], str]:
+    """``kept`` (the resumed run's knobs) with a ``shard_group_size`` that no longer divides the
+    ``world`` of this run replaced by the one chosen now, and a note saying so ("" when none)."""
+    size = (kept or {}).get("shard_group_size")
+    if size is None or shard_group_size_problem(world, size) is None:
+        return kept, ""
+    again = chosen.get("shard_group_size", 0)
+    note = (
+        f"; the resumed run's shard_group_size={size} does not divide {world} ranks: "
+        f"chose shard_group_size={again} again"
+    )
+    return {**kept, "shard_group_size": again}, note
 
 
 def _show(knobs: Setting) -> str:
