@@ -37,8 +37,7 @@ from vistrain.checkpoint import save as save_module
 from vistrain.config import load_config
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import FullyShardedDataParallel as FSDP
-from vistrain.fsdp import auto_wrap, by_class, shard_handle
-from vistrain.fsdp.flat_param import shard_slices
+from vistrain.fsdp import auto_wrap, by_class, local_part
 from vistrain.training.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,11 +77,8 @@ def _owned_state(model, optimizer):
     for p in model.parameters():
         state = optimizer.state.get(p, {})
         if isinstance(model, FSDP):
-            h = shard_handle(p)
-            pieces = [
-                (h.origins[i].fqn, off, start, n)
-                for i, off, start, n in shard_slices(h.origins, h.world_size, h.rank)
-            ]
+            part = local_part(p)
+            pieces = [(part.origin.fqn, 0, part.start, part.length)] if part.length else []
         else:
             fqn = next(n for n, q in model.module.named_parameters() if q is p)
             pieces = [(fqn, 0, 0, p.numel())]

@@ -6,7 +6,6 @@ from fsdp_models import local_batch, make_net, make_optimizer, wrap
 from torch import nn
 
 from vistrain.distributed.testing import run_on_ranks
-from vistrain.fsdp import shard_origins
 from vistrain.fsdp.memory import held_tensors, storage_bytes
 
 # Full-size state tensors per parameter element besides the parameter and its gradient.
@@ -31,8 +30,12 @@ def _held_worker(rank, world, optim_name):
         model = wrap(make_net(), True, reshard_after_forward=reshard)
         optimizer = make_optimizer(optim_name, model.parameters())
         _steps(model, optimizer, rank, world)
-        elements = [(p.numel(), sum(o.numel for o in shard_origins(p))) for p in model.parameters()]
-        grad_is_own = all(p.grad.untyped_storage().nbytes() == p.numel() * 4 for p in model.parameters())
+        handles = [h for u in model.units() for h in u.unit_state.handles]
+        elements = [(h.shard_numel, h.numel, sum(p.numel() for p in h.local_params)) for h in handles]
+        # each handle's gradients view one shard-sized tensor of their own
+        grad_is_own = all(
+            h.local_params[0].grad.untyped_storage().nbytes() == h.shard_numel * 4 for h in handles
+        )
         out.append(
             {
                 "reshard": reshard,
@@ -51,16 +54,20 @@ def _held_worker(rank, world, optim_name):
 def test_held_storage_bytes_are_ddp_over_n_plus_padding(world, optim_name):
     """Parameters + gradients + optimizer state + engine buffers == DDP's / N + padding, per rank.
 
-    Per flat shard of ``s`` elements holding ``n`` real ones, a rank keeps ``s - n / N`` more
-    elements than DDP / N in each of the parameter, its gradient and the optimizer's full-size
-    state tensors. AdamW's per-parameter ``step`` scalars are the only other difference.
+    Per flat shard of ``s`` elements holding ``n`` real ones, ``local`` of them on this rank, a
+    rank keeps ``s - n / N`` more elements than DDP / N in the shard (the local parameters view
+    it) and in their gradients (views of one shard-sized tensor), and ``local - n / N`` more in
+    each optimizer state tensor (per parameter: no padding). AdamW's per-parameter ``step``
+    scalars are the only other difference.
     """
-    per_elem = 4 * (2 + STATE_TENSORS[optim_name])
     for rank_results in run_on_ranks(_held_worker, world, optim_name):
         for r in rank_results:
             assert r["grad_is_own"], "a shard gradient is a view into a larger buffer"
-            padding = sum((s - n / world) * per_elem for s, n in r["shards"])
-            scalars = 4 * (len(r["shards"]) + r["n_plain"]) if optim_name == "adamw" else 0
+            state_elem = 4 * STATE_TENSORS[optim_name]
+            padding = sum(
+                (s - n / world) * 8 + (local - n / world) * state_elem for s, n, local in r["shards"]
+            )
+            scalars = 4 * r["n_plain"] if optim_name == "adamw" else 0
             excess = r["ours"] - r["ddp"] / world
             assert abs(excess - padding) <= scalars + 1e-6, (r["reshard"], r["ours"], r["ddp"] / world)
 
