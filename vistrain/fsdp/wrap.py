@@ -86,26 +86,9 @@ def _from_root(group_fn: Callable, prefix: str) -> Callable:
 
 
 def params_of(module: nn.Module):
-    """The parameters holding ``module``'s weights: its unit's shards, or its own parameters.
-
-    Raises when a shard also holds weights of modules outside ``module`` (wrap it as a unit).
-    """
-    owner = owner_of(module)
-    if owner is None:
-        return list(module.parameters())
-    inside = set(map(id, module.modules()))
-    params = []
-    for unit in owner.units():
-        for handle in unit.unit_state.handles:
-            mine = [id(o.module) in inside for o in handle.origins]
-            if all(mine):
-                params.append(handle.shard)
-            elif any(mine):
-                raise ValueError(
-                    f"{type(module).__name__} shares a flat shard with other modules; "
-                    "wrap it as its own unit to address its parameters"
-                )
-    return params
+    """The parameters holding ``module``'s weights: its own, sharded or not (under the engine,
+    this rank's part of each original parameter, registered on ``module`` as before wrapping)."""
+    return list(module.parameters())
 
 
 def gathered(module: nn.Module, writeback: bool = True):
