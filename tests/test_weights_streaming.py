@@ -79,7 +79,8 @@ def _sharded(weights: str = ""):
 
 def _local_state(model, optimizer):
     shards = [p.detach().clone() for p in model.parameters()]
-    return shards, [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    # a parameter this rank holds no element of has (empty or no) state: nothing to compare
+    return shards, [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters() if p.numel()]
 
 
 def _save_worker(rank, world, run_dir):
