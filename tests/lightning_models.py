@@ -1,6 +1,7 @@
 """LightningModules, data and a recorder shared by the Lightning strategy tests (importable, so
 any start method can pickle them)."""
 
+import copy
 import json
 import os
 
@@ -215,3 +216,48 @@ def trainer_kwargs(**overrides) -> dict:
 
 def checkpoint_path(folder: str, epoch: int) -> str:
     return os.path.join(folder, f"epoch={epoch}.ckpt")
+
+
+class SSLClient(pl.LightningModule):
+    """What lightly's SwAV / DINO examples do around the forward: prototype rows normalised in
+    place at the start of each step, an EMA teacher updated by zipping ``parameters()``, the
+    prototypes' gradients dropped (``p.grad = None``) in the first epoch; BatchNorm in the body
+    (synced when the Trainer says ``sync_batchnorm=True``)."""
+
+    def __init__(self, batch_size: int = 6):
+        super().__init__()
+        self.batch_size = batch_size
+        # no bias before BatchNorm: its gradient would be rounding noise, which AdamW amplifies
+        body = [nn.Linear(8, 32, bias=False), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 16)]
+        self.student = nn.Sequential(*body)
+        self.teacher = copy.deepcopy(self.student)
+        self.teacher.requires_grad_(False)
+        self.prototypes = nn.Linear(16, 10, bias=False)
+
+    def training_step(self, batch, batch_idx):
+        with torch.no_grad():  # SwAVPrototypes.normalize(): in place, on the weight
+            w = self.prototypes.weight
+            w.div_(w.norm(dim=1, keepdim=True))
+        x, _ = batch
+        scores = self.prototypes(nn.functional.normalize(self.student(x), dim=1)) / 0.1
+        with torch.no_grad():
+            target = self.prototypes(nn.functional.normalize(self.teacher(x), dim=1)).div(0.05).softmax(1)
+        loss = -(target * scores.log_softmax(1)).sum(1).mean()
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def on_after_backward(self):
+        if self.current_epoch == 0:  # DINO: the last layer frozen in the first epoch
+            for p in self.prototypes.parameters():
+                p.grad = None
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        with torch.no_grad():
+            for t, s in zip(self.teacher.parameters(), self.student.parameters()):
+                t.mul_(0.9).add_(s.detach(), alpha=0.1)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.04)
+
+    def train_dataloader(self):
+        return DataLoader(dataset(0), batch_size=self.batch_size, shuffle=True)

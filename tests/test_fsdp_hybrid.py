@@ -136,6 +136,7 @@ def _final_grad_worker(rank, world):
     model.zero_grad(set_to_none=True)
     seen = {}
     queue = model.model_state.reductions
+
     def note(handle):
         for p in handle.local_params:
             seen.setdefault(id(p), p.grad.clone())

@@ -19,6 +19,7 @@ from lightning_models import (  # noqa: E402
     OwnStorageDDP,
     Recorder,
     Regressor,
+    SSLClient,
     checkpoint_path,
     read_has_grad,
     read_losses,
@@ -233,6 +234,36 @@ def manual(tmp_path_factory):
 def test_manual_optimization_with_two_optimizers_equals_ddp(manual):
     (ours, losses), (reference, ref_losses) = manual["sharded"], manual["ddp"]
     assert len(losses) == 8 and rel_diff(losses, ref_losses) < TOL and rel_diff(ours, reference) < TOL
+
+
+@pytest.fixture(scope="module")
+def ssl_clients():
+    """An SSL client's habits (in-place prototype normalisation, EMA teacher by zip, p.grad =
+    None, clipping) under DDP and the sharded strategy; sync_batchnorm=True on 2 CPU ranks (DDP
+    refuses it on CPU) and one process on the global batch (the same sampler's order)."""
+    runs = {}
+    for name, strategy in (("ddp", ddp()), ("sharded", sharded())):
+        _, module = fit(strategy, SSLClient, max_epochs=2, gradient_clip_val=0.5)
+        runs[name] = state(module)
+    _, module = fit(sharded(), SSLClient, max_epochs=2, sync_batchnorm=True)
+    runs["synced"] = state(module)
+    _, module = fit(sharded(), lambda: SSLClient(batch_size=12), devices=1, max_epochs=2)
+    runs["one_process"] = state(module)
+    return runs
+
+
+def test_an_ssl_clients_own_code_equals_ddp(ssl_clients):
+    ours, ddp_run = ssl_clients["sharded"], ssl_clients["ddp"]
+    assert rel_diff(ours, ddp_run) < TOL_DEVICES  # student, teacher (the EMA) and prototypes
+    assert rel_diff(ours, SSLClient().state_dict()) > 1e-2
+    rows = ours["prototypes.weight"].norm(dim=1)
+    assert (rows - 1).abs().max() < 0.2  # normalised every step, then one step moved them
+
+
+def test_sync_batchnorm_on_cpu_equals_one_process_on_the_global_batch(ssl_clients):
+    synced, single = ssl_clients["synced"], ssl_clients["one_process"]
+    assert rel_diff(synced, single) < TOL_DEVICES
+    assert rel_diff(synced["student.1.running_mean"], single["student.1.running_mean"]) < TOL_DEVICES
 
 
 def test_engine_knobs():
