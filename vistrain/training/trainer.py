@@ -44,7 +44,7 @@ from vistrain.fsdp import (
 )
 from vistrain.losses import build_loss
 from vistrain.models import build_model
-from vistrain.optim import build_lr_schedule, build_optimizer, param_group_key, set_lr
+from vistrain.optim import build_lr_schedule, build_optimizer, set_lr
 from vistrain.planner.across_nodes import choose_across_nodes
 from vistrain.planner.auto_tune import check_same_knobs, exact_knobs_of
 from vistrain.runtime import precision
@@ -132,11 +132,10 @@ def _build(cfg, device: torch.device) -> _Run:
     iters_per_epoch = len(loader)
     if iters_per_epoch == 0:
         raise ConfigError("DATA.TRAIN yields no full batch per rank: add data or lower BATCHSIZE_PER_REPLICA")
-    group_key = functools.partial(param_group_key, opt_cfg=cfg.OPTIMIZER)
     model = build_for_run(build_model, cfg.MODEL)  # on the meta device for the sharded engine
     if cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE:
         load_pretrained(model, cfg.MODEL.WEIGHTS_INIT)  # before sharding (deferred when on meta)
-    model = parallelize(model, cfg.MODEL, device, group_key)
+    model = parallelize(model, cfg.MODEL, device)  # param groups follow the original parameters
     optimizer = build_optimizer(cfg.OPTIMIZER, model)
     settings = _step_settings(cfg, model, optimizer, device)
     global_batch = cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA * comm.get_world_size()
