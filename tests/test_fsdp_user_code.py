@@ -89,7 +89,10 @@ def _client_loop(rank, world, sharded: bool, optimizer_name: str):
         with torch.no_grad():  # EMA teacher: zip of parameters, no communication
             m = 0.9
             for t, s in zip(teacher.parameters(), student.parameters()):
-                t.mul_(m).add_(s.detach(), alpha=1 - m)
+                if step % 2:  # lightly's update_momentum assigns .data (the last step too)
+                    t.data = t.data * m + s.data * (1.0 - m)
+                else:
+                    t.mul_(m).add_(s.detach(), alpha=1 - m)
         losses.append(loss.detach())
     names = [n for n, _ in student.named_parameters()]
     teacher_state = teacher.state_dict()

@@ -195,6 +195,7 @@ class FlatParamHandle:
         self.origins = origins
         self.groups = groups
         offsets, self.shard_numel = flat_layout([o.shape for o in origins], groups.size)
+        self._local_slices = None
         for origin, offset in zip(origins, offsets):
             origin.flat_offset = offset
         self.numel = sum(o.numel for o in origins)
@@ -246,8 +247,10 @@ class FlatParamHandle:
 
     def local_slices(self) -> List[Tuple[int, int, int, int]]:
         """(origin index, start in the shard, start in the parameter, length) of every original
-        parameter this rank holds elements of (``shard_slices``)."""
-        return shard_slices(self.origins, self.shard_numel, self.rank)
+        parameter this rank holds elements of (``shard_slices``; the layout never changes)."""
+        if self._local_slices is None:
+            self._local_slices = shard_slices(self.origins, self.shard_numel, self.rank)
+        return self._local_slices
 
     def held_tensors(self):
         """Every tensor this handle keeps alive: the shard and its gradient, the gathered weights
@@ -293,6 +296,7 @@ class FlatParamHandle:
         """
         if self.is_unsharded or self.gather is not None:
             return 0
+        self.local_views_intact()
         nbytes = self.full.numel() * self.full.element_size()
         self.full.untyped_storage().resize_(nbytes)
         src = self.shard.detach().to(self.compute_device, self.compute_dtype, non_blocking=True)
@@ -392,20 +396,22 @@ class FlatParamHandle:
 
     def local_views_intact(self) -> None:
         """Put back what code outside forward assigned with ``p.data = ...``: its values go
-        into the shard and ``p`` views the shard again (in-place writes need nothing)."""
+        into the shard and ``p`` views the shard again (in-place writes need nothing). Called
+        before every gather: one pointer comparison per local parameter."""
         shard = self.shard.detach()
-        for (i, s_start, _, n), param in ((s, self.local_params[s[0]]) for s in self.local_slices()):
-            view = shard[s_start : s_start + n]
-            if param.data_ptr() != view.data_ptr() or param.numel() != n:
-                if param.numel() != n:
-                    raise ValueError(
-                        f"parameter {self.origins[i].fqn or self.origins[i].local_fqn} was given "
-                        f"{param.numel()} elements outside forward; this rank holds {n} of it "
-                        "(write with p.data.copy_(...) or under summon_full_params())"
-                    )
-                with torch.no_grad():
-                    view.copy_(param.data.reshape(-1))
-                param.data = view.view(param.shape)
+        for i, s_start, _, n in self.local_slices():
+            param, view = self.local_params[i], shard[s_start : s_start + n]
+            if param.data_ptr() == view.data_ptr() and param.numel() == n:
+                continue
+            if param.numel() != n:
+                raise ValueError(
+                    f"parameter {self.origins[i].fqn or self.origins[i].local_fqn} was given "
+                    f"{param.numel()} elements outside forward; this rank holds {n} of it "
+                    "(write with p.data.copy_(...) or under summon_full_params())"
+                )
+            with torch.no_grad():
+                view.copy_(param.data.reshape(-1))
+            param.data = view.view(param.shape)
 
     def expose_as_parameters(self, source: torch.Tensor) -> None:
         """Register views of ``source`` (a full copy) as ordinary parameters of their modules
@@ -419,6 +425,7 @@ class FlatParamHandle:
     def gather_full_copy(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """A fresh (padded_numel,) tensor with the full values, in the master dtype by default."""
         dtype = dtype or self.param_dtype
+        self.local_views_intact()
         out = torch.empty(self.padded_numel, dtype=dtype, device=self.compute_device)
         gather_into(out, self.shard.detach().to(self.compute_device, dtype), self.groups.shard, False)
         return out

@@ -134,8 +134,6 @@ class ModelState:
         """Reset a step an exception interrupted; for training, enter FORWARD and sync buffers."""
         if self.is_stale():
             self.reset(f"the previous {self.phase.value} did not finish")
-        for handle in self.handles():  # ``p.data = ...`` outside forward reaches the shards
-            handle.local_views_intact()
         if not training:
             return
         self._enter(Phase.FORWARD)

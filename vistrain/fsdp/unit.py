@@ -233,7 +233,6 @@ class UnitState:
         copies = []
         try:
             for handle in self.handles:
-                handle.local_views_intact()
                 full = handle.gather_full_copy()
                 handle.expose_as_parameters(full)
                 copies.append((handle, full))
