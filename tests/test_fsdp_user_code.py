@@ -146,3 +146,54 @@ def test_local_parameters_are_whole_rows_viewing_the_shard(world):
     assert sum(shape[0] for shape, _, _ in results) == 300
     assert all(shape[1:] == (256,) and views for shape, views, _ in results)
     assert sum(total for _, _, total in results) == sum(p.numel() for p in Student().parameters())
+
+
+class WritesInForward(nn.Module):
+    """A root whose forward writes parameters in place between its units, as a LightningModule's
+    ``training_step`` does inside the strategy's root forward: an EMA-like scaling of a unit that
+    the previous unit has already prefetched, and a decay of the root's own (gathered) parameter
+    once it was used (``+`` saves no operand, so DDP allows it too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(24, 32)
+        self.second = nn.Linear(32, 32)
+        self.third = nn.Linear(32, 8)
+        self.offset = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        h = torch.relu(self.first(x))
+        with torch.no_grad():
+            self.third.weight.mul_(0.9)  # gathered ahead by ``second``'s prefetch already
+        h = torch.relu(self.second(h))
+        out = self.third(h) + self.offset
+        with torch.no_grad():
+            self.offset.mul_(0.5)  # the root's own: written into its gathered weights
+        return out
+
+
+def _writes_in_forward(rank, world, sharded):
+    torch.manual_seed(0)
+    model = WritesInForward()
+    model = auto_wrap(model, by_class([nn.Linear])) if sharded else DDP(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        loss = model(_batch(step, rank, world)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses), model.state_dict() if sharded else model.module.state_dict()
+
+
+def _writes_both(rank, world):
+    return _writes_in_forward(rank, world, False), _writes_in_forward(rank, world, True)
+
+
+def test_in_place_writes_between_units_inside_a_forward_equal_ddp():
+    """A prefetched unit written before it runs is gathered again; a write into gathered weights
+    (the root's own) goes back to the shard at reshard: as DDP, which reads parameters as it runs."""
+    for ddp, ours in run_on_ranks(_writes_both, 2):
+        assert max_rel_diff(ours[0], ddp[0]) < TOL
+        assert max_rel_diff(ours[1], ddp[1]) < TOL

@@ -33,7 +33,7 @@ from vistrain.fsdp.deferred_init import materialize
 from vistrain.fsdp.ownership import register_local_param, register_shard
 from vistrain.fsdp.precision import Precision
 from vistrain.fsdp.shard_grad import ShardGrad, own_shard_grad
-from vistrain.torch_compat import own_parameters
+from vistrain.torch_compat import own_parameters, version_counter
 
 
 @dataclass
@@ -48,6 +48,7 @@ class ParamOrigin:
     fqn: str = ""  # clean name relative to the root model (set by the outermost wrapper)
     # Further (module, attr) places holding the same tied parameter; they get the same view.
     aliases: List[Tuple[nn.Module, str]] = field(default_factory=list)
+    requires_grad: bool = True  # the original parameter's flag, kept by its local parameter
 
     def places(self) -> List[Tuple[nn.Module, str]]:
         return [(self.module, self.attr)] + self.aliases
@@ -177,6 +178,7 @@ class InFlightGather:
 
     work: dist.Work
     source: torch.Tensor  # the shard in compute dtype/device; must live until the wait
+    shard_version: int  # the shard's version counter when the gather started
 
 
 class FlatParamHandle:
@@ -205,7 +207,9 @@ class FlatParamHandle:
         self.compute_device = compute_device
         self.timeout = DEFAULT_COLLECTIVE_TIMEOUT  # the model's collective_timeout once attached
         self.gather_group = None  # the model's own group over the shard group's ranks once attached
-        requires_grad = params[0].requires_grad
+        # frozen parameters share the flat vector (the layout must not depend on what trains: a
+        # teacher, all frozen, pairs with its student); their local parameters get no gradient
+        requires_grad = any(p.requires_grad for p in params)
 
         shard = self._own_shard(params, compute_device, sync_module_states)
         if sync_module_states and groups.replicas > 1:  # replicas start from the first one's shard
@@ -223,9 +227,10 @@ class FlatParamHandle:
         self._split_sizes, self._origin_pieces = split_plan(origins, self.padded_numel)
         self.gather: Optional[InFlightGather] = None
         self.is_unsharded = False
+        self._views_version = 0  # ``full``'s version counter when the views were made
         # Each original parameter stays a parameter of its module: this rank's part of it, a
         # view of the shard (``local_params[i]``, empty where the rank holds none of it).
-        self.local_params = self._make_local_params(requires_grad)
+        self.local_params = self._make_local_params()
         self._show_local_params()
         # gradients of the local parameters, no_sync micro-batches, recovery (shard_grad.py)
         self.shard_grad = ShardGrad(self.local_params, self.local_slices(), len(origins))
@@ -301,7 +306,8 @@ class FlatParamHandle:
         self.full.untyped_storage().resize_(nbytes)
         src = self.shard.detach().to(self.compute_device, self.compute_dtype, non_blocking=True)
         group = self.gather_group or self.groups.shard
-        self.gather = InFlightGather(gather_into(self._full_data, src, group, async_op=True), src)
+        work = gather_into(self._full_data, src, group, async_op=True)
+        self.gather = InFlightGather(work, src, version_counter(self.shard))
         return nbytes
 
     def _finish_gather(self) -> None:
@@ -315,6 +321,12 @@ class FlatParamHandle:
         if self.is_unsharded:
             return 0
         nbytes = self.start_unshard()
+        self.local_views_intact()
+        if version_counter(self.shard) != self.gather.shard_version:
+            # written after a prefetch started (code between units: an EMA, a normalisation);
+            # every rank runs the same code, so every rank gathers again
+            self._finish_gather()
+            self.start_unshard()
         self._finish_gather()
         self.is_unsharded = True
         self.set_views()
@@ -328,10 +340,21 @@ class FlatParamHandle:
             self._finish_gather()
             freed += self._free_full()
         if self.is_unsharded:
+            self._write_back_in_place_changes()
             freed += self._free_full()
             self.is_unsharded = False
             self._show_local_params()
         return freed
+
+    def _write_back_in_place_changes(self) -> None:
+        """Code that wrote into the gathered weights in place (under no_grad, inside a forward:
+        a LightningModule's ``training_step`` runs inside the root's) wrote the same on every
+        rank: this rank's part goes back into the shard (in the compute dtype's precision)."""
+        if version_counter(self.full) == self._views_version:
+            return
+        lo = self.rank * self.shard_numel
+        with torch.no_grad():
+            self.shard.copy_(self._full_data[lo : lo + self.shard_numel])
 
     def _gather_description(self) -> str:
         return f"the all-gather of {self.describe()}"
@@ -353,6 +376,7 @@ class FlatParamHandle:
             pieces[0].grad_fn.register_prehook(self._note_used)
         views = [pieces[k].view(o.shape) for k, o in zip(self._origin_pieces, self.origins)]
         self._set_attributes(views)
+        self._views_version = version_counter(self.full)
 
     def _note_used(self, grad_outputs) -> None:
         self.shard_grad.note_used([grad_outputs[k] for k in self._origin_pieces])
@@ -378,7 +402,7 @@ class FlatParamHandle:
                 module.__dict__.pop(attr, None)
                 own_parameters(module)[attr] = param
 
-    def _make_local_params(self, requires_grad: bool) -> List[nn.Parameter]:
+    def _make_local_params(self) -> List[nn.Parameter]:
         """One parameter per origin viewing this rank's part of it in the shard: whole rows
         keep the original trailing dims (``flat_layout`` aligns them), so row-wise code works."""
         out = []
@@ -389,7 +413,7 @@ class FlatParamHandle:
             shape = (
                 local_shape(o.shape, p_start, n) if n else ((0,) + tuple(o.shape[1:]) if o.shape else (0,))
             )
-            param = nn.Parameter(shard[s_start : s_start + n].view(shape), requires_grad=requires_grad)
+            param = nn.Parameter(shard[s_start : s_start + n].view(shape), requires_grad=o.requires_grad)
             register_local_param(param, self, i)
             out.append(param)
         return out

@@ -170,7 +170,9 @@ class UnitState:
             model.order.record_forward(self.index)
             self._enter(Phase.FORWARD)
         self.unshard()  # the gather also points the modules at fresh views of the weights
-        if training:
+        if training and not self.is_root:
+            # the root's forward may run the user's code first (a LightningModule's
+            # training_step: an EMA, a normalisation): the first unit gathers when it runs
             self._prefetch_neighbours(+1)
         return training
 
@@ -263,19 +265,19 @@ def build_handles(
     group_fn: Optional[Callable],
     sync: bool,
 ) -> List[FlatParamHandle]:
-    """One handle per key (requires_grad, dtype, ``group_fn(fqn, module, param)``; with
+    """One handle per key (dtype, ``group_fn(fqn, module, param)``; with
     ``flatten`` False one per parameter) over ``owned`` (``ownership.owned_params`` of the
     module ``owner`` wraps). ``devices``: (compute device, shard device). The replaced original
     parameters are marked, so an optimizer built on them fails."""
     by_key: Dict[tuple, list] = {}
     for fqn, sub, attr, param, aliases in owned:
-        key = (param.requires_grad, param.dtype, group_fn(fqn, sub, param) if group_fn else None)
+        key = (param.dtype, group_fn(fqn, sub, param) if group_fn else None)
         by_key.setdefault(key + ((fqn,) if not flatten else ()), []).append((fqn, sub, attr, param, aliases))
     handles = []
     for members in by_key.values():
         # offsets in the flat vector come from the handle's layout (``flat_param.flat_layout``)
         origins = [
-            ParamOrigin(fqn, sub, attr, param.shape, 0, aliases=aliases)
+            ParamOrigin(fqn, sub, attr, param.shape, 0, aliases=aliases, requires_grad=param.requires_grad)
             for fqn, sub, attr, param, aliases in members
         ]
         params = [m[3] for m in members]

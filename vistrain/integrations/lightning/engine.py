@@ -7,7 +7,7 @@ owns what no nested unit holds: the LightningModule's own parameters (a temperat
 """
 
 import inspect
-from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -98,17 +98,15 @@ def parameter_places(module: nn.Module) -> Dict[int, Place]:
     return {id(p): (id(m), attr) for m in module.modules() for attr, p in m.named_parameters(recurse=False)}
 
 
-def wrap(module: nn.Module, policy: Policy, options: dict, group_of: Callable[[nn.Parameter], Hashable]):
+def wrap(module: nn.Module, policy: Policy, options: dict):
     """Shard ``module`` (collective): nested units where ``policy`` says, the root around it.
 
-    Parameters with different ``group_of`` keys never share a flat shard, so each optimizer
-    param group can hold exactly the shards of its parameters.
+    Param groups need no flat shards of their own (optimizers hold the local parameters), so the
+    layout depends on the modules alone: a teacher wrapped like its student pairs with it.
     """
     options = dict(options)
     root = options.pop("root", None)
-    return auto_wrap(
-        module, policy, root=root, param_group_fn=lambda fqn, sub, param: group_of(param), **options
-    )
+    return auto_wrap(module, policy, root=root, **options)
 
 
 def point_optimizers_at_shards(root, optimizers: Sequence, places: Dict[int, Place]) -> None:

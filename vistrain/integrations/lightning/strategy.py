@@ -20,7 +20,7 @@ Every engine call goes through ``engine.py``.
 
 import contextlib
 from datetime import timedelta
-from typing import Any, Dict, Hashable, Optional
+from typing import Any, Dict, Optional
 
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
 from pytorch_lightning.plugins.precision import MixedPrecision, Precision
@@ -154,15 +154,13 @@ class VistrainFSDPStrategy(DDPStrategy):
             bind_step_in_backward(self.model, self.optimizers[0])
 
     def _setup_model(self, model):
-        """Wrap ``model`` (the LightningModule): each param group of the optimizers gets flat
-        shards of its own, and is pointed at them."""
+        """Wrap ``model`` (the LightningModule) and point the optimizers' param groups at the
+        local parameters."""
         places = parameter_places(model)
-        groups = _group_memberships(self.optimizers)
         root = wrap(
             model,
             build_policy(self.auto_wrap_policy, model),
             dict(self.unit_options, precision=unit_precision(self.mixed_precision, self.root_device)),
-            lambda param: groups.get(id(param), ()),
         )
         point_optimizers_at_shards(root, self.optimizers, places)
         owned = root_owned_names(root)
@@ -278,16 +276,6 @@ class VistrainFSDPStrategy(DDPStrategy):
             unwrap(self.model, self.optimizers)
             self.model = self.lightning_module
         super().teardown()
-
-
-def _group_memberships(optimizers) -> Dict[int, Hashable]:
-    """id(parameter) -> ((optimizer index, group index), ...) of every group holding it."""
-    found: Dict[int, list] = {}
-    for i, optimizer in enumerate(optimizers):
-        for j, group in enumerate(optimizer.param_groups):
-            for param in group["params"]:
-                found.setdefault(id(param), []).append((i, j))
-    return {key: tuple(value) for key, value in found.items()}
 
 
 def _own_storage(module) -> None:
