@@ -164,7 +164,7 @@ class WritesInForward(nn.Module):
     def forward(self, x):
         h = torch.relu(self.first(x))
         with torch.no_grad():
-            self.third.weight.mul_(0.9)  # gathered ahead by ``second``'s prefetch already
+            self.second.weight.mul_(0.9)  # gathered ahead by ``first``'s prefetch already
         h = torch.relu(self.second(h))
         out = self.third(h) + self.offset
         with torch.no_grad():
