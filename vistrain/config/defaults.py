@@ -108,10 +108,12 @@ _C.MODEL.TRUNK.REGNET.STEM_WIDTH = 32
 _C.MODEL.TRUNK.OUT_FEATURES = ["avgpool"]  # features returned: any of stem, s1..s4, avgpool
 
 _C.MODEL.HEAD = CN()
-_C.MODEL.HEAD.NAME = "simclr"  # simclr | swav | identity
+_C.MODEL.HEAD.NAME = "simclr"  # simclr | swav | dino | byol | identity
 _C.MODEL.HEAD.DIMS = [440, 512, 128]  # MLP dims: trunk output, hidden..., embedding
 _C.MODEL.HEAD.USE_BN = True  # BatchNorm between MLP layers
 _C.MODEL.HEAD.NMB_PROTOTYPES = [30]  # swav: prototypes per prototype layer (e.g. [3000])
+_C.MODEL.HEAD.OUT_DIM = 1024  # dino: width K of the weight-normalised last layer (DINO: 65536)
+_C.MODEL.HEAD.PREDICTOR_DIMS = [128, 512, 128]  # byol: predictor MLP dims (first = DIMS[-1])
 
 _C.MODEL.FSDP_CONFIG = CN()
 _C.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP = False  # shard the model with the engine instead of DDP
@@ -162,7 +164,9 @@ _C.MODEL.WEIGHTS_INIT.SKIP_LAYERS = []  # key substrings not loaded (e.g. ["head
 
 # ---------------------------------------------------------------------------------------------
 _C.LOSS = CN()
-_C.LOSS.NAME = "simclr_loss"  # simclr_loss | swav_loss
+# the method: simclr_loss | swav_loss | dino_loss | byol_loss (vistrain/losses/__init__.py METHODS);
+# dino_loss and byol_loss train a momentum teacher (same builder, same wrap policy as the student)
+_C.LOSS.NAME = "simclr_loss"
 _C.LOSS.simclr_loss = CN()
 _C.LOSS.simclr_loss.temperature = 0.1
 _C.LOSS.swav_loss = CN()
@@ -173,6 +177,17 @@ _C.LOSS.swav_loss.crops_for_assign = [0, 1]  # crops whose codes are targets
 _C.LOSS.swav_loss.freeze_prototypes_niters = 0  # prototypes get no update for this many iterations
 _C.LOSS.swav_loss.queue_length = 0  # per-rank feature queue length (0: no queue)
 _C.LOSS.swav_loss.start_queue_at_epoch = 0
+_C.LOSS.dino_loss = CN()
+_C.LOSS.dino_loss.num_global_crops = 2  # the first crops: the teacher sees only these
+_C.LOSS.dino_loss.student_temp = 0.1
+_C.LOSS.dino_loss.teacher_temp = 0.04  # after the warm-up
+_C.LOSS.dino_loss.warmup_teacher_temp = 0.04  # linear from this over the warm-up epochs
+_C.LOSS.dino_loss.warmup_teacher_temp_epochs = 0
+_C.LOSS.dino_loss.center_momentum = 0.9  # the centre's EMA over the global batch's teacher outputs
+_C.LOSS.dino_loss.freeze_last_layer_epochs = 1  # the head's last layer gets no update this long
+_C.LOSS.dino_loss.momentum_teacher = 0.996  # m0: cosine from m0 to 1 over the run
+_C.LOSS.byol_loss = CN()
+_C.LOSS.byol_loss.momentum_teacher = 0.996  # m0: cosine from m0 to 1 over the run
 
 # ---------------------------------------------------------------------------------------------
 _C.OPTIMIZER = CN()

@@ -10,6 +10,7 @@ from typing import Dict, Tuple, Type
 from torch import nn
 from torchvision.models.regnet import AnyStage, ResBottleneckBlock, SimpleStemIN
 
+from vistrain.models.heads.dino import DINOLastLayer
 from vistrain.models.heads.mlp import MLP
 from vistrain.models.heads.swav import SwAVPrototypes
 from vistrain.torch_compat import BatchNormBase
@@ -31,7 +32,8 @@ def unit_classes(fp32_batchnorm: bool, granularity: str = "block") -> Dict[Type[
     them (the root holds them: one gather and one reduction per step). Fewer, larger units mean
     fewer collectives and more weights gathered at once; the numbers are the same. The fp32 units
     (SwAV prototypes: re-normalised after every step, they feed Sinkhorn's exp(score / eps);
-    BatchNorm under low precision) stay units at every granularity.
+    BatchNorm under low precision; DINO's weight-normalised last layer, frozen during the first
+    epoch) stay units at every granularity.
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"wrap granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -41,6 +43,7 @@ def unit_classes(fp32_batchnorm: bool, granularity: str = "block") -> Dict[Type[
     }
     classes = {cls: {} for cls in structure.get(granularity, ())}
     classes[SwAVPrototypes] = {"keep_fp32": True}
+    classes[DINOLastLayer] = {"keep_fp32": True}  # frozen in the first epoch: its own shards
     if fp32_batchnorm:
         classes[BatchNormBase] = {"keep_fp32": True}
     return classes
