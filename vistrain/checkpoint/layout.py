@@ -112,7 +112,9 @@ def _sharded_layout(model: FullyShardedDataParallel) -> ModelLayout:
 def _joined_layout(layouts: Mapping[str, ModelLayout]) -> ModelLayout:
     writes = {layout.writes_params for layout in layouts.values()}
     if len(writes) != 1:
-        raise NotImplementedError("a checkpoint's models must be distributed alike (all sharded or all replicated)")
+        raise NotImplementedError(
+            "a checkpoint's models must be distributed alike (all sharded or all replicated)"
+        )
     params, infos, buffers = [], {}, {}
     for prefix, layout in layouts.items():
         for local in layout.params:
