@@ -173,6 +173,12 @@ def test_cli_prints_json_and_one_line_when_nothing_fits(capsys, fixed_baseline):
 # nearly all runtime overhead. The runtime allowance is fitted to the quick start; on the tiny job
 # it over-plans by up to 47 MiB (16% of the CPU build's 296 MiB): there the plan may be at most
 # 5% under and 60 MiB over.
+TRUNK_RUN = [
+    "config=regnet_fsdp",
+    "config.MODEL.FSDP_CONFIG.AUTO_TUNE=False",
+    "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=16",
+    "config.DATA.TRAIN.DATA_LIMIT=192",
+]
 RUNS = {
     "quick_start": [
         "config=regnet_fsdp",
@@ -188,7 +194,13 @@ RUNS = {
         "config.MODEL.FSDP_CONFIG.wrap_granularity=model",
         "config.MODEL.FSDP_CONFIG.reshard_after_forward=False",
     ],
-}
+    # the quick start's data with the other trunk families at the engine's default knobs
+    "resnet18": [*TRUNK_RUN, "config.MODEL.TRUNK.NAME=resnet", "config.MODEL.TRUNK.RESNET.NAME=resnet18",
+                 "config.MODEL.HEAD.DIMS=[512,512,128]"],
+    "vit_tiny": [*TRUNK_RUN, "config.MODEL.TRUNK.NAME=vit", "config.MODEL.TRUNK.VIT.NAME=tiny",
+                 "config.MODEL.TRUNK.VIT.PATCH_SIZE=4", "config.MODEL.TRUNK.VIT.IMAGE_SIZE=28",
+                 "config.MODEL.HEAD.DIMS=[192,512,128]"],
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("run", sorted(RUNS))

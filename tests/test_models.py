@@ -162,8 +162,8 @@ def test_trunk_config_errors():
     with pytest.raises(ValueError, match="OUT_FEATURES must be a non-empty subset"):
         build_trunk(model_cfg(out_features=[]).TRUNK)
     cfg = model_cfg()
-    cfg.TRUNK.NAME = "resnet"
-    with pytest.raises(ValueError, match=r"unknown MODEL.TRUNK.NAME 'resnet'; valid names: \['regnet'\]"):
+    cfg.TRUNK.NAME = "resnets"
+    with pytest.raises(ValueError, match=r"unknown MODEL.TRUNK.NAME 'resnets'; valid names: \['regnet', 'resnet', 'vit'\]"):
         build_model(cfg)
 
 
