@@ -32,7 +32,7 @@ from vistrain.fsdp.collectives import (  # noqa: F401
     shard_group_ranks,
 )
 from vistrain.fsdp.deferred_init import build_on_meta, materialize  # noqa: F401
-from vistrain.fsdp.ema import LayoutMismatchError, ema_update_  # noqa: F401
+from vistrain.fsdp.ema import LayoutMismatchError, ema_update_, foreach_ema_, paired_tensors  # noqa: F401
 from vistrain.fsdp.fully_sharded import FullyShardedDataParallel  # noqa: F401
 from vistrain.fsdp.grads import (  # noqa: F401
     OptimizerInBackward,

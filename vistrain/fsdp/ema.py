@@ -7,6 +7,8 @@ elementwise update of each rank's flat shards: no gather, no communication (dino
 
     ema_update_(teacher, student, momentum)   # after optimizer.step(); teacher has no gradients
 
+or, pairing (and checking) once for a run, ``foreach_ema_(*paired_tensors(teacher, student), m)``.
+
 Models of the built-in engine pair their units' ``FlatParamHandle.shard`` tensors (whatever
 ``parameters()`` yields); ``fully_shard`` models pair their DTensors' local shards; a plain module
 or DDP pairs ``parameters()`` of the unwrapped modules. A layout mismatch is one line naming the
@@ -38,17 +40,22 @@ def ema_update_(teacher: nn.Module, student: nn.Module, momentum: float) -> None
     the student exactly. Raises :class:`LayoutMismatchError` when the two models are distributed
     differently (built or wrapped by different configs).
     """
+    foreach_ema_(*paired_tensors(teacher, student), momentum)
+
+
+@torch.no_grad()
+def foreach_ema_(targets: List[torch.Tensor], sources: List[torch.Tensor], momentum: float) -> None:
+    """``t = momentum * t + (1 - momentum) * s`` over lists from :func:`paired_tensors`."""
     if not 0.0 <= momentum <= 1.0:
         raise ValueError(f"the teacher's momentum must lie in [0, 1], got {momentum}")
-    targets, sources = paired_tensors(teacher, student)
-    if not targets:
-        return
-    torch._foreach_mul_(targets, momentum)
-    torch._foreach_add_(targets, sources, alpha=1.0 - momentum)
+    if targets:
+        torch._foreach_mul_(targets, momentum)
+        torch._foreach_add_(targets, sources, alpha=1.0 - momentum)
 
 
 def paired_tensors(teacher: nn.Module, student: nn.Module) -> Pairs:
-    """(teacher tensors, student tensors) this rank updates, in the same order; checks the layout."""
+    """(teacher tensors, student tensors) this rank updates, in the same order; checks the layout.
+    The tensors are the storage itself (detached aliases): valid for the models' lifetime."""
     backend = backend_of(student)
     if backend_of(teacher) is not backend:
         raise LayoutMismatchError(

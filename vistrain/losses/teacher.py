@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from vistrain.fsdp import ema_update_
+from vistrain.fsdp import foreach_ema_, paired_tensors
 
 
 def cosine_momentum(start: float, iteration: int, total_iterations: int) -> float:
@@ -32,6 +32,7 @@ class MomentumTeacher:
         self.model = model
         self.start_momentum = start_momentum
         self.total_iterations = total_iterations
+        self._pairs = None  # (teacher tensors, student tensors), paired and checked at the first update
 
     def __call__(self, crops):
         """The teacher's output for ``crops``; no graph, weights resharded after each unit."""
@@ -43,5 +44,7 @@ class MomentumTeacher:
 
     def update(self, student: nn.Module, iteration: int) -> None:
         """The EMA after the optimizer step of (0-based) ``iteration``: one foreach update of the
-        local shards (``vistrain.fsdp.ema_update_``), no communication."""
-        ema_update_(self.model, student, self.momentum(iteration))
+        local shards (``vistrain.fsdp.foreach_ema_``), no communication."""
+        if self._pairs is None:
+            self._pairs = paired_tensors(self.model, student)
+        foreach_ema_(*self._pairs, self.momentum(iteration))
