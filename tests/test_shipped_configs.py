@@ -15,10 +15,11 @@ TRAINING_RECIPES = [
     "pretrain/simclr_regnet_demo",
     "pretrain/swav_regnet_demo",
     "pretrain/dino_regnet_demo",
+    "pretrain/dino_vit_demo",
     "pretrain/byol_regnet_demo",
 ]
 # recipes with a momentum teacher: sharded (student and teacher) and DDP give the same losses
-TEACHER_RECIPES = ["pretrain/dino_regnet_demo", "pretrain/byol_regnet_demo"]
+TEACHER_RECIPES = ["pretrain/dino_regnet_demo", "pretrain/dino_vit_demo", "pretrain/byol_regnet_demo"]
 
 
 def shrunk(name, run_dir, cache_dir, *overrides):
@@ -29,6 +30,7 @@ def shrunk(name, run_dir, cache_dir, *overrides):
         "config.DATA.TRAIN.DATA_LIMIT=48",
         "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
         "config.OPTIMIZER.num_epochs=1",
+        "config.OPTIMIZER.param_schedulers.lr.warmup_epochs=0.5",  # the ViT demo warms up 5 of 40
         "config.LOG_FREQUENCY=1",
         *overrides,
     ]
