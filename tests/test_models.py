@@ -163,7 +163,9 @@ def test_trunk_config_errors():
         build_trunk(model_cfg(out_features=[]).TRUNK)
     cfg = model_cfg()
     cfg.TRUNK.NAME = "resnets"
-    with pytest.raises(ValueError, match=r"unknown MODEL.TRUNK.NAME 'resnets'; valid names: \['regnet', 'resnet', 'vit'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown MODEL.TRUNK.NAME 'resnets'; valid names: \['regnet', 'resnet', 'vit'\]"
+    ):
         build_model(cfg)
 
 

@@ -55,6 +55,17 @@ class LayerNorm32(nn.LayerNorm):
         return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
 
 
+def trunc_normal_(tensor: torch.Tensor, std: float) -> torch.Tensor:
+    """Fill ``tensor`` from N(0, std^2) truncated to [-2 std, 2 std] by the inverse CDF:
+    ``u ~ U(2 F(-2) - 1, 2 F(2) - 1)``, ``x = std * sqrt(2) * erfinv(u)`` (F: the standard normal
+    CDF). Only whole-tensor in-place calls, so the sharded engine's per-unit initialisation can
+    replay it (``nn.init.trunc_normal_`` skips meta tensors and rejection-samples)."""
+    bound = math.erf(2 / math.sqrt(2))  # 2 F(2) - 1
+    with torch.no_grad():
+        tensor.uniform_(-bound, bound).erfinv_().mul_(std * math.sqrt(2)).clamp_(-2 * std, 2 * std)
+    return tensor
+
+
 def vit_dims(vit_cfg) -> Tuple[int, int, int, int]:
     """(depth, width, heads, mlp_dim) of ``cfg.MODEL.TRUNK.VIT`` (a size NAME or "custom"), with
     PATCH_SIZE and IMAGE_SIZE checked; ValueError (one line) for impossible values."""
@@ -128,8 +139,7 @@ class ViTTrunk(nn.Module):
         norm = functools.partial(LayerNorm32, eps=LAYER_NORM_EPS)
         self.encoder = Encoder(self.grid**2 + self.num_prefix, depth, heads, width, mlp_dim, 0.0, 0.0, norm)
         # torchvision's patchify init (its VisionTransformer.__init__)
-        fan_in = 3 * patch_size * patch_size
-        nn.init.trunc_normal_(self.conv_proj.weight, std=math.sqrt(1 / fan_in))
+        trunc_normal_(self.conv_proj.weight, std=math.sqrt(1 / (3 * patch_size * patch_size)))
         nn.init.zeros_(self.conv_proj.bias)
 
         names = _names(depth, class_token)
