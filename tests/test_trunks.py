@@ -9,6 +9,7 @@ import torchvision.models as tvm
 from test_auto_setup import _parity_worker, build, recipe
 from torch import nn
 
+from vistrain.benchmarks import linear_eval
 from vistrain.config import ConfigError, load_config
 from vistrain.config.defaults import get_defaults
 from vistrain.distributed.testing import run_on_ranks
@@ -275,3 +276,30 @@ def test_tiny_trunk_configs_train_sharded_as_under_ddp(config, overrides, tmp_pa
     sharded, ddp = _losses(tmp_path / "True"), _losses(tmp_path / "False")
     assert len(sharded) == 4
     torch.testing.assert_close(sharded, ddp, rtol=1e-5, atol=0)
+
+
+def _linear_eval(rank, world, argv):
+    linear_eval(load_config(argv))
+
+
+def test_linear_eval_reads_vit_vectors_unpooled_and_its_token_map_pooled(tmp_path):
+    vit = [
+        "config.MODEL.TRUNK.NAME=vit",
+        "config.MODEL.TRUNK.VIT.NAME=custom",
+        "config.MODEL.TRUNK.VIT.DEPTH=2",
+    ]
+    vit += [
+        f"config.MODEL.TRUNK.VIT.{k}={v}"
+        for k, v in {"WIDTH": 16, "HEADS": 2, "PATCH_SIZE": 4, "IMAGE_SIZE": 16}.items()
+    ]
+    argv = ["config=test/benchmark_tiny", f"config.CHECKPOINT.DIR={tmp_path}", *vit]
+    argv.append("config.BENCHMARK.FEATURES=[cls, avgpool, tokens, block1+block2]")
+    check_values(load_config(argv))
+    run_on_ranks(_linear_eval, 2, argv)
+    results = json.loads((tmp_path / "metrics.json").read_text())["results"]
+    assert {name: r["dim"] for name, r in results.items()} == {
+        "cls": 16,
+        "avgpool": 16,
+        "tokens": 64,
+        "block1+block2": 32,
+    }

@@ -113,8 +113,8 @@ class ViTTrunk(nn.Module):
     * ``"block<i>"`` (N, D): block i's output (1-based), its class token (else its mean patch
       token); DINO's linear evaluation concatenates the last four (``block9+...+block12``).
 
-    ``feature_dims`` maps every available feature name to D. Blocks after the last requested
-    feature are skipped.
+    ``feature_dims`` maps every available feature name to D, ``vector_features`` names the (N, D)
+    ones (the benchmarks pool only maps). Blocks after the last requested feature are skipped.
     """
 
     def __init__(
@@ -144,6 +144,7 @@ class ViTTrunk(nn.Module):
 
         names = _names(depth, class_token)
         self.feature_dims: Dict[str, int] = dict.fromkeys(names, width)
+        self.vector_features = [name for name in names if name != "tokens"]  # (N, D); "tokens" is a map
         self.out_features = check_out_features(out_features, names)
         wanted = set(self.out_features)
         self.blocks_needed = depth if wanted & set(POOLED) else max(int(n[5:]) for n in wanted)
