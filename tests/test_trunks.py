@@ -1,20 +1,25 @@
 """ResNet and ViT trunks: torchvision names and export, features, config errors, sharded units, and
 AUTO_SETUP_FSDP equal to DDP on 2 gloo ranks (the RegNet's are in test_models / test_auto_setup)."""
 
+import json
+
 import pytest
 import torch
 import torchvision.models as tvm
 from test_auto_setup import _parity_worker, build, recipe
 from torch import nn
 
+from vistrain.benchmarks import linear_eval
 from vistrain.config import ConfigError, load_config
 from vistrain.config.defaults import get_defaults
 from vistrain.distributed.testing import run_on_ranks
+from vistrain.fsdp.deferred_init import build_on_meta, materialize
 from vistrain.jobs import check_values
-from vistrain.models import build_meta_model
+from vistrain.models import build_meta_model, build_model
 from vistrain.models.trunks import build_trunk, to_torchvision_state_dict, trunk_feature_names
 from vistrain.models.trunks.resnet import PUBLISHED_RESNETS
 from vistrain.models.trunks.vit import VIT_SIZES, LayerNorm32
+from vistrain.training.trainer import train
 
 
 @pytest.fixture(autouse=True)
@@ -196,6 +201,9 @@ def test_auto_setup_units_are_the_blocks(config, blocks, units):
     "config, overrides",
     [
         ("simclr_resnet", []),
+        ("simclr_resnet", ["config.MODEL.FSDP_CONFIG.wrap_granularity=stage",
+                           "config.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING=True",
+                           "config.MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY=stage"]),
         ("simclr_vit", ["config.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING=True"]),
         ("swav", ["config.MODEL.TRUNK.NAME=vit", "config.MODEL.TRUNK.VIT.NAME=custom", "config.MODEL.TRUNK.VIT.DEPTH=2",
                   "config.MODEL.TRUNK.VIT.WIDTH=16", "config.MODEL.TRUNK.VIT.HEADS=2", "config.MODEL.TRUNK.VIT.PATCH_SIZE=4",
@@ -208,6 +216,18 @@ def test_auto_setup_equals_ddp(config, overrides):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize("config", ["simclr_resnet", "simclr_vit"])
+def test_unit_by_unit_initialisation_equals_the_plain_build(config):
+    model_cfg = recipe(config).MODEL
+    torch.manual_seed(0)
+    plain = build_model(model_cfg)
+    torch.manual_seed(0)
+    meta = build_on_meta(build_model, model_cfg)
+    tensors = [(*plain.named_parameters(), *plain.named_buffers()), (*meta.parameters(), *meta.buffers())]
+    for (name, p), q in zip(*tensors):
+        assert torch.equal(p, materialize(q)), name
+
+
 def test_planner_counts_every_parameter_in_units():
     from vistrain.planner.shape import ModelShapes
 
@@ -217,3 +237,69 @@ def test_planner_counts_every_parameter_in_units():
         total = sum(p.numel() for p in build_meta_model(cfg.MODEL).parameters())
         for granularity in ("block", "stage", "model"):
             assert sum(shapes.units(False, granularity)) == total
+
+
+# ------------------------------------------------------------------- the trainer on 2 gloo ranks
+
+
+def _train(rank, world, argv):
+    train(load_config(argv))
+
+
+def _losses(run_dir):
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    "config, overrides",
+    [
+        ("test/simclr_resnet_tiny", []),
+        ("test/simclr_vit_tiny", []),
+        # the issue's check: a full-width ResNet-18 under a 512-wide SimCLR head
+        ("test/simclr_resnet_tiny", ["config.MODEL.TRUNK.RESNET.WIDTH_MULTIPLIER=1.0", "config.MODEL.HEAD.DIMS=[512,512,128]"]),
+    ],
+)  # fmt: skip
+def test_tiny_trunk_configs_train_sharded_as_under_ddp(config, overrides, tmp_path):
+    for sharded in (True, False):
+        run_on_ranks(
+            _train,
+            2,
+            [
+                f"config={config}",
+                f"config.CHECKPOINT.DIR={tmp_path / str(sharded)}",
+                f"config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP={sharded}",
+                "config.OPTIMIZER.num_epochs=1",
+                "config.LOG_FREQUENCY=1",
+                *overrides,
+            ],
+        )
+    sharded, ddp = _losses(tmp_path / "True"), _losses(tmp_path / "False")
+    assert len(sharded) == 4
+    torch.testing.assert_close(sharded, ddp, rtol=1e-5, atol=0)
+
+
+def _linear_eval(rank, world, argv):
+    linear_eval(load_config(argv))
+
+
+def test_linear_eval_reads_vit_vectors_unpooled_and_its_token_map_pooled(tmp_path):
+    vit = [
+        "config.MODEL.TRUNK.NAME=vit",
+        "config.MODEL.TRUNK.VIT.NAME=custom",
+        "config.MODEL.TRUNK.VIT.DEPTH=2",
+    ]
+    vit += [
+        f"config.MODEL.TRUNK.VIT.{k}={v}"
+        for k, v in {"WIDTH": 16, "HEADS": 2, "PATCH_SIZE": 4, "IMAGE_SIZE": 16}.items()
+    ]
+    argv = ["config=test/benchmark_tiny", f"config.CHECKPOINT.DIR={tmp_path}", *vit]
+    argv.append("config.BENCHMARK.FEATURES=[cls, avgpool, tokens, block1+block2]")
+    check_values(load_config(argv))
+    run_on_ranks(_linear_eval, 2, argv)
+    results = json.loads((tmp_path / "metrics.json").read_text())["results"]
+    assert {name: r["dim"] for name, r in results.items()} == {
+        "cls": 16,
+        "avgpool": 16,
+        "tokens": 64,
+        "block1+block2": 32,
+    }

@@ -55,6 +55,17 @@ class LayerNorm32(nn.LayerNorm):
         return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
 
 
+def trunc_normal_(tensor: torch.Tensor, std: float) -> torch.Tensor:
+    """Fill ``tensor`` from N(0, std^2) truncated to [-2 std, 2 std] by the inverse CDF:
+    ``u ~ U(2 F(-2) - 1, 2 F(2) - 1)``, ``x = std * sqrt(2) * erfinv(u)`` (F: the standard normal
+    CDF). Only whole-tensor in-place calls, so the sharded engine's per-unit initialisation can
+    replay it (``nn.init.trunc_normal_`` skips meta tensors and rejection-samples)."""
+    bound = math.erf(2 / math.sqrt(2))  # 2 F(2) - 1
+    with torch.no_grad():
+        tensor.uniform_(-bound, bound).erfinv_().mul_(std * math.sqrt(2)).clamp_(-2 * std, 2 * std)
+    return tensor
+
+
 def vit_dims(vit_cfg) -> Tuple[int, int, int, int]:
     """(depth, width, heads, mlp_dim) of ``cfg.MODEL.TRUNK.VIT`` (a size NAME or "custom"), with
     PATCH_SIZE and IMAGE_SIZE checked; ValueError (one line) for impossible values."""
@@ -102,8 +113,8 @@ class ViTTrunk(nn.Module):
     * ``"block<i>"`` (N, D): block i's output (1-based), its class token (else its mean patch
       token); DINO's linear evaluation concatenates the last four (``block9+...+block12``).
 
-    ``feature_dims`` maps every available feature name to D. Blocks after the last requested
-    feature are skipped.
+    ``feature_dims`` maps every available feature name to D, ``vector_features`` names the (N, D)
+    ones (the benchmarks pool only maps). Blocks after the last requested feature are skipped.
     """
 
     def __init__(
@@ -128,12 +139,12 @@ class ViTTrunk(nn.Module):
         norm = functools.partial(LayerNorm32, eps=LAYER_NORM_EPS)
         self.encoder = Encoder(self.grid**2 + self.num_prefix, depth, heads, width, mlp_dim, 0.0, 0.0, norm)
         # torchvision's patchify init (its VisionTransformer.__init__)
-        fan_in = 3 * patch_size * patch_size
-        nn.init.trunc_normal_(self.conv_proj.weight, std=math.sqrt(1 / fan_in))
+        trunc_normal_(self.conv_proj.weight, std=math.sqrt(1 / (3 * patch_size * patch_size)))
         nn.init.zeros_(self.conv_proj.bias)
 
         names = _names(depth, class_token)
         self.feature_dims: Dict[str, int] = dict.fromkeys(names, width)
+        self.vector_features = [name for name in names if name != "tokens"]  # (N, D); "tokens" is a map
         self.out_features = check_out_features(out_features, names)
         wanted = set(self.out_features)
         self.blocks_needed = depth if wanted & set(POOLED) else max(int(n[5:]) for n in wanted)
