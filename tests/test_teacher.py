@@ -155,3 +155,23 @@ def test_teacher_checkpoint_of_two_ranks_resumes_on_three(tmp_path):
             torch.testing.assert_close(value, saved[key], rtol=0, atol=0, msg=key)
         torch.testing.assert_close(centre, saved_centre, rtol=0, atol=0)
     assert not torch.equal(saved_centre, torch.zeros_like(saved_centre))  # a centre was learnt
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        ["config.OPTIMIZER.step_in_backward=True"],  # the EMA follows the step inside backward
+        ["config.OPTIMIZER.update_freq=2"],  # one EMA per accumulation group
+        [
+            "config.MODEL.FSDP_CONFIG.wrap_granularity=model",
+            "config.MODEL.FSDP_CONFIG.reshard_after_forward=False",
+        ],
+    ],
+)
+def test_dino_variants_sharded_equal_ddp(variant, tmp_path):
+    run_on_ranks(_train_on_rank, 2, _dino(tmp_path / "sharded", *variant))
+    ddp = [v for v in variant if "FSDP_CONFIG" not in v and "step_in_backward" not in v]
+    run_on_ranks(
+        _train_on_rank, 2, _dino(tmp_path / "ddp", *ddp, "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False")
+    )
+    torch.testing.assert_close(_losses(tmp_path / "sharded"), _losses(tmp_path / "ddp"), rtol=1e-5, atol=0)
