@@ -216,8 +216,8 @@ def test_head_config_errors():
     with pytest.raises(ValueError, match=r"MODEL.HEAD.DIMS\[0\] is 440 .* 128 channels"):
         build_model(cfg)
     cfg = model_cfg()
-    cfg.HEAD.NAME = "byol"
-    with pytest.raises(ValueError, match=r"valid names: \['identity', 'simclr', 'swav'\]"):
+    cfg.HEAD.NAME = "moco"
+    with pytest.raises(ValueError, match=r"valid names: \['byol', 'dino', 'identity', 'simclr', 'swav'\]"):
         build_model(cfg)
     with pytest.raises(ValueError, match="at least two positive sizes"):
         MLP([128], use_bn=True)
