@@ -140,3 +140,12 @@ def test_dino_last_layer_is_weight_normalised():
     x = torch.randn(3, 16)
     want = x @ (last.weight / last.weight.norm(dim=1, keepdim=True)).T
     torch.testing.assert_close(last(x), want)
+    assert last.weight_g is None
+    free = build_model(
+        load_config(["config=test/dino_tiny", "config.MODEL.HEAD.NORM_LAST_LAYER=False"]).MODEL
+    )
+    last = free.head.last_layer
+    with torch.no_grad():
+        last.weight_g.mul_(3.0)
+    want = 3.0 * x @ (last.weight / last.weight.norm(dim=1, keepdim=True)).T
+    torch.testing.assert_close(last(x), want)

@@ -130,6 +130,7 @@ _C.MODEL.HEAD.DIMS = [440, 512, 128]  # MLP dims: trunk output, hidden..., embed
 _C.MODEL.HEAD.USE_BN = True  # BatchNorm between MLP layers
 _C.MODEL.HEAD.NMB_PROTOTYPES = [30]  # swav: prototypes per prototype layer (e.g. [3000])
 _C.MODEL.HEAD.OUT_DIM = 1024  # dino: width K of the weight-normalised last layer (DINO: 65536)
+_C.MODEL.HEAD.NORM_LAST_LAYER = True  # dino: the last layer's row norms fixed at 1 (False: learnt)
 _C.MODEL.HEAD.PREDICTOR_DIMS = [128, 512, 128]  # byol: predictor MLP dims (first = DIMS[-1])
 
 _C.MODEL.FSDP_CONFIG = CN()

@@ -10,22 +10,26 @@ from vistrain.models.heads.mlp import MLP
 
 
 class DINOLastLayer(nn.Linear):
-    """DINO's weight-normalised last layer with its norm fixed to 1 (``norm_last_layer=True``):
-    ``logits = z V^T`` with every row of ``V`` divided by its L2 norm, (N, B) -> (N, K), no bias.
+    """DINO's weight-normalised last layer: ``logits = z W^T`` with ``W = g * V / ||V||`` row by
+    row, (N, B) -> (N, K) in float32, no bias.
 
-    DINO: "a weight normalized fully connected layer with K dimensions"; with ``weight_g`` frozen at
-    1 the weight is ``v / ||v||`` per output row, computed here directly (no forward hooks, so the
-    sharded engine's views stay the only weights). Its own class: a wrap policy keeps it a separate
-    full-precision unit, which the first epoch freezes.
+    DINO: "a weight normalized fully connected layer with K dimensions" (``nn.utils.weight_norm``,
+    ``weight_g`` filled with 1). ``norm_last_layer`` (DINO's default) keeps g at 1: no ``weight_g``
+    parameter at all; else ``weight_g`` (K, 1) starts at 1 and is learnt. Computed here directly (no
+    forward hooks, so the sharded engine's views stay the only weights); ``weight`` is V. Its own
+    class: a wrap policy keeps it a separate full-precision unit, which the first epoch freezes.
     """
 
-    def __init__(self, dim: int, out_dim: int):
+    def __init__(self, dim: int, out_dim: int, norm_last_layer: bool = True):
         super().__init__(dim, out_dim, bias=False)
+        self.weight_g = None if norm_last_layer else nn.Parameter(torch.ones(out_dim, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(device_type="cpu" if x.is_meta else x.device.type, enabled=False):
             weight = F.normalize(self.weight.to(dtype), dim=1, p=2)
+            if self.weight_g is not None:
+                weight = weight * self.weight_g.to(dtype)
             return F.linear(x.to(dtype), weight)
 
 
@@ -39,12 +43,12 @@ class DINOHead(nn.Module):
 
     in_feature = "avgpool"
 
-    def __init__(self, dims: Sequence[int], use_bn: bool, out_dim: int):
+    def __init__(self, dims: Sequence[int], use_bn: bool, out_dim: int, norm_last_layer: bool = True):
         super().__init__()
         if out_dim <= 0:
             raise ValueError(f"MODEL.HEAD.OUT_DIM must be positive, got {out_dim}")
         self.projection = MLP(dims, use_bn, activation="gelu")
-        self.last_layer = DINOLastLayer(self.projection.dims[-1], out_dim)
+        self.last_layer = DINOLastLayer(self.projection.dims[-1], out_dim, norm_last_layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.last_layer(F.normalize(self.projection(x), dim=-1, p=2))
@@ -77,7 +81,7 @@ class BYOLHead(nn.Module):
 
 
 def build_dino_head(head_cfg) -> DINOHead:
-    return DINOHead(head_cfg.DIMS, head_cfg.USE_BN, head_cfg.OUT_DIM)
+    return DINOHead(head_cfg.DIMS, head_cfg.USE_BN, head_cfg.OUT_DIM, head_cfg.NORM_LAST_LAYER)
 
 
 def build_byol_head(head_cfg) -> BYOLHead:
