@@ -179,8 +179,10 @@ class DINOCriterion(SSLCriterion):
     def forward(self, model_output, num_crops: int, teacher_output=None) -> torch.Tensor:
         if teacher_output is None:
             raise ValueError("dino_loss needs the teacher's output")
-        if num_crops <= self.num_global_crops:
-            raise ValueError(f"dino_loss needs more than {self.num_global_crops} crops, got {num_crops}")
+        if num_crops < max(self.num_global_crops, 2):
+            raise ValueError(
+                f"dino_loss needs the {self.num_global_crops} global crops and at least 2 crops, got {num_crops}"
+            )
         student = model_output.chunk(num_crops)
         teacher = teacher_output.chunk(self.num_global_crops)
         return self.loss(student, teacher, self.teacher_temp())
