@@ -45,15 +45,23 @@ sys.path.insert(0, str(REPO / "dev"))
 
 from demo_pretrain_then_eval import PRETRAINING, pixel_baselines, print_head_diagnostics, run  # noqa: E402
 
-EVAL_CONFIG = "benchmark/linear_eval_regnet"
-CLAIM_MARGIN = {"SimCLR": 1.0, "SwAV": 0.5}  # issue 36: mean margin over the pixel logistic regression
+# the momentum-teacher recipes (issue 44) beside the demos of demo_pretrain_then_eval.py
+METHODS = {
+    **PRETRAINING,
+    "DINO-ViT": "pretrain/dino_vit_demo",
+    "DINO": "pretrain/dino_regnet_demo",
+    "BYOL": "pretrain/byol_regnet_demo",
+}
+EVAL_CONFIGS = {"DINO-ViT": "benchmark/linear_eval_vit"}  # the others: benchmark/linear_eval_regnet
+# mean margin over the pixel logistic regression: issue 36 (SimCLR, SwAV), issue 44 (DINO ViT)
+CLAIM_MARGIN = {"SimCLR": 1.0, "SwAV": 0.5, "DINO-ViT": 1.0, "DINO": 0.5, "BYOL": 0.5}
 
 
 def parse_args():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--method", choices=list(PRETRAINING), default="SimCLR")
+    parser.add_argument("--method", choices=list(METHODS), default="SimCLR")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument(
         "--out", default="", help="folder for the runs (default ./checkpoints/recipe_seeds_<method>)"
@@ -110,14 +118,14 @@ def run_seed(args, seed: int) -> dict:
     if args.reuse_pretraining:
         pretrain_dir = reused_pretraining(args, seed, recipe, timings, cpu)
     else:
-        pretrain = [f"config={PRETRAINING[args.method]}", f"config.CHECKPOINT.DIR={pretrain_dir}", seed_arg]
+        pretrain = [f"config={METHODS[args.method]}", f"config.CHECKPOINT.DIR={pretrain_dir}", seed_arg]
         cpu["pretrain"] = run(
             f"seed {seed} pretrain", pretrain + overrides(args.pretrain), timings, folder / "pretrain.log"
         )
     if args.method == "SwAV":
         print_head_diagnostics(pretrain_dir)
     evaluation = [
-        f"config={EVAL_CONFIG}",
+        f"config={EVAL_CONFIGS.get(args.method, 'benchmark/linear_eval_regnet')}",
         f"config.CHECKPOINT.DIR={eval_dir}",
         f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={pretrain_dir}",
         seed_arg,
@@ -192,9 +200,9 @@ def print_table(args, records, pixels: dict) -> dict:
     columns = list(rows[0])
     percent = len(records[0]["top1"]) + 1  # features and chosen are accuracies, then margins, then times
     print(
-        f"\n{args.method} ({PRETRAINING[args.method]}"
+        f"\n{args.method} ({METHODS[args.method]}"
         + (" " + " ".join(overrides(args.pretrain)) if args.pretrain else "")
-        + f") -> {EVAL_CONFIG}"
+        + f") -> {EVAL_CONFIGS.get(args.method, 'benchmark/linear_eval_regnet')}"
         + (" " + " ".join(overrides(args.eval)) if args.eval else "")
         + ": linear-eval top-1 on the 360 val digits"
     )

@@ -309,7 +309,7 @@ def test_swav_errors():
     with pytest.raises(ValueError, match=">= 2 crops"):
         swav_loss()(crop_scores(1, 4, 3))
     with pytest.raises(ValueError, match="valid names"):
-        build_loss(_loss_cfg("byol_loss"))
+        build_loss(_loss_cfg("moco_loss"))
 
 
 # ---------------------------------------------------------------------------------------- criteria

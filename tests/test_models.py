@@ -162,8 +162,10 @@ def test_trunk_config_errors():
     with pytest.raises(ValueError, match="OUT_FEATURES must be a non-empty subset"):
         build_trunk(model_cfg(out_features=[]).TRUNK)
     cfg = model_cfg()
-    cfg.TRUNK.NAME = "resnet"
-    with pytest.raises(ValueError, match=r"unknown MODEL.TRUNK.NAME 'resnet'; valid names: \['regnet'\]"):
+    cfg.TRUNK.NAME = "resnets"
+    with pytest.raises(
+        ValueError, match=r"unknown MODEL.TRUNK.NAME 'resnets'; valid names: \['regnet', 'resnet', 'vit'\]"
+    ):
         build_model(cfg)
 
 
@@ -214,8 +216,8 @@ def test_head_config_errors():
     with pytest.raises(ValueError, match=r"MODEL.HEAD.DIMS\[0\] is 440 .* 128 channels"):
         build_model(cfg)
     cfg = model_cfg()
-    cfg.HEAD.NAME = "byol"
-    with pytest.raises(ValueError, match=r"valid names: \['identity', 'simclr', 'swav'\]"):
+    cfg.HEAD.NAME = "moco"
+    with pytest.raises(ValueError, match=r"valid names: \['byol', 'dino', 'identity', 'simclr', 'swav'\]"):
         build_model(cfg)
     with pytest.raises(ValueError, match="at least two positive sizes"):
         MLP([128], use_bn=True)

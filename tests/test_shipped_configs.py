@@ -10,7 +10,16 @@ from vistrain.config import load_config
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.training.trainer import train
 
-TRAINING_RECIPES = ["regnet_fsdp", "pretrain/simclr_regnet_demo", "pretrain/swav_regnet_demo"]
+TRAINING_RECIPES = [
+    "regnet_fsdp",
+    "pretrain/simclr_regnet_demo",
+    "pretrain/swav_regnet_demo",
+    "pretrain/dino_regnet_demo",
+    "pretrain/dino_vit_demo",
+    "pretrain/byol_regnet_demo",
+]
+# recipes with a momentum teacher: sharded (student and teacher) and DDP give the same losses
+TEACHER_RECIPES = ["pretrain/dino_regnet_demo", "pretrain/dino_vit_demo", "pretrain/byol_regnet_demo"]
 
 
 def shrunk(name, run_dir, cache_dir, *overrides):
@@ -21,6 +30,7 @@ def shrunk(name, run_dir, cache_dir, *overrides):
         "config.DATA.TRAIN.DATA_LIMIT=48",
         "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
         "config.OPTIMIZER.num_epochs=1",
+        "config.OPTIMIZER.param_schedulers.lr.warmup_epochs=0.5",  # the ViT demo warms up 5 of 40
         "config.LOG_FREQUENCY=1",
         *overrides,
     ]
@@ -81,4 +91,16 @@ def test_trainer_variants_sharded_equal_ddp(variant, tmp_path, cache_dir):
             "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False",
         ),
     )
+    torch.testing.assert_close(losses(tmp_path / "sharded"), losses(tmp_path / "ddp"), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("name", TEACHER_RECIPES)
+def test_teacher_recipe_sharded_equals_ddp(name, tmp_path, cache_dir):
+    """The first 3 losses (fp32, 2 ranks) under AUTO_SETUP_FSDP and under DDP with a plain
+    teacher copy: the sharded teacher's forward and its EMA of local shards are exact."""
+    sharded = ["config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True", "config.MODEL.FSDP_CONFIG.AUTO_TUNE=False"]
+    run_on_ranks(_train, 2, shrunk(name, tmp_path / "sharded", cache_dir, *sharded))
+    ddp = ["config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False"]
+    run_on_ranks(_train, 2, shrunk(name, tmp_path / "ddp", cache_dir, *ddp))
+    assert len(losses(tmp_path / "sharded")) == 3
     torch.testing.assert_close(losses(tmp_path / "sharded"), losses(tmp_path / "ddp"), rtol=1e-5, atol=0)

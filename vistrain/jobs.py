@@ -19,8 +19,7 @@ from vistrain.distributed.launch import planned_world_size
 from vistrain.losses import LOSSES
 from vistrain.models import build_meta_model
 from vistrain.models.heads import HEADS
-from vistrain.models.trunks import TRUNKS
-from vistrain.models.trunks.regnet import PUBLISHED_REGNETS, feature_names
+from vistrain.models.trunks import TRUNKS, trunk_feature_names
 from vistrain.optim import OPTIMIZERS
 from vistrain.optim.schedulers import SCHEDULES
 from vistrain.runtime.precision import AMP_DTYPES, DTYPES
@@ -51,7 +50,7 @@ def catalog() -> Catalog:
         "lr schedules": SCHEDULES,
         "losses": LOSSES,
         "trunks": TRUNKS,
-        "regnets": [*PUBLISHED_REGNETS, "custom"],
+        **{key: names for fam in TRUNKS.values() for key, names in fam.names.items()},  # "regnets"...
         "heads": HEADS,
         "data sources": SOURCES,
         "transforms": TRANSFORMS,
@@ -62,7 +61,7 @@ def catalog() -> Catalog:
     return Catalog(
         names={key: sorted(names) for key, names in registries.items()},
         weights_problem=_weights_problem,
-        trunk_features=lambda trunk_cfg: feature_names(trunk_cfg.REGNET),
+        trunk_features=trunk_feature_names,
         model_problem=_model_problem,
         num_samples=count_samples,
         world_size=lambda cfg: planned_world_size(cfg.DISTRIBUTED, os.environ),

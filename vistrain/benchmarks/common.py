@@ -66,7 +66,8 @@ def build_frozen_trunk(cfg, device: torch.device) -> Tuple[nn.Module, Dict[str, 
     pool_size = cfg.BENCHMARK.POOL_SIZE
     model_cfg = trunk_model_config(cfg)
     model = build_model(model_cfg)
-    dims = pooled_dims(model.trunk.feature_dims, cfg.BENCHMARK.FEATURES, pool_size)
+    vectors = getattr(model.trunk, "vector_features", ("avgpool",))
+    dims = pooled_dims(model.trunk.feature_dims, cfg.BENCHMARK.FEATURES, pool_size, vectors)
     load_weights(model, cfg.MODEL.WEIGHTS_INIT)
     for param in model.parameters():
         param.requires_grad_(False)  # before sharding: the engine then builds gradient-free shards
@@ -136,13 +137,17 @@ def pool_feature(feature: torch.Tensor, pool_size: int) -> torch.Tensor:
     return torch.flatten(F.adaptive_avg_pool2d(feature, pool_size), 1)
 
 
-def pooled_dims(channels: Dict[str, int], names: Sequence[str], pool_size: int) -> Dict[str, int]:
+def pooled_dims(
+    channels: Dict[str, int], names: Sequence[str], pool_size: int, vectors: Sequence[str] = ("avgpool",)
+) -> Dict[str, int]:
     """Width of each pooled feature: C * P * P for stage maps (P: its ``@P`` or ``pool_size``), C for
-    "avgpool", the sum of its parts' for a concatenation (``channels``: the trunk's ``feature_dims``)."""
+    the (N, C) features ``vectors`` (a trunk's ``vector_features``, else "avgpool"), the sum of its
+    parts' for a concatenation (``channels``: the trunk's ``feature_dims``)."""
 
-    return {
-        name: sum(channels[part] * side**2 for part, side in feature_parts(name, pool_size)) for name in names
-    }
+    def width(part: str, side: int) -> int:
+        return channels[part] * (1 if part in vectors else side**2)
+
+    return {name: sum(width(part, side) for part, side in feature_parts(name, pool_size)) for name in names}
 
 
 @torch.no_grad()

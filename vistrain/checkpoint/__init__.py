@@ -12,7 +12,8 @@ The file format (the one description; the modules below refer here). A run folde
                       format, rank, world_size
                       params:    {fqn: {"start": int, "values": 1-D tensor}}  ORIGINAL-parameter
                                  slices rank r owns (a DDP model: rank 0 writes them whole;
-                                 hybrid sharding: the first replica's ranks, one copy)
+                                 hybrid sharding: the first replica's ranks, one copy; a
+                                 momentum teacher's under ``teacher.<fqn>``, sharded alike)
                       optimizer: {"tensors": {state key: {fqn: {"start", "values"}}}, e.g.
                                               momentum_buffer, exp_avg, exp_avg_sq
                                   "scalars": {fqn: {state key: value}}}    e.g. step

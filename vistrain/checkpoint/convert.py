@@ -1,7 +1,8 @@
 """Offline conversions of a sharded checkpoint (``tools/convert_checkpoint.py``).
 
 * :func:`consolidate`: one plain state-dict file (``model.load_state_dict(torch.load(f))``).
-* :func:`to_torchvision`: the trunk as a ``torchvision.models.RegNet`` state dict (no ``fc``).
+* :func:`to_torchvision`: the trunk as the state dict of its torchvision model (RegNet, ResNet, ViT;
+  no classifier).
 * :func:`describe`: what a checkpoint holds, as text.
 
 The output is streamed (``tensor_file.save_streamed``): each tensor is assembled from the slices
@@ -20,7 +21,7 @@ import torch
 from vistrain.checkpoint.pretrained import WeightsSource
 from vistrain.checkpoint.tensor_file import save_streamed
 from vistrain.config.words import plural
-from vistrain.models.trunks.regnet import to_torchvision_state_dict
+from vistrain.models.trunks import to_torchvision_state_dict
 
 
 def consolidated_state_dict(path: str, prefix: str = "") -> "OrderedDict[str, torch.Tensor]":
@@ -40,12 +41,14 @@ def consolidate(path: str, out: str) -> int:
 
 
 def to_torchvision(path: str, out: str) -> "OrderedDict[str, Tuple[Tuple[int, ...], torch.dtype]]":
-    """Write the trunk of ``path`` as a torchvision RegNet state dict (atomically, one tensor in
+    """Write the trunk of ``path`` as a torchvision state dict (atomically, one tensor in
     memory at a time); returns its keys -> (shape, dtype).
 
     Load with ``tv = torchvision.models.regnet_y_...()`` (or ``RegNet(block_params, stem_width=...)``
     for a custom size), ``tv.fc = nn.Identity()``, ``tv.load_state_dict(sd, strict=True)``; then
-    ``tv(x)`` equals our trunk's ``"avgpool"`` feature.
+    ``tv(x)`` equals our trunk's ``"avgpool"`` feature. A ResNet loads into ``resnet50()`` etc. the
+    same way, a ViT into ``VisionTransformer(...)`` / ``vit_b_16()`` with ``tv.heads = nn.Identity()``
+    (``tv(x)``: our ``"cls"``).
     """
     source = WeightsSource(path)
     ours = source.specs()

@@ -9,10 +9,14 @@ not depend on the world size or on the wrapper:
   with hybrid sharding (shard groups smaller than the world, replicated across groups) only the
   ranks of the first replica write their shards, so each shard is on disk once;
 * DDP or a plain module: every parameter is whole and replicated; rank 0 alone writes it.
+
+A checkpoint may hold several models distributed alike, named by a prefix (a student and its
+momentum teacher: ``{"": student, "teacher.": teacher}``): their layouts are joined, the
+prefix leading every fqn and buffer name.
 """
 
-from dataclasses import dataclass
-from typing import Dict, List
+from dataclasses import dataclass, replace
+from typing import Dict, List, Mapping, Union
 
 import torch
 from torch import nn
@@ -57,11 +61,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def model_layout(model: nn.Module) -> ModelLayout:
-    """The layout of ``model``: our sharded engine, DDP or a plain module.
+def model_layout(model: Union[nn.Module, Mapping[str, nn.Module]]) -> ModelLayout:
+    """The layout of ``model``: our sharded engine, DDP or a plain module, or a mapping of name
+    prefixes to such models (joined).
 
     PyTorch's ``fully_shard`` (``TorchShardedModel``) goes through :mod:`torch_backend` instead.
     """
+    if isinstance(model, Mapping):
+        return _joined_layout({prefix: model_layout(m) for prefix, m in model.items()})
     backend = backend_of(model)
     if backend is Backend.TORCH:
         raise TypeError("TorchShardedModel goes through vistrain.checkpoint.torch_backend")
@@ -97,6 +104,23 @@ def _sharded_layout(model: FullyShardedDataParallel) -> ModelLayout:
         }
     # hybrid: the other replicas hold the same shards; one copy on disk
     return ModelLayout(params, infos, persistent_buffers(model), writes_params=first_replica, sharded=True)
+
+
+def _joined_layout(layouts: Mapping[str, ModelLayout]) -> ModelLayout:
+    writes = {layout.writes_params for layout in layouts.values()}
+    if len(writes) != 1:
+        raise NotImplementedError(
+            "a checkpoint's models must be distributed alike (all sharded or all replicated)"
+        )
+    params, infos, buffers = [], {}, {}
+    for prefix, layout in layouts.items():
+        for local in layout.params:
+            segments = [replace(seg, fqn=prefix + seg.fqn) for seg in local.segments]
+            params.append(LocalParam(local.tensor, segments))
+        infos.update({prefix + fqn: info for fqn, info in layout.infos.items()})
+        buffers.update({prefix + name: buf for name, buf in layout.buffers.items()})
+    sharded = any(layout.sharded for layout in layouts.values())
+    return ModelLayout(params, infos, buffers, writes_params=writes.pop(), sharded=sharded)
 
 
 def _replicated_layout(module: nn.Module) -> ModelLayout:

@@ -100,7 +100,8 @@ class SliceReader:
 def load_sharded_checkpoint(path: str, model, optimizer=None) -> dict:
     """Load weights, buffers and (when given) optimizer state of ``path`` into this rank's model.
 
-    Works on any world size and any wrapper (sharded engine, DDP, plain, ``TorchShardedModel``).
+    Works on any world size and any wrapper (sharded engine, DDP, plain, ``TorchShardedModel``);
+    ``model`` may be a mapping of name prefixes to models, as for the save.
     Returns ``{"metadata", "same_world_size", "extra", "rng"}``: ``extra``/``rng`` are this rank's
     when the world size is unchanged, else rank 0's extra and no RNG state.
     """

@@ -34,7 +34,9 @@ def save_sharded_checkpoint(
     """Write ``run_dir/checkpoint_<iteration>/``; collective (every rank calls it). Returns the path.
 
     Args:
-        model: our sharded engine, DDP, a plain module, or a ``TorchShardedModel``.
+        model: our sharded engine, DDP, a plain module, or a ``TorchShardedModel``; or a mapping
+            of name prefixes to models distributed alike (``{"": student, "teacher.": teacher}``,
+            not with ``TorchShardedModel``), whose fqns the prefixes lead.
         optimizer: built on ``model.parameters()`` (None: weights only).
         extra: this rank's extra state (anything ``weights_only`` can load).
         metadata: JSON-able entries added to metadata.json (epoch, position, config...).

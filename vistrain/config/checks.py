@@ -151,6 +151,9 @@ RULES = {
     "DATA.*.TRANSFORMS.COLOR_DISTORTION": [at_least(0)],
     "MODEL.TRUNK.NAME": [one_of("trunks")],
     "MODEL.TRUNK.REGNET.NAME": [one_of("regnets")],
+    "MODEL.TRUNK.RESNET.NAME": [one_of("resnets")],
+    "MODEL.TRUNK.RESNET.WIDTH_MULTIPLIER": [above(0)],
+    "MODEL.TRUNK.VIT.NAME": [one_of("vits")],
     "MODEL.HEAD.NAME": [one_of("heads")],
     "MODEL.FSDP_CONFIG.BACKEND": [one_of("sharding backends")],
     "MODEL.FSDP_CONFIG.compute_dtype": [one_of("compute dtypes")],
@@ -313,12 +316,12 @@ def _data_path_problem(kind: Optional[str], path: str) -> Problem:
 
 def _trunk_features(cfg: CfgNode, catalog: Catalog) -> Problem:
     """MODEL.TRUNK.OUT_FEATURES (and, for benchmarks, BENCHMARK.FEATURES) name features the trunk
-    has (a RegNet: stem, s1..sK for its K stages, avgpool); a BENCHMARK.FEATURES entry may pool a
+    has (``catalog.trunk_features``: the family's list); a BENCHMARK.FEATURES entry may pool a
     stage to its own side (``s2@4``) and join several by "+" (concatenated,
     ``vistrain.benchmarks.common.feature_parts``)."""
     try:
         valid = list(catalog.trunk_features(cfg.MODEL.TRUNK))
-    except ValueError as error:  # e.g. a custom RegNet with impossible design parameters
+    except ValueError as error:  # e.g. a custom RegNet or ViT with impossible parameters
         return str(error).splitlines()[0]
     problem = each_one_of(valid)(cfg.MODEL.TRUNK.OUT_FEATURES, catalog)
     if problem:

@@ -94,7 +94,7 @@ _C.DATA.TEST.SPLIT = "val"
 # ---------------------------------------------------------------------------------------------
 _C.MODEL = CN()
 _C.MODEL.TRUNK = CN()
-_C.MODEL.TRUNK.NAME = "regnet"  # registry name of the trunk
+_C.MODEL.TRUNK.NAME = "regnet"  # registry name of the trunk: regnet | resnet | vit
 _C.MODEL.TRUNK.REGNET = CN()
 _C.MODEL.TRUNK.REGNET.NAME = "regnet_y_400mf"  # published name, or "custom" to use the raw parameters
 _C.MODEL.TRUNK.REGNET.DEPTH = 0  # raw design-space parameters (used when NAME is "custom")
@@ -105,13 +105,33 @@ _C.MODEL.TRUNK.REGNET.GROUP_WIDTH = 0
 _C.MODEL.TRUNK.REGNET.SE_RATIO = 0.25  # squeeze-excitation ratio (0: RegNetX)
 _C.MODEL.TRUNK.REGNET.BOTTLENECK_MULTIPLIER = 1.0
 _C.MODEL.TRUNK.REGNET.STEM_WIDTH = 32
-_C.MODEL.TRUNK.OUT_FEATURES = ["avgpool"]  # features returned: any of stem, s1..s4, avgpool
+_C.MODEL.TRUNK.RESNET = CN()
+# torchvision's name: resnet18/34/50/101/152, resnext50_32x4d, resnext101_32x8d/64x4d, wide_resnet50_2/101_2
+_C.MODEL.TRUNK.RESNET.NAME = "resnet50"
+_C.MODEL.TRUNK.RESNET.WIDTH_MULTIPLIER = 1.0  # scales every width (0.25: 16..512 channels for ResNet-50)
+_C.MODEL.TRUNK.RESNET.SMALL_STEM = False  # 3x3 stride-1 stem without max pool, for small images
+_C.MODEL.TRUNK.RESNET.ZERO_INIT_RESIDUAL = False  # last BatchNorm of each residual branch starts at 0
+_C.MODEL.TRUNK.VIT = CN()
+_C.MODEL.TRUNK.VIT.NAME = "small"  # tiny | small | base | large | huge | giant, or "custom" (dims below)
+_C.MODEL.TRUNK.VIT.PATCH_SIZE = 16  # side of the square patches, in pixels
+_C.MODEL.TRUNK.VIT.IMAGE_SIZE = 224  # position embeddings' image side (other sides: interpolated)
+_C.MODEL.TRUNK.VIT.DEPTH = 0  # custom: encoder blocks
+_C.MODEL.TRUNK.VIT.WIDTH = 0  # custom: token width, a multiple of HEADS
+_C.MODEL.TRUNK.VIT.HEADS = 0  # custom: attention heads
+_C.MODEL.TRUNK.VIT.MLP_RATIO = 4.0  # custom: MLP hidden width / WIDTH
+_C.MODEL.TRUNK.VIT.CLASS_TOKEN = True  # prepend a learned class token (feature "cls")
+# features returned. RegNet: stem, s1..sK, avgpool; ResNet: conv1, res2..res5, avgpool; ViT: cls,
+# avgpool (mean patch token), tokens (patch-token map), block1..blockD
+_C.MODEL.TRUNK.OUT_FEATURES = ["avgpool"]
 
 _C.MODEL.HEAD = CN()
-_C.MODEL.HEAD.NAME = "simclr"  # simclr | swav | identity
+_C.MODEL.HEAD.NAME = "simclr"  # simclr | swav | dino | byol | identity
 _C.MODEL.HEAD.DIMS = [440, 512, 128]  # MLP dims: trunk output, hidden..., embedding
 _C.MODEL.HEAD.USE_BN = True  # BatchNorm between MLP layers
 _C.MODEL.HEAD.NMB_PROTOTYPES = [30]  # swav: prototypes per prototype layer (e.g. [3000])
+_C.MODEL.HEAD.OUT_DIM = 1024  # dino: width K of the weight-normalised last layer (DINO: 65536)
+_C.MODEL.HEAD.NORM_LAST_LAYER = True  # dino: the last layer's row norms fixed at 1 (False: learnt)
+_C.MODEL.HEAD.PREDICTOR_DIMS = [128, 512, 128]  # byol: predictor MLP dims (first = DIMS[-1])
 
 _C.MODEL.FSDP_CONFIG = CN()
 _C.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP = False  # shard the model with the engine instead of DDP
@@ -125,8 +145,8 @@ _C.MODEL.FSDP_CONFIG.move_params_to_cpu = False  # keep shards and optimizer sta
 # hybrid sharding: 0 shards over all ranks; k > 0: groups of k consecutive ranks (a node) share the
 # shards and the groups are replicas (one all-reduce of shard gradients across them); k | world size
 _C.MODEL.FSDP_CONFIG.shard_group_size = 0
-# Units: block (every RegNet block, the stem, each head MLP) | stage (every RegNet stage instead of
-# its blocks) | model (none: one gather, one reduction per step). Fewer units: fewer collectives,
+# Units: block (every trunk block: RegNet's and its stem, ResNet's, ViT's encoder blocks; each head
+# MLP) | stage (every RegNet or ResNet stage instead of its blocks; a ViT's blocks) | model (none: one gather, one reduction per step). Fewer units: fewer collectives,
 # more weights gathered at once; the same numbers.
 _C.MODEL.FSDP_CONFIG.wrap_granularity = "block"
 _C.MODEL.FSDP_CONFIG.prefetch_depth = 1  # next units whose gather starts early (each: one more gathered)
@@ -162,7 +182,9 @@ _C.MODEL.WEIGHTS_INIT.SKIP_LAYERS = []  # key substrings not loaded (e.g. ["head
 
 # ---------------------------------------------------------------------------------------------
 _C.LOSS = CN()
-_C.LOSS.NAME = "simclr_loss"  # simclr_loss | swav_loss
+# the method: simclr_loss | swav_loss | dino_loss | byol_loss (vistrain/losses/__init__.py METHODS);
+# dino_loss and byol_loss train a momentum teacher (same builder, same wrap policy as the student)
+_C.LOSS.NAME = "simclr_loss"
 _C.LOSS.simclr_loss = CN()
 _C.LOSS.simclr_loss.temperature = 0.1
 _C.LOSS.swav_loss = CN()
@@ -173,6 +195,17 @@ _C.LOSS.swav_loss.crops_for_assign = [0, 1]  # crops whose codes are targets
 _C.LOSS.swav_loss.freeze_prototypes_niters = 0  # prototypes get no update for this many iterations
 _C.LOSS.swav_loss.queue_length = 0  # per-rank feature queue length (0: no queue)
 _C.LOSS.swav_loss.start_queue_at_epoch = 0
+_C.LOSS.dino_loss = CN()
+_C.LOSS.dino_loss.num_global_crops = 2  # the first crops: the teacher sees only these
+_C.LOSS.dino_loss.student_temp = 0.1
+_C.LOSS.dino_loss.teacher_temp = 0.04  # after the warm-up
+_C.LOSS.dino_loss.warmup_teacher_temp = 0.04  # linear from this over the warm-up epochs
+_C.LOSS.dino_loss.warmup_teacher_temp_epochs = 0
+_C.LOSS.dino_loss.center_momentum = 0.9  # the centre's EMA over the global batch's teacher outputs
+_C.LOSS.dino_loss.freeze_last_layer_epochs = 1  # the head's last layer gets no update this long
+_C.LOSS.dino_loss.momentum_teacher = 0.996  # m0: cosine from m0 to 1 over the run
+_C.LOSS.byol_loss = CN()
+_C.LOSS.byol_loss.momentum_teacher = 0.996  # m0: cosine from m0 to 1 over the run
 
 # ---------------------------------------------------------------------------------------------
 _C.OPTIMIZER = CN()

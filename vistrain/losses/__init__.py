@@ -1,32 +1,57 @@
-"""Losses and their trainer-facing adapters: ``build_loss(cfg.LOSS)`` -> SSLCriterion.
+"""Methods: ``build_method(cfg)`` -> SSLCriterion, the flat ``METHODS`` registry (LOSS.NAME).
 
-The losses (SimCLRLoss, SwAVLoss, sinkhorn_knopp) work on plain tensors, in one process or under
-torch.distributed. The criteria adapt them to SSLModel outputs and own the method's state
-(SwAV queue, prototype freezing and normalisation), called explicitly by the training loop:
+A method is a head (``MODEL.HEAD.NAME``, checked here) + a loss (+ a momentum teacher). The losses
+(SimCLRLoss, SwAVLoss, sinkhorn_knopp, DINOLoss, byol_loss) work on plain tensors, in one process
+or under torch.distributed. The criteria adapt them to SSLModel outputs, own the method's state
+(SwAV queue, prototype freezing and normalisation, DINO's centre and frozen last layer) and say
+which crops go where; the training loop calls them explicitly and never branches on a name:
 
-    loss = criterion(model(crops), num_crops)
+    targets = teacher(criterion.teacher_crops(crops)) if criterion.teacher_momentum else None
+    loss = criterion(model(criterion.student_crops(crops)), len(crops), targets)
     loss.backward()
     criterion.before_optimizer_step(model, iteration)   # drops frozen_params' gradients
     optimizer.step()
     criterion.after_optimizer_step(model)
+    teacher.update(model, iteration)                     # the EMA (losses/teacher.py)
 
 With the optimizer step inside backward the loop hands ``frozen_params(model, iteration)`` to the
 engine before backward instead, and calls ``after_optimizer_step`` once backward returns.
 """
 
-from typing import List
+import dataclasses
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from vistrain.config.errors import ConfigError
 from vistrain.fsdp import gathered, params_of
+from vistrain.losses.byol import byol_loss, symmetric_byol_loss
+from vistrain.losses.dino import DINOLoss, teacher_temperature
 from vistrain.losses.simclr import SimCLRLoss
 from vistrain.losses.swav import SwAVLoss, sinkhorn_knopp
+from vistrain.losses.teacher import MomentumTeacher, cosine_momentum
+from vistrain.models.heads.dino import DINOLastLayer
 from vistrain.models.heads.swav import SwAVPrototypes
 
 
 class SSLCriterion(nn.Module):
-    """Base adapter: ``forward(model_output, num_crops) -> scalar``; hooks are no-ops here."""
+    """Base adapter: ``forward(model_output, num_crops, teacher_output=None) -> scalar``; hooks
+    are no-ops here. ``teacher_momentum``: m0 of a momentum teacher, None without one."""
+
+    teacher_momentum: Optional[float] = None
+
+    def student_crops(self, crops: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """The crops the student sees (all of them by default)."""
+        return crops
+
+    def teacher_crops(self, crops: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """The crops the teacher sees, when there is one (all of them by default)."""
+        return crops
+
+    def load_shared_state(self, state: dict) -> None:
+        """Load the part of a saved ``state_dict()`` that every rank holds alike (DINO's centre),
+        from a checkpoint saved on another world size; per-rank state (SwAV's queue) starts afresh."""
 
     def set_epoch(self, epoch: int) -> None:
         """Called at the start of every epoch."""
@@ -52,7 +77,7 @@ class SimCLRCriterion(SSLCriterion):
         super().__init__()
         self.loss = SimCLRLoss(simclr_cfg.temperature)
 
-    def forward(self, model_output: torch.Tensor, num_crops: int) -> torch.Tensor:
+    def forward(self, model_output: torch.Tensor, num_crops: int, teacher_output=None) -> torch.Tensor:
         if num_crops != 2:
             raise ValueError(f"simclr_loss needs exactly 2 crops per image, got {num_crops}")
         if not isinstance(model_output, torch.Tensor) or model_output.shape[0] % 2:
@@ -84,7 +109,7 @@ class SwAVCriterion(SSLCriterion):
         self.freeze_prototypes_niters = swav_cfg.freeze_prototypes_niters
         self.prototype_weights = None  # List[(K_j, D)] after the last step, for the queue
 
-    def forward(self, model_output, num_crops: int) -> torch.Tensor:
+    def forward(self, model_output, num_crops: int, teacher_output=None) -> torch.Tensor:
         if not isinstance(model_output, (tuple, list)) or len(model_output) != 2:
             raise ValueError("swav_loss expects (embedding, [scores]) from a swav head")
         embedding, scores = model_output
@@ -122,23 +147,147 @@ def _prototype_modules(model: nn.Module) -> List[nn.Module]:
     return found
 
 
-LOSSES = {"simclr_loss": SimCLRCriterion, "swav_loss": SwAVCriterion}
+class DINOCriterion(SSLCriterion):
+    """DINO on logits (C*N, K): rows [c*N, (c+1)*N) are crop c, the ``num_global_crops`` first
+    crops are the global ones; the teacher sees only those, (G*N, K).
+
+    Per-step state: the centre (``loss.center``, equal on every rank: all-reduced), the teacher
+    temperature (warm-up by epoch), the last layer frozen during the first
+    ``freeze_last_layer_epochs`` epochs (DINO's ``cancel_gradients_last_layer``).
+    """
+
+    def __init__(self, dino_cfg, head_cfg):
+        super().__init__()
+        self.cfg = dino_cfg
+        self.num_global_crops = int(dino_cfg.num_global_crops)
+        self.teacher_momentum = float(dino_cfg.momentum_teacher)
+        self.loss = DINOLoss(int(head_cfg.OUT_DIM), dino_cfg.student_temp, dino_cfg.center_momentum)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def teacher_temp(self) -> float:
+        c = self.cfg
+        return teacher_temperature(
+            self.epoch, c.warmup_teacher_temp, c.teacher_temp, int(c.warmup_teacher_temp_epochs)
+        )
+
+    def teacher_crops(self, crops):
+        return crops[: self.num_global_crops]
+
+    def forward(self, model_output, num_crops: int, teacher_output=None) -> torch.Tensor:
+        if teacher_output is None:
+            raise ValueError("dino_loss needs the teacher's output")
+        if num_crops < max(self.num_global_crops, 2):
+            raise ValueError(
+                f"dino_loss needs the {self.num_global_crops} global crops and at least 2 crops, got {num_crops}"
+            )
+        student = model_output.chunk(num_crops)
+        teacher = teacher_output.chunk(self.num_global_crops)
+        return self.loss(student, teacher, self.teacher_temp())
+
+    def frozen_params(self, model: nn.Module, iteration: int) -> List[nn.Parameter]:
+        if self.epoch >= self.cfg.freeze_last_layer_epochs:
+            return []
+        return [param for module in _modules_of(model, DINOLastLayer, "dino") for param in params_of(module)]
+
+    def load_shared_state(self, state: dict) -> None:
+        self.loss.center.copy_(state["loss.center"])
 
 
-def build_loss(loss_cfg) -> SSLCriterion:
-    """Criterion for ``cfg.LOSS``: NAME picks the class, which reads only ``cfg.LOSS[NAME]``."""
-    if loss_cfg.NAME not in LOSSES:
-        raise ValueError(f"unknown LOSS.NAME {loss_cfg.NAME!r}; valid names: {sorted(LOSSES)}")
-    return LOSSES[loss_cfg.NAME](loss_cfg[loss_cfg.NAME])
+class BYOLCriterion(SSLCriterion):
+    """BYOL on ``(projections (2N, D), predictions (2N, D))`` of the student and the teacher's
+    projections of the same two views: the symmetric loss L + L~ (``losses/byol.py``)."""
+
+    def __init__(self, byol_cfg, head_cfg):
+        super().__init__()
+        self.teacher_momentum = float(byol_cfg.momentum_teacher)
+
+    def forward(self, model_output, num_crops: int, teacher_output=None) -> torch.Tensor:
+        if num_crops != 2:
+            raise ValueError(f"byol_loss needs exactly 2 crops per image, got {num_crops}")
+        if teacher_output is None:
+            raise ValueError("byol_loss needs the teacher's output")
+        _, predictions = model_output
+        targets, _ = teacher_output
+        return symmetric_byol_loss(predictions.chunk(2), targets.chunk(2))
+
+
+def _modules_of(model: nn.Module, cls: type, head: str) -> List[nn.Module]:
+    found = [m for m in model.modules() if isinstance(m, cls)]
+    if not found:
+        raise ValueError(f"this method needs a model with a {head} head (no {cls.__name__} module found)")
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """A registry entry: the criterion class, the heads it reads (empty: any), whether it trains
+    a momentum teacher (built like the student; the planner counts it)."""
+
+    criterion: type
+    heads: Tuple[str, ...] = ()
+    teacher: bool = False
+
+
+METHODS = {
+    "simclr_loss": Method(SimCLRCriterion),
+    "swav_loss": Method(SwAVCriterion),
+    "dino_loss": Method(DINOCriterion, ("dino",), teacher=True),
+    "byol_loss": Method(BYOLCriterion, ("byol",), teacher=True),
+}
+LOSSES = METHODS  # the names LOSS.NAME accepts
+
+
+def build_loss(loss_cfg, head_cfg=None) -> SSLCriterion:
+    """Criterion for ``cfg.LOSS``: NAME picks the class, which reads only ``cfg.LOSS[NAME]`` (and,
+    for methods with a teacher, ``cfg.MODEL.HEAD``)."""
+    if loss_cfg.NAME not in METHODS:
+        raise ValueError(f"unknown LOSS.NAME {loss_cfg.NAME!r}; valid names: {sorted(METHODS)}")
+    method = METHODS[loss_cfg.NAME]
+    if method.heads:
+        if head_cfg is None:
+            raise ValueError(f"{loss_cfg.NAME} needs MODEL.HEAD (build it with build_method(cfg))")
+        return method.criterion(loss_cfg[loss_cfg.NAME], head_cfg)
+    return method.criterion(loss_cfg[loss_cfg.NAME])
+
+
+def build_method(cfg) -> SSLCriterion:
+    """The method of ``cfg``: LOSS.NAME's criterion, after checking that MODEL.HEAD.NAME fits it."""
+    method = METHODS.get(cfg.LOSS.NAME)
+    if method is not None and method.heads and cfg.MODEL.HEAD.NAME not in method.heads:
+        raise ConfigError(
+            f"LOSS.NAME={cfg.LOSS.NAME} reads a {' or '.join(method.heads)} head: set "
+            f"MODEL.HEAD.NAME={method.heads[0]} (now {cfg.MODEL.HEAD.NAME})"
+        )
+    return build_loss(cfg.LOSS, cfg.MODEL.HEAD)
+
+
+def has_teacher(loss_cfg) -> bool:
+    """Whether LOSS.NAME trains a momentum teacher (the planner counts its parameters)."""
+    return METHODS[loss_cfg.NAME].teacher
 
 
 __all__ = [
+    "BYOLCriterion",
+    "DINOCriterion",
+    "DINOLoss",
     "LOSSES",
+    "METHODS",
+    "Method",
+    "MomentumTeacher",
     "SSLCriterion",
     "SimCLRCriterion",
     "SimCLRLoss",
     "SwAVCriterion",
     "SwAVLoss",
     "build_loss",
+    "build_method",
+    "byol_loss",
+    "cosine_momentum",
+    "has_teacher",
     "sinkhorn_knopp",
+    "symmetric_byol_loss",
+    "teacher_temperature",
 ]

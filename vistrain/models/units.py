@@ -1,22 +1,33 @@
-"""Which modules of the RegNet SSL models form a sharded unit or an activation checkpoint.
+"""Which modules of the SSL models form a sharded unit or an activation checkpoint.
 
 Plain tables of module classes (the models hold no distributed code): the sharding transform
 (``vistrain.runtime.sharding``) turns them into the engine's wrap policy and the planner
-(``vistrain.planner``) counts the same units.
+(``vistrain.planner``) counts the same units. The trunks' classes come from the trunk registry
+(each family declares its own; a class occurs only in its family's models), the heads' are here.
 """
 
 from typing import Dict, Tuple, Type
 
 from torch import nn
-from torchvision.models.regnet import AnyStage, ResBottleneckBlock, SimpleStemIN
 
+from vistrain.models.heads.dino import DINOLastLayer
 from vistrain.models.heads.mlp import MLP
 from vistrain.models.heads.swav import SwAVPrototypes
+from vistrain.models.trunks import TRUNKS
 from vistrain.torch_compat import BatchNormBase
 
 GRANULARITIES = ("block", "stage", "model")
-# MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY -> the modules recomputed in backward
-CHECKPOINTED = {"block": ResBottleneckBlock, "stage": AnyStage}
+
+
+def _trunk_classes(table: str, granularity: str) -> Tuple[Type[nn.Module], ...]:
+    """The classes every trunk family lists under ``table`` ("units" or "checkpointed")."""
+    classes = [cls for fam in TRUNKS.values() for cls in getattr(fam, table).get(granularity, ())]
+    return tuple(dict.fromkeys(classes))
+
+
+# MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY -> the modules recomputed in backward (RegNet,
+# ResNet blocks, ViT encoder blocks; RegNet and ResNet stages)
+CHECKPOINTED = {g: _trunk_classes("checkpointed", g) for g in ("block", "stage")}
 # A convolution or linear layer with at least this many weights (64 MiB in fp32) is its own unit
 # inside its block: a unit's full weights and full gradient are alive together in backward, so
 # the largest unit sets the peak (RegNetY-128GF's last block holds 154M weights, 588 MiB).
@@ -24,23 +35,25 @@ LARGE_LAYER_PARAMS = 2**24
 
 
 def unit_classes(fp32_batchnorm: bool, granularity: str = "block") -> Dict[Type[nn.Module], dict]:
-    """Module class -> unit options (``keep_fp32``) of the RegNet SSL wrap policy.
+    """Module class -> unit options (``keep_fp32``) of the SSL wrap policy.
 
-    ``granularity`` (``MODEL.FSDP_CONFIG.wrap_granularity``): "block" makes every RegNet block,
-    the stem and each head MLP a unit; "stage" every stage instead of its blocks; "model" none of
+    ``granularity`` (``MODEL.FSDP_CONFIG.wrap_granularity``): "block" makes every trunk block
+    (RegNet: and the stem; ViT: encoder block) and each head MLP a unit; "stage" every stage
+    instead of its blocks (a ViT has none: its blocks); "model" none of
     them (the root holds them: one gather and one reduction per step). Fewer, larger units mean
     fewer collectives and more weights gathered at once; the numbers are the same. The fp32 units
     (SwAV prototypes: re-normalised after every step, they feed Sinkhorn's exp(score / eps);
-    BatchNorm under low precision) stay units at every granularity.
+    BatchNorm under low precision; DINO's weight-normalised last layer, frozen during the first
+    epoch) stay units at every granularity.
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"wrap granularity must be one of {GRANULARITIES}, got {granularity!r}")
     structure: Dict[str, Tuple[type, ...]] = {
-        "block": (ResBottleneckBlock, SimpleStemIN, MLP),
-        "stage": (AnyStage, SimpleStemIN, MLP),
+        g: (*_trunk_classes("units", g), MLP) for g in ("block", "stage")
     }
     classes = {cls: {} for cls in structure.get(granularity, ())}
     classes[SwAVPrototypes] = {"keep_fp32": True}
+    classes[DINOLastLayer] = {"keep_fp32": True}  # frozen in the first epoch: its own shards
     if fp32_batchnorm:
         classes[BatchNormBase] = {"keep_fp32": True}
     return classes

@@ -16,6 +16,10 @@ ceil(n / W) elements, p = fp32 master bytes 4, c = compute bytes: 2 under mixed 
     activations     bytes autograd saves in one forward, measured on the meta device (scaled to
                     2 bytes under mixed precision / AMP); with activation checkpointing the
                     inputs of the checkpointed modules plus the largest one's own activations
+    teacher params  a method with a momentum teacher (DINO, BYOL): the teacher is built and wrapped
+                    like the student, so its shards are another ``params`` (no gradients, no
+                    optimizer state); its forward runs under no_grad, resharding each unit after it
+                    and saving no activations, before the student's, so it adds nothing at the peak
     runtime         CPU: RSS of a fresh Python process after importing the training stack (measured
                     once per planner run) + ``CPU_ALLOWANCE_MIB`` for the process group, loader
                     and allocator; CUDA: 0 (the CUDA context is not allocated memory)
@@ -36,6 +40,7 @@ from dataclasses import asdict, dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
 from vistrain.fsdp.flat_param import shard_size
+from vistrain.losses import has_teacher
 from vistrain.planner.shape import MIB, ModelShapes, RunShape, meta_crops, run_shape, shapes_for
 
 # gloo threads and buffers, data loader, glibc arenas: what the quick start's peak RSS holds beyond
@@ -64,6 +69,7 @@ class MemoryPlan:
     gathered_units: float
     activations: float
     runtime_overhead: float
+    teacher_params: float = 0.0  # a momentum teacher's shards (DINO, BYOL); 0 without one
 
     @property
     def peak(self) -> float:
@@ -143,6 +149,7 @@ def plan(cfg, device: str = "cpu", shapes: Optional[ModelShapes] = None) -> Memo
     states = optimizer_states(cfg.OPTIMIZER)
     state = sharded_state_bytes(shape.unit_sizes, shape.groups.shard_ranks, states, shape.sharded)
     all_grads = state["grads"]
+    state["teacher_params"] = state["params"] if has_teacher(cfg.LOSS) else 0
     if device == "cuda" and shape.sharded and cfg.MODEL.FSDP_CONFIG.move_params_to_cpu:
         state = dict.fromkeys(state, 0)
     gathered = 0

@@ -3,7 +3,9 @@
 The loop reads top to bottom: build (data, model, loss, optimizer, schedule), resume, then for
 every batch: forward under autocast -> loss -> backward (accumulating over ``update_freq``
 micro-batches without gradient sync) -> clip -> step -> log -> checkpoint. Method state (SwAV
-queue, prototype freezing and normalisation) lives on the criterion and is called explicitly.
+queue, prototype freezing and normalisation, DINO's centre) lives on the criterion and is called
+explicitly; the criterion says which crops go to the student and which to the momentum teacher,
+when the method has one (DINO, BYOL), whose EMA follows every optimizer step.
 With ``OPTIMIZER.step_in_backward`` the sharded engine runs the step inside the last micro-batch's
 backward, shard by shard (``vistrain.fsdp.grads``); the loop then only tells it which
 parameters are frozen this step.
@@ -42,7 +44,7 @@ from vistrain.fsdp import (
     apply_optimizer_in_backward,
     backend_of,
 )
-from vistrain.losses import build_loss
+from vistrain.losses import MomentumTeacher, build_method
 from vistrain.models import build_model
 from vistrain.optim import build_lr_schedule, build_optimizer, set_lr
 from vistrain.planner.across_nodes import choose_across_nodes
@@ -58,6 +60,7 @@ from vistrain.runtime.logger import (
 from vistrain.runtime.parallel import parallelize
 from vistrain.runtime.run_setup import record_config, start_run
 from vistrain.runtime.sharding import build_for_run
+from vistrain.runtime.teacher import build_teacher
 from vistrain.training.preemption import BoundaryStop
 
 
@@ -85,10 +88,17 @@ class _Run:
     settings: StepSettings
     layout: EpochLayout
     num_epochs: int
+    teacher: Optional[MomentumTeacher] = None  # the method's momentum teacher, if it has one
 
     @property
     def total_iterations(self) -> int:
         return self.num_epochs * self.layout.iters_per_epoch
+
+    def checkpointed_models(self):
+        """What a checkpoint holds: the student, and the teacher under ``teacher.``."""
+        if self.teacher is None:
+            return self.model
+        return {"": self.model, "teacher.": self.teacher.model}
 
 
 def train(cfg, notes: Sequence[str] = (), across_nodes=None) -> None:
@@ -140,9 +150,17 @@ def _build(cfg, device: torch.device) -> _Run:
     settings = _step_settings(cfg, model, optimizer, device)
     global_batch = cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA * comm.get_world_size()
     layout = EpochLayout(iters_per_epoch, global_batch, len(loader.dataset), settings.update_freq)
+    criterion = build_method(cfg).to(device)
+    teacher = None
+    if criterion.teacher_momentum is not None:  # same builder, same wrap policy as the student
+        teacher = MomentumTeacher(
+            build_teacher(build_model, cfg.MODEL, device, model, group_key),
+            criterion.teacher_momentum,
+            cfg.OPTIMIZER.num_epochs * iters_per_epoch,
+        )
     return _Run(
-        loader, model, build_loss(cfg.LOSS).to(device), optimizer,
-        build_lr_schedule(cfg.OPTIMIZER, iters_per_epoch), settings, layout, cfg.OPTIMIZER.num_epochs,
+        loader, model, criterion, optimizer, build_lr_schedule(cfg.OPTIMIZER, iters_per_epoch),
+        settings, layout, cfg.OPTIMIZER.num_epochs, teacher,
     )  # fmt: skip
 
 
@@ -169,11 +187,13 @@ def _train_epochs(cfg, run: _Run, iteration: int) -> None:
             if settings.in_backward is not None and group.is_last:
                 settings.in_backward.freeze(criterion.frozen_params(model, iteration))
             loss = _forward_backward(
-                model, criterion, batch, settings, group, (cfg.CHECKPOINT.DIR, iteration)
+                model, criterion, batch, settings, group, (cfg.CHECKPOINT.DIR, iteration), run.teacher
             )
             meter.update(loss, num_images=batch["index"].shape[0], num_skipped=batch.get("num_skipped", 0))
             if group.is_last:
                 _optimizer_step(model, criterion, optimizer, settings, iteration)
+                if run.teacher is not None:
+                    run.teacher.update(model, iteration)  # t = m t + (1 - m) s on local shards
             iteration += 1
             if meter.should_log(iteration):
                 meter.log(iteration, epoch, run.num_epochs, lr)
@@ -215,10 +235,18 @@ class PartlyUpdatedError(InputError):
 
 
 def _forward_backward(
-    model: nn.Module, criterion, batch: dict, s: StepSettings, group: _Group, where: Tuple[str, int]
+    model: nn.Module,
+    criterion,
+    batch: dict,
+    s: StepSettings,
+    group: _Group,
+    where: Tuple[str, int],
+    teacher: Optional[MomentumTeacher] = None,
 ) -> torch.Tensor:
     """Forward + loss under autocast, backward of loss / group size. Returns the (unscaled) loss.
-    ``where``: (run folder, iteration), named if a failed backward left the model partly updated."""
+    ``where``: (run folder, iteration), named if a failed backward left the model partly updated.
+    The teacher (no_grad, resharded after) runs first: its gathered units are freed before the
+    student's forward keeps any."""
     crops = [c.to(s.device, non_blocking=True) for c in batch["crops"]]
     # DDP and the sharded engine skip the gradient all-reduce / reduce-scatter inside no_sync()
     sync = contextlib.nullcontext() if group.is_last else model.no_sync()
@@ -226,7 +254,8 @@ def _forward_backward(
         with torch.autocast(
             s.device.type, dtype=s.amp_dtype or torch.float32, enabled=s.amp_dtype is not None
         ):
-            loss = criterion(model(crops), len(crops))
+            targets = teacher(criterion.teacher_crops(crops)) if teacher is not None else None
+            loss = criterion(model(criterion.student_crops(crops)), len(crops), targets)
         # dividing by the group size makes the accumulated gradient the mean over its micro-batches
         scaled = loss / group.size
         try:
@@ -335,7 +364,7 @@ def _checkpoint(cfg, meter, run: _Run, iteration: int) -> int:
     path = save_sharded_checkpoint(
         cfg.CHECKPOINT.DIR,
         iteration,
-        run.model,
+        run.checkpointed_models(),
         run.optimizer,
         extra,
         meta,
@@ -368,13 +397,14 @@ def _resume(run_dir: str, run: _Run) -> Tuple[int, int]:
     path = comm.all_gather_object(_pick_checkpoint(run_dir) if comm.is_main_process() else None)[0]
     if path is None:
         return 0, 0
-    state = load_sharded_checkpoint(path, run.model, run.optimizer)
+    state = load_sharded_checkpoint(path, run.checkpointed_models(), run.optimizer)
     meta, extra = state["metadata"], state["extra"]
     iteration = resume_iteration(meta, run.layout, path)
     if state["same_world_size"]:  # per-rank state: rank r continues rank r's RNG streams and queue
         run.criterion.load_state_dict(extra["loss"])
         restore_rng(state["rng"])
     else:
+        run.criterion.load_shared_state(extra["loss"])  # rank 0's: equal on every rank (DINO's centre)
         logger.info(
             f"{path} was saved by {plural(meta['world_size'], 'rank')}: per-rank loss state "
             "(e.g. the SwAV queue) and RNG streams start afresh"

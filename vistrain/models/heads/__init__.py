@@ -9,6 +9,7 @@ from typing import Dict
 import torch
 from torch import nn
 
+from vistrain.models.heads.dino import BYOLHead, DINOHead, DINOLastLayer, build_byol_head, build_dino_head
 from vistrain.models.heads.mlp import MLP, build_simclr_head
 from vistrain.models.heads.swav import SwAVHead, SwAVPrototypes, build_swav_head
 
@@ -26,7 +27,13 @@ def build_identity_head(head_cfg) -> IdentityHead:
     return IdentityHead()
 
 
-HEADS = {"simclr": build_simclr_head, "swav": build_swav_head, "identity": build_identity_head}
+HEADS = {
+    "simclr": build_simclr_head,
+    "swav": build_swav_head,
+    "dino": build_dino_head,
+    "byol": build_byol_head,
+    "identity": build_identity_head,
+}
 
 
 def build_head(head_cfg) -> nn.Module:
@@ -36,6 +43,9 @@ def build_head(head_cfg) -> nn.Module:
 
 
 __all__ = [
+    "BYOLHead",
+    "DINOHead",
+    "DINOLastLayer",
     "HEADS",
     "IdentityHead",
     "MLP",

@@ -7,17 +7,18 @@ from torch import nn
 
 
 class MLP(nn.Module):
-    """``Linear -> [BatchNorm1d] -> ReLU`` for every hidden layer, then a plain ``Linear``.
+    """``Linear -> [BatchNorm1d] -> ReLU`` (or GELU) for every hidden layer, then a plain ``Linear``.
 
     SimCLR (Chen et al., 2020): "a MLP with one hidden layer to obtain z_i = g(h_i) =
-    W2 relu(W1 h_i)"; BatchNorm after the hidden Linear follows SimCLR v2 / SwAV.
+    W2 relu(W1 h_i)"; BatchNorm after the hidden Linear follows SimCLR v2 / SwAV; DINO's head
+    uses GELU.
     ``forward(x)``: x (N, dims[0]) -> (N, dims[-1]) in the input's dtype (or autocast's).
     Reads the trunk's ``"avgpool"`` feature (``in_feature``).
     """
 
     in_feature = "avgpool"
 
-    def __init__(self, dims: Sequence[int], use_bn: bool = True):
+    def __init__(self, dims: Sequence[int], use_bn: bool = True, activation: str = "relu"):
         super().__init__()
         dims = _check_dims(dims)
         layers: List[nn.Module] = []
@@ -25,7 +26,7 @@ class MLP(nn.Module):
             layers.append(nn.Linear(d_in, d_out))
             if use_bn:
                 layers.append(nn.BatchNorm1d(d_out))
-            layers.append(nn.ReLU(inplace=True))
+            layers.append(nn.GELU() if activation == "gelu" else nn.ReLU(inplace=True))
         layers.append(nn.Linear(dims[-2], dims[-1]))
         self.layers = nn.Sequential(*layers)
         self.dims = dims

@@ -1,18 +1,60 @@
-"""Trunks: ``build_trunk(cfg.MODEL.TRUNK)`` picks a builder from the flat ``TRUNKS`` registry."""
+"""Trunks: ``build_trunk(cfg.MODEL.TRUNK)`` picks a family from the flat ``TRUNKS`` registry.
+
+Each family is one file (``regnet``, ``resnet``, ``vit``) declaring a :class:`TrunkFamily`: its
+builder, feature names, sharded-unit and checkpoint classes and torchvision key prefixes. Code
+outside the family files asks this registry, never a family by name.
+"""
+
+from typing import Dict, List
 
 from torch import nn
 
-from vistrain.models.trunks.regnet import RegNetTrunk, build_regnet, to_torchvision_state_dict
+from vistrain.models.trunks.family import TrunkFamily, torchvision_keys
+from vistrain.models.trunks.regnet import REGNET, RegNetTrunk
+from vistrain.models.trunks.resnet import RESNET, ResNetTrunk
+from vistrain.models.trunks.vit import VIT, ViTTrunk
 
-# name -> builder(trunk_cfg) -> nn.Module with forward(x) -> Dict[str, Tensor], feature_dims,
-# out_features
-TRUNKS = {"regnet": build_regnet}
+# MODEL.TRUNK.NAME -> family; a family's builder(trunk_cfg) returns an nn.Module with
+# forward(x) -> Dict[str, Tensor], feature_dims, out_features
+TRUNKS: Dict[str, TrunkFamily] = {"regnet": REGNET, "resnet": RESNET, "vit": VIT}
+
+
+def family(trunk_cfg) -> TrunkFamily:
+    """The family of ``cfg.MODEL.TRUNK``; ValueError listing the valid names."""
+    if trunk_cfg.NAME not in TRUNKS:
+        raise ValueError(f"unknown MODEL.TRUNK.NAME {trunk_cfg.NAME!r}; valid names: {sorted(TRUNKS)}")
+    return TRUNKS[trunk_cfg.NAME]
 
 
 def build_trunk(trunk_cfg) -> nn.Module:
-    if trunk_cfg.NAME not in TRUNKS:
-        raise ValueError(f"unknown MODEL.TRUNK.NAME {trunk_cfg.NAME!r}; valid names: {sorted(TRUNKS)}")
-    return TRUNKS[trunk_cfg.NAME](trunk_cfg)
+    return family(trunk_cfg).build(trunk_cfg)
 
 
-__all__ = ["TRUNKS", "RegNetTrunk", "build_trunk", "to_torchvision_state_dict"]
+def trunk_feature_names(trunk_cfg) -> List[str]:
+    """Every feature the trunk of ``trunk_cfg`` offers (nothing is built); ValueError (one line)
+    for an impossible trunk."""
+    return family(trunk_cfg).feature_names(trunk_cfg)
+
+
+def to_torchvision_state_dict(trunk_state_dict: Dict, prefix: str = "") -> Dict:
+    """Trunk state dict (keys after ``prefix``, e.g. ``"trunk."``) -> the torchvision model's state
+    dict without classifier, for the family whose key prefixes the first trunk key has. Trunk keys
+    are already torchvision's: this strips ``prefix`` and checks that every key is a trunk key."""
+    first = next((k[len(prefix) :] for k in trunk_state_dict if k.startswith(prefix)), "")
+    for fam in TRUNKS.values():
+        if first.split(".")[0] in fam.torchvision_prefixes:
+            return fam.to_torchvision(trunk_state_dict, prefix)
+    return torchvision_keys(trunk_state_dict, prefix, (), "known")
+
+
+__all__ = [
+    "TRUNKS",
+    "RegNetTrunk",
+    "ResNetTrunk",
+    "TrunkFamily",
+    "ViTTrunk",
+    "build_trunk",
+    "family",
+    "to_torchvision_state_dict",
+    "trunk_feature_names",
+]

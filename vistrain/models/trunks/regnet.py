@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torchvision.models.regnet import AnyStage, BlockParams, ResBottleneckBlock, SimpleStemIN
 
+from vistrain.models.trunks.family import TrunkFamily, check_out_features, torchvision_keys
 from vistrain.torch_compat import regnet_stage_settings
 
 # name -> (depth, w_0, w_a, w_m, group_width, se_ratio). The torchvision sizes copy the arguments
@@ -46,6 +47,7 @@ PUBLISHED_REGNETS = {
     "regnet_x_32gf": (23, 320, 69.86, 2.0, 168, None),
 }
 PUBLISHED_STEM_WIDTH = 32  # every published RegNet uses a 32-channel stem
+TORCHVISION_PREFIXES = ("stem", "trunk_output")  # first components of the trunk's keys
 
 
 def feature_names(regnet_cfg) -> List[str]:
@@ -110,7 +112,7 @@ class RegNetTrunk(nn.Module):
         self.feature_dims: Dict[str, int] = {"stem": stem_width}
         self.feature_dims.update({f"s{i}": w for i, w in enumerate(block_params.widths, start=1)})
         self.feature_dims["avgpool"] = width_in
-        self.out_features = _check_out_features(out_features, list(self.feature_dims))
+        self.out_features = check_out_features(out_features, list(self.feature_dims))
         _init_weights(self)
 
     def forward(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -127,16 +129,6 @@ class RegNetTrunk(nn.Module):
         if "avgpool" in wanted:
             out["avgpool"] = torch.flatten(self.avgpool(x), 1)
         return out
-
-
-def _check_out_features(out_features: Sequence[str], valid: List[str]) -> List[str]:
-    out_features = list(out_features)
-    unknown = [name for name in out_features if name not in valid]
-    if not out_features or unknown:
-        raise ValueError(
-            f"MODEL.TRUNK.OUT_FEATURES must be a non-empty subset of {valid}, got {out_features}"
-        )
-    return out_features
 
 
 def _init_weights(module: nn.Module) -> None:
@@ -169,17 +161,7 @@ def to_torchvision_state_dict(trunk_state_dict: Dict[str, torch.Tensor], prefix:
     ``tv_model.fc = nn.Identity()`` first (then ``tv_model(x)`` returns our ``"avgpool"``
     feature), or ``load_state_dict(sd, strict=False)`` and check that only ``fc.*`` is missing.
     """
-    out = OrderedDict()
-    for key, value in trunk_state_dict.items():
-        if not key.startswith(prefix):
-            continue
-        name = key[len(prefix) :]
-        if not name.startswith(("stem.", "trunk_output.")):
-            raise ValueError(f"state dict key {key!r} is not a RegNet trunk parameter or buffer")
-        out[name] = value
-    if not out:
-        raise ValueError(f"no RegNet trunk keys found (prefix {prefix!r})")
-    return out
+    return torchvision_keys(trunk_state_dict, prefix, TORCHVISION_PREFIXES, "RegNet")
 
 
 def describe(block_params: BlockParams) -> Dict[str, Optional[List]]:
@@ -191,3 +173,14 @@ def describe(block_params: BlockParams) -> Dict[str, Optional[List]]:
         "bottleneck_multipliers": list(block_params.bottleneck_multipliers),
         "se_ratio": block_params.se_ratio,
     }
+
+
+REGNET = TrunkFamily(
+    build=build_regnet,
+    feature_names=lambda trunk_cfg: feature_names(trunk_cfg.REGNET),
+    units={"block": (ResBottleneckBlock, SimpleStemIN), "stage": (AnyStage, SimpleStemIN)},
+    checkpointed={"block": (ResBottleneckBlock,), "stage": (AnyStage,)},
+    torchvision_prefixes=TORCHVISION_PREFIXES,
+    to_torchvision=to_torchvision_state_dict,
+    names={"regnets": [*PUBLISHED_REGNETS, "custom"]},
+)

@@ -1,0 +1,64 @@
+"""What a trunk family file declares (:class:`TrunkFamily`), so nothing outside it knows the family.
+
+The registry ``vistrain.models.trunks.TRUNKS`` maps ``MODEL.TRUNK.NAME`` to one of these. The
+sharding transform and the planner read ``units`` / ``checkpointed`` (module classes, merged over
+all families: each class occurs only in its own family's models), the config check reads
+``feature_names`` and ``names``, the torchvision export reads ``torchvision_prefixes``.
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Mapping, Sequence, Tuple, Type
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TrunkFamily:
+    # MODEL.TRUNK -> nn.Module with forward(x) -> Dict[str, Tensor], ``feature_dims`` (every
+    # feature name -> channels) and ``out_features`` (the requested ones)
+    build: Callable[..., nn.Module]
+    # MODEL.TRUNK -> every feature name the trunk offers; pure arithmetic, ValueError (one line)
+    # for an impossible configuration
+    feature_names: Callable[..., List[str]]
+    # MODEL.FSDP_CONFIG.wrap_granularity ("block", "stage") -> classes that are sharded units
+    units: Mapping[str, Tuple[Type[nn.Module], ...]]
+    # MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY ("block", "stage") -> classes recomputed in backward
+    checkpointed: Mapping[str, Tuple[Type[nn.Module], ...]]
+    # first components of the trunk's state-dict keys, which are torchvision's names
+    torchvision_prefixes: Tuple[str, ...]
+    # (trunk state dict, prefix) -> the torchvision model's state dict (ValueError if it has none)
+    to_torchvision: Callable[[Dict, str], Dict]
+    # config-check catalog key -> valid names (e.g. {"resnets": [...]} for MODEL.TRUNK.RESNET.NAME)
+    names: Mapping[str, Sequence[str]] = field(default_factory=dict)
+
+
+def check_out_features(out_features: Sequence[str], valid: List[str]) -> List[str]:
+    """``out_features`` as a list; ValueError unless it is a non-empty subset of ``valid``."""
+    out_features = list(out_features)
+    unknown = [name for name in out_features if name not in valid]
+    if not out_features or unknown:
+        raise ValueError(
+            f"MODEL.TRUNK.OUT_FEATURES must be a non-empty subset of {valid}, got {out_features}"
+        )
+    return out_features
+
+
+def unknown_name(key: str, name: str, valid: Sequence[str]) -> ValueError:
+    return ValueError(f"unknown {key} {name!r}; valid names: {', '.join(valid)}")
+
+
+def torchvision_keys(state_dict: Dict, prefix: str, prefixes: Sequence[str], family: str) -> "OrderedDict":
+    """``state_dict`` without ``prefix`` (keys not starting with it are dropped); ValueError unless
+    every remaining key's first component is one of ``prefixes`` (a ``family`` trunk's)."""
+    out = OrderedDict()
+    for key, value in state_dict.items():
+        if not key.startswith(prefix):
+            continue
+        name = key[len(prefix) :]
+        if name.split(".")[0] not in prefixes:
+            raise ValueError(f"state dict key {key!r} is not a {family} trunk parameter or buffer")
+        out[name] = value
+    if not out:
+        raise ValueError(f"no {family} trunk keys found (prefix {prefix!r})")
+    return out

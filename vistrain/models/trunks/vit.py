@@ -1,0 +1,230 @@
+"""Vision Transformer trunk (Dosovitskiy et al., 2021) from torchvision's encoder pieces.
+
+An image (N, 3, H, W) is cut into P x P patches, each projected to a D-dim token by a stride-P
+convolution; a learned class token is prepended (optional) and learned position embeddings are
+added; then ``depth`` pre-norm encoder blocks ``x = x + MSA(LN(x)); x = x + MLP(LN(x))`` and a
+final LayerNorm. We reuse torchvision's ``Encoder`` and ``EncoderBlock`` (and their
+initialisation), so that
+
+* parameter names are torchvision's (``conv_proj``, ``class_token``, ``encoder.pos_embedding``,
+  ``encoder.layers.encoder_layer_<i>.*``, ``encoder.ln``): a trunk with a class token loads into
+  ``torchvision.models.VisionTransformer`` of the same dims (``vit_b_16`` for base/16 at 224 px,
+  see :func:`to_torchvision_state_dict`);
+* a sharding wrap policy can select every ``EncoderBlock`` by class.
+
+Position embeddings are made for ``IMAGE_SIZE`` and bicubically interpolated for other input
+sides (DINO's local crops), as DINO's ``interpolate_pos_encoding`` does. LayerNorms compute in
+float32 whatever their input's dtype (:class:`LayerNorm32`): under AMP or the engine's mixed
+precision the statistics of a bf16/fp16 residual stream would otherwise lose digits.
+"""
+
+import functools
+import math
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchvision.models.vision_transformer import Encoder, EncoderBlock
+
+from vistrain.models.trunks.family import TrunkFamily, check_out_features, torchvision_keys, unknown_name
+
+# name -> (depth, width, heads, mlp_ratio): ViT-Ti/S/B (DeiT, DINO), ViT-L/H (Dosovitskiy et al.),
+# ViT-g (dinov2's 1.1B giant: width 1536, 40 blocks, 24 heads; here with a plain GELU MLP)
+VIT_SIZES = {
+    "tiny": (12, 192, 3, 4.0),
+    "small": (12, 384, 6, 4.0),
+    "base": (12, 768, 12, 4.0),
+    "large": (24, 1024, 16, 4.0),
+    "huge": (32, 1280, 16, 4.0),
+    "giant": (40, 1536, 24, 4.0),
+}
+LAYER_NORM_EPS = 1e-6  # torchvision's and DINO's
+TORCHVISION_PREFIXES = ("conv_proj", "class_token", "encoder")
+POOLED = ("cls", "avgpool", "tokens")  # features read after the last block's final LayerNorm
+
+
+class LayerNorm32(nn.LayerNorm):
+    """``nn.LayerNorm`` computed in float32 whatever the input's dtype; output in the input's dtype.
+
+    (..., D) -> (..., D): ``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dim."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else self.weight.float()
+        bias = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
+
+
+def trunc_normal_(tensor: torch.Tensor, std: float) -> torch.Tensor:
+    """Fill ``tensor`` from N(0, std^2) truncated to [-2 std, 2 std] by the inverse CDF:
+    ``u ~ U(2 F(-2) - 1, 2 F(2) - 1)``, ``x = std * sqrt(2) * erfinv(u)`` (F: the standard normal
+    CDF). Only whole-tensor in-place calls, so the sharded engine's per-unit initialisation can
+    replay it (``nn.init.trunc_normal_`` skips meta tensors and rejection-samples)."""
+    bound = math.erf(2 / math.sqrt(2))  # 2 F(2) - 1
+    with torch.no_grad():
+        tensor.uniform_(-bound, bound).erfinv_().mul_(std * math.sqrt(2)).clamp_(-2 * std, 2 * std)
+    return tensor
+
+
+def vit_dims(vit_cfg) -> Tuple[int, int, int, int]:
+    """(depth, width, heads, mlp_dim) of ``cfg.MODEL.TRUNK.VIT`` (a size NAME or "custom"), with
+    PATCH_SIZE and IMAGE_SIZE checked; ValueError (one line) for impossible values."""
+    name = vit_cfg.NAME
+    if name == "custom":
+        depth, width, heads, ratio = vit_cfg.DEPTH, vit_cfg.WIDTH, vit_cfg.HEADS, vit_cfg.MLP_RATIO
+    elif name in VIT_SIZES:
+        depth, width, heads, ratio = VIT_SIZES[name]
+    else:
+        raise unknown_name("MODEL.TRUNK.VIT.NAME", name, ["custom", *VIT_SIZES])
+    if depth <= 0 or width <= 0 or heads <= 0 or width % heads or ratio <= 0:
+        raise ValueError(
+            "invalid ViT dims: need DEPTH > 0, HEADS > 0, WIDTH a positive multiple of HEADS, "
+            f"MLP_RATIO > 0 (got DEPTH={depth}, WIDTH={width}, HEADS={heads}, MLP_RATIO={ratio})"
+        )
+    patch, image = vit_cfg.PATCH_SIZE, vit_cfg.IMAGE_SIZE
+    if patch <= 0 or image <= 0 or image % patch:
+        raise ValueError(
+            f"MODEL.TRUNK.VIT.IMAGE_SIZE ({image}) must be a positive multiple of PATCH_SIZE ({patch})"
+        )
+    return depth, width, heads, int(width * ratio)
+
+
+def feature_names(trunk_cfg) -> List[str]:
+    """The features a ViT of ``trunk_cfg`` offers: "cls" (with a class token), "avgpool",
+    "tokens", block1..blockD. Pure arithmetic; ValueError for impossible dims."""
+    return _names(vit_dims(trunk_cfg.VIT)[0], trunk_cfg.VIT.CLASS_TOKEN)
+
+
+def _names(depth: int, class_token: bool) -> List[str]:
+    pooled = POOLED if class_token else POOLED[1:]
+    return [*pooled, *(f"block{i}" for i in range(1, depth + 1))]
+
+
+class ViTTrunk(nn.Module):
+    """ViT without classifier.
+
+    ``forward(x)``: x (N, 3, H, W), H and W multiples of ``patch_size`` -> {name: feature} for each
+    name in ``out_features``, all after the final LayerNorm (DINO's ``get_intermediate_layers``):
+
+    * ``"cls"`` (N, D): the class token;
+    * ``"avgpool"`` (N, D): the mean of the patch tokens;
+    * ``"tokens"`` (N, D, H/P, W/P): the patch tokens as a map (pooled like a CNN stage by the
+      benchmarks);
+    * ``"block<i>"`` (N, D): block i's output (1-based), its class token (else its mean patch
+      token); DINO's linear evaluation concatenates the last four (``block9+...+block12``).
+
+    ``feature_dims`` maps every available feature name to D, ``vector_features`` names the (N, D)
+    ones (the benchmarks pool only maps). Blocks after the last requested feature are skipped.
+    """
+
+    def __init__(
+        self,
+        depth: int,
+        width: int,
+        heads: int,
+        mlp_dim: int,
+        patch_size: int,
+        image_size: int,
+        class_token: bool,
+        out_features: Sequence[str],
+    ):
+        super().__init__()
+        self.patch_size, self.grid = patch_size, image_size // patch_size
+        self.conv_proj = nn.Conv2d(3, width, kernel_size=patch_size, stride=patch_size)
+        if class_token:
+            self.class_token = nn.Parameter(torch.zeros(1, 1, width))
+        else:
+            self.register_parameter("class_token", None)
+        self.num_prefix = int(class_token)
+        norm = functools.partial(LayerNorm32, eps=LAYER_NORM_EPS)
+        self.encoder = Encoder(self.grid**2 + self.num_prefix, depth, heads, width, mlp_dim, 0.0, 0.0, norm)
+        # torchvision's patchify init (its VisionTransformer.__init__)
+        trunc_normal_(self.conv_proj.weight, std=math.sqrt(1 / (3 * patch_size * patch_size)))
+        nn.init.zeros_(self.conv_proj.bias)
+
+        names = _names(depth, class_token)
+        self.feature_dims: Dict[str, int] = dict.fromkeys(names, width)
+        self.vector_features = [name for name in names if name != "tokens"]  # (N, D); "tokens" is a map
+        self.out_features = check_out_features(out_features, names)
+        wanted = set(self.out_features)
+        self.blocks_needed = depth if wanted & set(POOLED) else max(int(n[5:]) for n in wanted)
+
+    def forward(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
+        n, _, h, w = x.shape
+        if h % self.patch_size or w % self.patch_size:
+            raise ValueError(f"ViT input sides {h}x{w} must be multiples of the patch size {self.patch_size}")
+        x = self.conv_proj(x)  # (N, D, h, w) with h = H / P, w = W / P
+        grid = tuple(x.shape[-2:])
+        x = x.flatten(2).transpose(1, 2)  # (N, h * w, D)
+        if self.class_token is not None:
+            x = torch.cat([self.class_token.expand(n, -1, -1), x], dim=1)
+        x = x + self._position_embedding(grid)
+        wanted, out = set(self.out_features), {}
+        for i, block in enumerate(self.encoder.layers, start=1):
+            if i > self.blocks_needed:
+                break
+            x = block(x)
+            if f"block{i}" in wanted:
+                out[f"block{i}"] = self._summary(self.encoder.ln(x))
+        if wanted & set(POOLED):
+            x = self.encoder.ln(x)
+            patches = x[:, self.num_prefix :]
+            if "cls" in wanted:
+                out["cls"] = x[:, 0]
+            if "avgpool" in wanted:
+                out["avgpool"] = patches.mean(1)
+            if "tokens" in wanted:
+                out["tokens"] = patches.transpose(1, 2).reshape(n, -1, *grid)
+        return out
+
+    def _summary(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, 0] if self.class_token is not None else x[:, self.num_prefix :].mean(1)
+
+    def _position_embedding(self, grid: Tuple[int, int]) -> torch.Tensor:
+        """(1, prefix + h * w, D): the embeddings of IMAGE_SIZE's grid, the patch part bicubically
+        resized to ``grid`` when the input has another size."""
+        pos = self.encoder.pos_embedding
+        if grid == (self.grid, self.grid):
+            return pos
+        prefix, patches = pos[:, : self.num_prefix], pos[:, self.num_prefix :]
+        width = pos.shape[-1]
+        patches = patches.reshape(1, self.grid, self.grid, width).permute(0, 3, 1, 2)
+        patches = F.interpolate(patches.float(), size=grid, mode="bicubic", align_corners=False)
+        patches = patches.to(pos.dtype).permute(0, 2, 3, 1).reshape(1, grid[0] * grid[1], width)
+        return torch.cat([prefix, patches], dim=1)
+
+
+def build_vit(trunk_cfg) -> ViTTrunk:
+    """Trunk for ``cfg.MODEL.TRUNK`` (uses its VIT section and OUT_FEATURES)."""
+    vit_cfg = trunk_cfg.VIT
+    depth, width, heads, mlp_dim = vit_dims(vit_cfg)
+    return ViTTrunk(
+        depth, width, heads, mlp_dim, vit_cfg.PATCH_SIZE, vit_cfg.IMAGE_SIZE, vit_cfg.CLASS_TOKEN,
+        trunk_cfg.OUT_FEATURES,
+    )  # fmt: skip
+
+
+def to_torchvision_state_dict(trunk_state_dict: Dict[str, torch.Tensor], prefix: str = "") -> Dict:
+    """Trunk state dict -> state dict of ``torchvision.models.VisionTransformer(IMAGE_SIZE,
+    PATCH_SIZE, depth, heads, width, mlp_dim)`` without ``heads`` (``vit_b_16()`` for a base/16 at
+    224 px). Keys are already torchvision's; ``prefix`` is stripped as for RegNet. Load with
+    ``tv.heads = nn.Identity()``; then ``tv(x)`` is our ``"cls"`` feature. torchvision's ViT always
+    has a class token: a trunk without one has no torchvision counterpart (ValueError)."""
+    out = torchvision_keys(trunk_state_dict, prefix, TORCHVISION_PREFIXES, "ViT")
+    if "class_token" not in out:
+        raise ValueError(
+            "a ViT without class token (MODEL.TRUNK.VIT.CLASS_TOKEN=False) has no torchvision counterpart"
+        )
+    return out
+
+
+VIT = TrunkFamily(
+    build=build_vit,
+    feature_names=feature_names,
+    # a ViT has no stages: "stage" units and checkpoints are its blocks too
+    units={"block": (EncoderBlock,), "stage": (EncoderBlock,)},
+    checkpointed={"block": (EncoderBlock,), "stage": (EncoderBlock,)},
+    torchvision_prefixes=TORCHVISION_PREFIXES,
+    to_torchvision=to_torchvision_state_dict,
+    names={"vits": ["custom", *VIT_SIZES]},
+)
