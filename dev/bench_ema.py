@@ -19,7 +19,6 @@ Prints medians (ms) and each EMA's share of the step. Numbers in docs/benchmarks
 """
 
 import argparse
-import functools
 import os
 import statistics
 import time
@@ -32,7 +31,7 @@ from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import ema_update_, foreach_ema_, paired_tensors
 from vistrain.losses import MomentumTeacher, build_method
 from vistrain.models import build_model
-from vistrain.optim import build_optimizer, param_group_key
+from vistrain.optim import build_optimizer
 from vistrain.planner.shape import meta_crops
 from vistrain.runtime.parallel import parallelize
 from vistrain.runtime.sharding import build_for_run
@@ -60,11 +59,10 @@ def _worker(rank, world, argv, steps, threads):
     cfg = load_config(argv)
     torch.manual_seed(0)
     device = torch.device("cpu")
-    group_key = functools.partial(param_group_key, opt_cfg=cfg.OPTIMIZER)
-    model = parallelize(build_for_run(build_model, cfg.MODEL), cfg.MODEL, device, group_key)
+    model = parallelize(build_for_run(build_model, cfg.MODEL), cfg.MODEL, device)
     optimizer = build_optimizer(cfg.OPTIMIZER, model)
     criterion = build_method(cfg)
-    teacher = MomentumTeacher(build_teacher(build_model, cfg.MODEL, device, model, group_key), 0.996, steps)
+    teacher = MomentumTeacher(build_teacher(build_model, cfg.MODEL, device, model), 0.996, steps)
     batch = cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA
     crops = [torch.randn(c.shape) for c in meta_crops(cfg.DATA.TRAIN, batch)]
 

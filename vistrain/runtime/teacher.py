@@ -7,7 +7,7 @@ student. Under DDP (``AUTO_SETUP_FSDP=False``) it is a plain module on the devic
 to reduce for it, and its synced BatchNorms keep the ranks' statistics equal.
 """
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from torch import nn
@@ -23,20 +23,18 @@ def build_teacher(
     model_cfg,
     device: torch.device,
     student: nn.Module,
-    param_group_fn: Optional[Callable] = None,
 ) -> nn.Module:
     """The teacher for ``student`` (already parallelized from ``build_fn(model_cfg)``).
 
     Built under a forked RNG: the student's run sees the same random numbers with or without a
-    teacher. ``param_group_fn`` must be the student's (it splits flat shards by optimizer group).
-    Collective under AUTO_SETUP_FSDP (wrapping, broadcasts).
+    teacher. Collective under AUTO_SETUP_FSDP (wrapping, broadcasts).
     """
     devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         teacher = build_for_run(build_fn, model_cfg)
         teacher.requires_grad_(False)  # before sharding: the engine builds gradient-free shards
         if model_cfg.FSDP_CONFIG.AUTO_SETUP_FSDP:
-            teacher = parallelize(teacher, model_cfg, device, param_group_fn)
+            teacher = parallelize(teacher, model_cfg, device)
         else:
             teacher = _plain(teacher, model_cfg, device)
     ema_update_(teacher, student, 0.0)  # start as the student

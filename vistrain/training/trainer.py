@@ -154,7 +154,7 @@ def _build(cfg, device: torch.device) -> _Run:
     teacher = None
     if criterion.teacher_momentum is not None:  # same builder, same wrap policy as the student
         teacher = MomentumTeacher(
-            build_teacher(build_model, cfg.MODEL, device, model, group_key),
+            build_teacher(build_model, cfg.MODEL, device, model),
             criterion.teacher_momentum,
             cfg.OPTIMIZER.num_epochs * iters_per_epoch,
         )
