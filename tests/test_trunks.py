@@ -19,6 +19,7 @@ from vistrain.models import build_meta_model, build_model
 from vistrain.models.trunks import build_trunk, to_torchvision_state_dict, trunk_feature_names
 from vistrain.models.trunks.resnet import PUBLISHED_RESNETS
 from vistrain.models.trunks.vit import VIT_SIZES, LayerNorm32
+from vistrain.models.units import LARGE_LAYER_PARAMS, is_large_layer
 from vistrain.training.trainer import train
 
 
@@ -303,3 +304,9 @@ def test_linear_eval_reads_vit_vectors_unpooled_and_its_token_map_pooled(tmp_pat
         "tokens": 64,
         "block1+block2": 32,
     }
+
+
+def test_attention_output_projection_is_never_a_unit_of_its_own():
+    attention = nn.MultiheadAttention(4096, 8)  # out_proj: 16.8M weights, a "large layer" by size
+    assert sum(p.numel() for p in attention.out_proj.parameters()) >= LARGE_LAYER_PARAMS
+    assert not is_large_layer(attention.out_proj) and is_large_layer(nn.Linear(4096, 4096))
