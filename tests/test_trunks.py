@@ -13,6 +13,7 @@ from vistrain.benchmarks import linear_eval
 from vistrain.config import ConfigError, load_config
 from vistrain.config.defaults import get_defaults
 from vistrain.distributed.testing import run_on_ranks
+from vistrain.fsdp import KEEP_FP32
 from vistrain.fsdp.deferred_init import build_on_meta, materialize
 from vistrain.jobs import check_values
 from vistrain.models import build_meta_model, build_model
@@ -183,9 +184,10 @@ def test_unknown_names_from_the_builders():
 # ------------------------------------------------------------------ sharded units, DDP parity
 
 
-def _unit_worker(rank, world, config):
-    model = build(recipe(config), True)
-    return sorted({type(u.module).__name__ for u in model.units()}), len(model.units())
+def _unit_worker(rank, world, config, *overrides):
+    model = build(recipe(config, *overrides), True)
+    fp32 = sorted({type(u.module).__name__ for u in model.units() if u.precision == KEEP_FP32})
+    return sorted({type(u.module).__name__ for u in model.units()}), len(model.units()), fp32
 
 
 @pytest.mark.parametrize(
@@ -193,9 +195,18 @@ def _unit_worker(rank, world, config):
     [("simclr_resnet", "BasicBlock", 8 + 1 + 1), ("simclr_vit", "EncoderBlock", 2 + 1 + 1)],
 )
 def test_auto_setup_units_are_the_blocks(config, blocks, units):
-    kinds, count = run_on_ranks(_unit_worker, 1, config)[0]
+    kinds, count, _ = run_on_ranks(_unit_worker, 1, config)[0]
     assert kinds == sorted([blocks, "MLP", "SSLModel"])
     assert count == units  # every block, the head MLP, the root
+
+
+def test_resnet_batchnorm_is_a_synced_fp32_unit_under_amp():
+    amp = ["config.MODEL.AMP_PARAMS.USE_AMP=True", "config.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN=True"]
+    kinds, count, fp32 = run_on_ranks(_unit_worker, 1, "simclr_resnet", *amp)[0]
+    assert fp32 == ["CPUSyncBatchNorm"] and "BasicBlock" in kinds
+    assert (
+        count == 8 + 1 + 1 + 20 + 3 + 2
+    )  # blocks, head MLP, root; BNs: 2 per block, 3 shortcuts, stem, head
 
 
 @pytest.mark.parametrize(
