@@ -204,9 +204,8 @@ def test_resnet_batchnorm_is_a_synced_fp32_unit_under_amp():
     amp = ["config.MODEL.AMP_PARAMS.USE_AMP=True", "config.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN=True"]
     kinds, count, fp32 = run_on_ranks(_unit_worker, 1, "simclr_resnet", *amp)[0]
     assert fp32 == ["CPUSyncBatchNorm"] and "BasicBlock" in kinds
-    assert (
-        count == 8 + 1 + 1 + 20 + 3 + 2
-    )  # blocks, head MLP, root; BNs: 2 per block, 3 shortcuts, stem, head
+    # blocks, head MLP, root; BatchNorms: 2 per block, 3 shortcuts, the stem's, the head's
+    assert count == 8 + 1 + 1 + 16 + 3 + 1 + 1
 
 
 @pytest.mark.parametrize(
