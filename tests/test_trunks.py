@@ -138,7 +138,7 @@ def test_vit_features_and_other_input_sizes():
     torch.testing.assert_close(early.eval()(x)["block1"], out["block1"])
     # another side (a local crop): position embeddings interpolated
     assert trunk(torch.randn(2, 3, 8, 12))["tokens"].shape == (2, 32, 2, 3)
-    with pytest.raises(ValueError, match="multiples of the patch size 4"):
+    with pytest.raises(ConfigError, match=r"PATCH_SIZE \(4\) must divide the crop sides, got 10x16"):
         trunk(torch.randn(1, 3, 10, 16))
 
 
@@ -165,6 +165,8 @@ def test_vit_layer_norm_computes_in_float32():
         (["config.MODEL.TRUNK.NAME=resnet", "config.MODEL.TRUNK.OUT_FEATURES=[s4]"], "OUT_FEATURES must be a non-empty list of conv1, res2"),
         (["config.MODEL.TRUNK.NAME=vit", "config.MODEL.TRUNK.VIT.CLASS_TOKEN=False", "config.MODEL.TRUNK.OUT_FEATURES=[cls]"], "avgpool, tokens, block1"),
         (["config.MODEL.TRUNK.NAME=resnet"], "MODEL.HEAD.DIMS[0] is 16 but the trunk's 'avgpool' feature has 2048 channels"),
+        (["config.MODEL.TRUNK.NAME=vit", "config.MODEL.HEAD.DIMS=[384,32,16]", "config.DATA.TRAIN.TRANSFORMS.SIZE_CROPS=[24]"],
+         "MODEL.TRUNK.VIT.PATCH_SIZE (16) must divide the crop sides, got 24x24"),
     ],
 )  # fmt: skip
 def test_bad_trunk_configs_are_one_line_errors(overrides, message):
