@@ -322,3 +322,12 @@ def test_attention_output_projection_is_never_a_unit_of_its_own():
     attention = nn.MultiheadAttention(4096, 8)  # out_proj: 16.8M weights, a "large layer" by size
     assert sum(p.numel() for p in attention.out_proj.parameters()) >= LARGE_LAYER_PARAMS
     assert not is_large_layer(attention.out_proj) and is_large_layer(nn.Linear(4096, 4096))
+
+
+def test_the_export_picks_the_family_from_the_keys_and_refuses_foreign_ones():
+    keys = {"trunk.class_token": 0, "trunk.encoder.ln.weight": 1, "head.layers.0.weight": 2}
+    assert to_torchvision_state_dict(keys, "trunk.") == {"class_token": 0, "encoder.ln.weight": 1}
+    with pytest.raises(ValueError, match="'trunk.fc.weight' is not a ResNet trunk parameter"):
+        to_torchvision_state_dict({"trunk.conv1.weight": 0, "trunk.fc.weight": 1}, "trunk.")
+    with pytest.raises(ValueError, match="not a known trunk parameter"):
+        to_torchvision_state_dict({"trunk.blocks.0.weight": 0}, "trunk.")
