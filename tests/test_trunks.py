@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 import torchvision.models as tvm
-from test_auto_setup import _parity_worker, build, recipe
+from test_auto_setup import _amp_worker, _parity_worker, build, recipe
 from torch import nn
 
 from vistrain.benchmarks import linear_eval
@@ -239,6 +239,13 @@ def test_unit_by_unit_initialisation_equals_the_plain_build(config):
     tensors = [(*plain.named_parameters(), *plain.named_buffers()), (*meta.parameters(), *meta.buffers())]
     for (name, p), q in zip(*tensors):
         assert torch.equal(p, materialize(q)), name
+
+
+def test_vit_bf16_amp_equals_ddp_amp():
+    """AMP plus the engine's bf16 mixed precision (LayerNorms computing in fp32, attention in
+    bf16) vs DDP's AMP run: early losses, and the first step vs fp32, within 1%."""
+    loss_diff, _, bn_units_fp32, _, compute_dtype = run_on_ranks(_amp_worker, 2, "simclr_vit")[0]
+    assert loss_diff < 1e-2 and bn_units_fp32 and compute_dtype == torch.bfloat16
 
 
 def test_planner_counts_every_parameter_in_units():
