@@ -6,19 +6,21 @@ import json
 import pytest
 import torch
 import torchvision.models as tvm
-from test_auto_setup import _parity_worker, build, recipe
+from test_auto_setup import _amp_worker, _parity_worker, build, recipe
 from torch import nn
 
 from vistrain.benchmarks import linear_eval
 from vistrain.config import ConfigError, load_config
 from vistrain.config.defaults import get_defaults
 from vistrain.distributed.testing import run_on_ranks
+from vistrain.fsdp import KEEP_FP32
 from vistrain.fsdp.deferred_init import build_on_meta, materialize
 from vistrain.jobs import check_values
 from vistrain.models import build_meta_model, build_model
 from vistrain.models.trunks import build_trunk, to_torchvision_state_dict, trunk_feature_names
 from vistrain.models.trunks.resnet import PUBLISHED_RESNETS
 from vistrain.models.trunks.vit import VIT_SIZES, LayerNorm32
+from vistrain.models.units import LARGE_LAYER_PARAMS, is_large_layer
 from vistrain.training.trainer import train
 
 
@@ -136,7 +138,7 @@ def test_vit_features_and_other_input_sizes():
     torch.testing.assert_close(early.eval()(x)["block1"], out["block1"])
     # another side (a local crop): position embeddings interpolated
     assert trunk(torch.randn(2, 3, 8, 12))["tokens"].shape == (2, 32, 2, 3)
-    with pytest.raises(ValueError, match="multiples of the patch size 4"):
+    with pytest.raises(ConfigError, match=r"PATCH_SIZE \(4\) must divide the crop sides, got 10x16"):
         trunk(torch.randn(1, 3, 10, 16))
 
 
@@ -163,6 +165,8 @@ def test_vit_layer_norm_computes_in_float32():
         (["config.MODEL.TRUNK.NAME=resnet", "config.MODEL.TRUNK.OUT_FEATURES=[s4]"], "OUT_FEATURES must be a non-empty list of conv1, res2"),
         (["config.MODEL.TRUNK.NAME=vit", "config.MODEL.TRUNK.VIT.CLASS_TOKEN=False", "config.MODEL.TRUNK.OUT_FEATURES=[cls]"], "avgpool, tokens, block1"),
         (["config.MODEL.TRUNK.NAME=resnet"], "MODEL.HEAD.DIMS[0] is 16 but the trunk's 'avgpool' feature has 2048 channels"),
+        (["config.MODEL.TRUNK.NAME=vit", "config.MODEL.HEAD.DIMS=[384,32,16]", "config.DATA.TRAIN.TRANSFORMS.SIZE_CROPS=[24]"],
+         "MODEL.TRUNK.VIT.PATCH_SIZE (16) must divide the crop sides, got 24x24"),
     ],
 )  # fmt: skip
 def test_bad_trunk_configs_are_one_line_errors(overrides, message):
@@ -182,9 +186,10 @@ def test_unknown_names_from_the_builders():
 # ------------------------------------------------------------------ sharded units, DDP parity
 
 
-def _unit_worker(rank, world, config):
-    model = build(recipe(config), True)
-    return sorted({type(u.module).__name__ for u in model.units()}), len(model.units())
+def _unit_worker(rank, world, config, *overrides):
+    model = build(recipe(config, *overrides), True)
+    fp32 = sorted({type(u.module).__name__ for u in model.units() if u.precision == KEEP_FP32})
+    return sorted({type(u.module).__name__ for u in model.units()}), len(model.units()), fp32
 
 
 @pytest.mark.parametrize(
@@ -192,9 +197,17 @@ def _unit_worker(rank, world, config):
     [("simclr_resnet", "BasicBlock", 8 + 1 + 1), ("simclr_vit", "EncoderBlock", 2 + 1 + 1)],
 )
 def test_auto_setup_units_are_the_blocks(config, blocks, units):
-    kinds, count = run_on_ranks(_unit_worker, 1, config)[0]
+    kinds, count, _ = run_on_ranks(_unit_worker, 1, config)[0]
     assert kinds == sorted([blocks, "MLP", "SSLModel"])
     assert count == units  # every block, the head MLP, the root
+
+
+def test_resnet_batchnorm_is_a_synced_fp32_unit_under_amp():
+    amp = ["config.MODEL.AMP_PARAMS.USE_AMP=True", "config.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN=True"]
+    kinds, count, fp32 = run_on_ranks(_unit_worker, 1, "simclr_resnet", *amp)[0]
+    assert fp32 == ["CPUSyncBatchNorm"] and "BasicBlock" in kinds
+    # blocks, head MLP, root; BatchNorms: 2 per block, 3 shortcuts, the stem's, the head's
+    assert count == 8 + 1 + 1 + 16 + 3 + 1 + 1
 
 
 @pytest.mark.parametrize(
@@ -226,6 +239,13 @@ def test_unit_by_unit_initialisation_equals_the_plain_build(config):
     tensors = [(*plain.named_parameters(), *plain.named_buffers()), (*meta.parameters(), *meta.buffers())]
     for (name, p), q in zip(*tensors):
         assert torch.equal(p, materialize(q)), name
+
+
+def test_vit_bf16_amp_equals_ddp_amp():
+    """AMP plus the engine's bf16 mixed precision (LayerNorms computing in fp32, attention in
+    bf16) vs DDP's AMP run: early losses, and the first step vs fp32, within 1%."""
+    loss_diff, _, bn_units_fp32, _, compute_dtype = run_on_ranks(_amp_worker, 2, "simclr_vit")[0]
+    assert loss_diff < 1e-2 and bn_units_fp32 and compute_dtype == torch.bfloat16
 
 
 def test_planner_counts_every_parameter_in_units():
@@ -303,3 +323,18 @@ def test_linear_eval_reads_vit_vectors_unpooled_and_its_token_map_pooled(tmp_pat
         "tokens": 64,
         "block1+block2": 32,
     }
+
+
+def test_attention_output_projection_is_never_a_unit_of_its_own():
+    attention = nn.MultiheadAttention(4096, 8)  # out_proj: 16.8M weights, a "large layer" by size
+    assert sum(p.numel() for p in attention.out_proj.parameters()) >= LARGE_LAYER_PARAMS
+    assert not is_large_layer(attention.out_proj) and is_large_layer(nn.Linear(4096, 4096))
+
+
+def test_the_export_picks_the_family_from_the_keys_and_refuses_foreign_ones():
+    keys = {"trunk.class_token": 0, "trunk.encoder.ln.weight": 1, "head.layers.0.weight": 2}
+    assert to_torchvision_state_dict(keys, "trunk.") == {"class_token": 0, "encoder.ln.weight": 1}
+    with pytest.raises(ValueError, match="'trunk.fc.weight' is not a ResNet trunk parameter"):
+        to_torchvision_state_dict({"trunk.conv1.weight": 0, "trunk.fc.weight": 1}, "trunk.")
+    with pytest.raises(ValueError, match="not a known trunk parameter"):
+        to_torchvision_state_dict({"trunk.blocks.0.weight": 0}, "trunk.")

@@ -6,8 +6,8 @@
     python tools/convert_checkpoint.py RUN_OR_CHECKPOINT --to-torchvision regnet.pt
 
 --to-consolidated writes one plain state dict (``model.load_state_dict(torch.load(f))``);
---to-torchvision writes the trunk as a torchvision RegNet state dict: load it with
-``tv.fc = nn.Identity(); tv.load_state_dict(sd, strict=True)``.
+--to-torchvision writes the trunk as the state dict of its torchvision model (RegNet, ResNet, ViT):
+load it with ``tv.fc = nn.Identity(); tv.load_state_dict(sd, strict=True)`` (a ViT: ``tv.heads``).
 Exit codes: 0 done, 2 bad input (one line on stderr).
 """
 
@@ -23,7 +23,7 @@ def main(argv) -> int:
     action.add_argument("--inspect", action="store_true", help="print what the checkpoint holds")
     action.add_argument("--to-consolidated", metavar="OUT.pt", help="write one plain state-dict file")
     action.add_argument(
-        "--to-torchvision", metavar="OUT.pt", help="write the trunk as a torchvision RegNet state dict"
+        "--to-torchvision", metavar="OUT.pt", help="write the trunk as its torchvision model's state dict"
     )
     args = parser.parse_args(argv)
 
@@ -40,7 +40,7 @@ def main(argv) -> int:
         else:
             state = to_torchvision(args.checkpoint, args.to_torchvision)
             print(
-                f"wrote {plural(len(state), 'trunk tensor')} to {args.to_torchvision} (set fc = nn.Identity() before loading)"
+                f"wrote {plural(len(state), 'trunk tensor')} to {args.to_torchvision} (set fc, or a ViT's heads, to nn.Identity() before loading)"
             )
     except OneLineExit as e:  # the launcher's lines: "checkpoint error: ..."
         print(e.line(), file=sys.stderr)

@@ -8,6 +8,8 @@ that values are checked against (:func:`catalog`).
 import os
 from typing import Callable, Dict, Optional
 
+import torch
+
 from vistrain.benchmarks import extract_features, knn, linear_eval
 from vistrain.checkpoint.files import CheckpointError
 from vistrain.checkpoint.pretrained import check_weights_file
@@ -81,9 +83,12 @@ def _weights_problem(path: str) -> Optional[str]:
     return None
 
 
-def _model_problem(model_cfg) -> Optional[str]:
+def _model_problem(cfg) -> Optional[str]:
     try:
-        build_meta_model(model_cfg)
+        trunk = build_meta_model(cfg.MODEL).trunk
+        with torch.no_grad():  # one batch per crop side (2 images: BatchNorm refuses one)
+            for side in sorted(set(cfg.DATA.TRAIN.TRANSFORMS.SIZE_CROPS)):
+                trunk(torch.empty(2, 3, side, side, device="meta"))
     except InputError as error:
         return str(error)
     return None

@@ -42,7 +42,8 @@ class Catalog:
     weights_problem: Callable[[str], Problem]  # WEIGHTS_INIT.PARAMS_FILE -> what keeps it from loading
     trunk_features: Callable[[CfgNode], Sequence[str]]  # MODEL.TRUNK -> its feature names
     # (ValueError for an impossible trunk)
-    model_problem: Callable[[CfgNode], Problem]  # MODEL -> what keeps it from being built (on meta)
+    # the config -> what keeps its MODEL from being built or from taking DATA.TRAIN's crops (on meta)
+    model_problem: Callable[[CfgNode], Problem]
     num_samples: Callable[[CfgNode], int]  # DATA.<split> -> its samples (InputError when it has none)
     world_size: Callable[[CfgNode], int]  # the whole config -> ranks of the job it starts or joins
 
@@ -349,8 +350,9 @@ def _feature_part_ok(part: str, valid: Sequence[str]) -> bool:
 
 def _head_fits_trunk(cfg: CfgNode, catalog: Catalog) -> Problem:
     """Training builds MODEL as configured (benchmarks swap the head for an identity): the head's
-    input width must be the trunk's, found by building the model on the meta device."""
-    return catalog.model_problem(cfg.MODEL) if cfg.JOB == "train" else None
+    input width must be the trunk's and the trunk must take every crop size (a ViT's patch size must
+    divide them), found by building the model and running it on the meta device."""
+    return catalog.model_problem(cfg) if cfg.JOB == "train" else None
 
 
 def _one_global_batch(cfg: CfgNode, catalog: Catalog) -> Problem:

@@ -364,18 +364,29 @@ def _unknown_key_message(key: str, value: Any = None) -> str:
         sub, value = next(iter(value.items()))
         key = f"{key}.{sub}"
     # Full paths share long prefixes, so also ask the last names to look alike: "OPTIMIZER.zzz"
-    # should not suggest "OPTIMIZER.name".
+    # should not suggest "OPTIMIZER.name". Among look-alikes, those in the key's own section come
+    # first: "DATA.TRAIN.BATCHSIZE" means DATA.TRAIN.BATCHSIZE_PER_REPLICA, not a PATCH_SIZE.
     scored = []
     for candidate in _all_key_paths(get_defaults()):
         full = difflib.SequenceMatcher(None, key, candidate).ratio()
         leaf = difflib.SequenceMatcher(None, key.rsplit(".", 1)[-1], candidate.rsplit(".", 1)[-1]).ratio()
         if full >= 0.6 and leaf >= 0.5:
-            scored.append((full + leaf, candidate))
+            scored.append((_shared_sections(key, candidate), full + leaf, candidate))
     if scored:
-        return f"unknown config key {key}; did you mean {max(scored)[1]}?"
+        return f"unknown config key {key}; did you mean {max(scored)[2]}?"
     section = _deepest_section(get_defaults(), key)
     where = f" in {section[0]}" if section[0] else ""
     return f"unknown config key {key}; valid keys{where}: {', '.join(sorted(section[1].keys()))}"
+
+
+def _shared_sections(key: str, candidate: str) -> int:
+    """How many leading sections (all but the last name) two dotted keys share."""
+    shared = 0
+    for a, b in zip(key.split(".")[:-1], candidate.split(".")[:-1]):
+        if a != b:
+            break
+        shared += 1
+    return shared
 
 
 def _all_key_paths(node: CfgNode, prefix: str = "") -> Iterator[str]:

@@ -60,6 +60,10 @@ def unit_classes(fp32_batchnorm: bool, granularity: str = "block") -> Dict[Type[
 
 
 def is_large_layer(module: nn.Module) -> bool:
-    """A convolution or linear layer of at least ``LARGE_LAYER_PARAMS`` weights."""
+    """A convolution or linear layer of at least ``LARGE_LAYER_PARAMS`` weights. Not the output
+    projection of ``nn.MultiheadAttention`` (a ViT's): attention reads its weights without calling
+    it, so as a unit of its own they would never be gathered."""
+    if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
+        return False
     layer = isinstance(module, (nn.Conv2d, nn.Linear))
     return layer and sum(p.numel() for p in module.parameters()) >= LARGE_LAYER_PARAMS

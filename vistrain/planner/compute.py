@@ -3,7 +3,7 @@
 The step time the planner predicts (``traffic.predicted_step_seconds``) adds the link's time to
 the compute's, so the compute must be known in seconds. The model of the config is never built
 whole: a forward on the meta device records the input shape of every unit of the block-level
-wrap policy (the stem, every RegNet block, each head MLP, SwAV's prototypes: what holds nearly all
+wrap policy (every trunk block, a RegNet's stem, each head MLP, SwAV's prototypes: what holds nearly all
 of the arithmetic) at every call; then each unit alone is created for real (random weights),
 run forward and backward twice on a random input of that shape, and the second run is timed.
 The sum is a step's forward and backward without communication; at most one unit's weights and

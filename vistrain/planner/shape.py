@@ -90,7 +90,7 @@ class ModelShapes:
         self._activations: Dict[tuple, Tuple[int, List[int], List[int]]] = {}
 
     def units(self, low: bool, granularity: str) -> Tuple[int, ...]:
-        """:func:`unit_sizes` under the RegNet SSL wrap policy."""
+        """:func:`unit_sizes` under the SSL wrap policy."""
         key = (low, granularity)
         if key not in self._units:
             policy = wrap_policy(low, granularity)

@@ -1,6 +1,6 @@
 """AUTO_SETUP_FSDP: turn a built SSL model into a sharded one (a transform; models stay plain).
 
-Units: the RegNet SSL table of ``vistrain.models.units`` (blocks or stages, stem, head MLPs, SwAV
+Units: the SSL table of ``vistrain.models.units`` (trunk blocks or stages, head MLPs, SwAV
 prototypes in full precision) plus every large layer, and the whole model as root. Under AMP or
 the engine's mixed precision every BatchNorm also becomes its own fp32 unit (parameters, buffers
 and arithmetic), so statistics never see bf16/fp16.
@@ -50,7 +50,7 @@ def wrap_policy(fp32_batchnorm: bool, granularity: str = "block") -> Callable[[n
 
 
 def apply_activation_checkpointing(model: nn.Module, granularity: str) -> nn.Module:
-    """Recompute each RegNet block ("block") or stage ("stage") in backward instead of storing
+    """Recompute each trunk block ("block") or stage ("stage") in backward instead of storing
     its activations. Patches ``forward`` in place, so parameter names do not change.
 
     Exact: the recomputation sees the same inputs and weights, and its BatchNorms use the batch

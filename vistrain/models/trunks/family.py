@@ -3,7 +3,8 @@
 The registry ``vistrain.models.trunks.TRUNKS`` maps ``MODEL.TRUNK.NAME`` to one of these. The
 sharding transform and the planner read ``units`` / ``checkpointed`` (module classes, merged over
 all families: each class occurs only in its own family's models), the config check reads
-``feature_names`` and ``names``, the torchvision export reads ``torchvision_prefixes``.
+``feature_names`` and ``names``, the torchvision export picks the family by
+``torchvision_prefixes`` and calls its ``to_torchvision``.
 """
 
 from collections import OrderedDict
@@ -16,7 +17,8 @@ from torch import nn
 @dataclass(frozen=True)
 class TrunkFamily:
     # MODEL.TRUNK -> nn.Module with forward(x) -> Dict[str, Tensor], ``feature_dims`` (every
-    # feature name -> channels) and ``out_features`` (the requested ones)
+    # feature name -> channels), ``out_features`` (the requested ones) and optionally
+    # ``vector_features`` (the (N, C) features, which benchmarks do not pool; default: avgpool)
     build: Callable[..., nn.Module]
     # MODEL.TRUNK -> every feature name the trunk offers; pure arithmetic, ValueError (one line)
     # for an impossible configuration

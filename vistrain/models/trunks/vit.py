@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.models.vision_transformer import Encoder, EncoderBlock
 
+from vistrain.config.errors import ConfigError
 from vistrain.models.trunks.family import TrunkFamily, check_out_features, torchvision_keys, unknown_name
 
 # name -> (depth, width, heads, mlp_ratio): ViT-Ti/S/B (DeiT, DINO), ViT-L/H (Dosovitskiy et al.),
@@ -152,7 +153,10 @@ class ViTTrunk(nn.Module):
     def forward(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
         n, _, h, w = x.shape
         if h % self.patch_size or w % self.patch_size:
-            raise ValueError(f"ViT input sides {h}x{w} must be multiples of the patch size {self.patch_size}")
+            raise ConfigError(
+                f"MODEL.TRUNK.VIT.PATCH_SIZE ({self.patch_size}) must divide the crop sides, got {h}x{w}: "
+                "change PATCH_SIZE or the crop sizes"
+            )
         x = self.conv_proj(x)  # (N, D, h, w) with h = H / P, w = W / P
         grid = tuple(x.shape[-2:])
         x = x.flatten(2).transpose(1, 2)  # (N, h * w, D)
