@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vistrain.checkpoint import load_pretrained
+from vistrain.config.errors import DataError
 from vistrain.config.words import plural
 from vistrain.data import set_epoch
 from vistrain.distributed import comm
@@ -171,16 +172,19 @@ def extract(
 
 
 def check_labels(dataset, split: str) -> int:
-    """Number of classes of a labelled ``dataset``; ValueError when some images carry no label.
+    """Number of classes of a labelled ``dataset``; DataError (one line) when some images carry
+    no label.
 
-    A label is missing when it is negative (-1 is the "unlabelled" convention of file lists).
+    A label is missing when it is negative (-1: a file list's unlabelled line, or a disk_folder
+    read with FOLDER_LABELS none, e.g. a flat folder).
     """
     labels = torch.as_tensor(dataset.targets, dtype=torch.long)
     missing = int((labels < 0).sum())
     if missing:
-        raise ValueError(
-            f"DATA.{split} has {missing} of {len(labels)} images without a label (label < 0); "
-            "evaluation needs a labelled data set"
+        raise DataError(
+            f"DATA.{split} has {missing} of {len(labels)} images without a label: evaluation needs labels; "
+            f"put a disk_folder's images in class subfolders (<path>/<class>/<image>, DATA.{split}.FOLDER_LABELS "
+            "subfolders) or list them with labels in a disk_filelist"
         )
     return int(labels.max()) + 1
 

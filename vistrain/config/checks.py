@@ -144,6 +144,8 @@ RULES = {
     "DATA.NUM_DATALOADER_WORKERS": [at_least(0)],
     "DATA.*.BATCHSIZE_PER_REPLICA": [at_least(1)],
     "DATA.*.SPLIT": [one_of(("train", "val"))],
+    "DATA.*.FOLDER_LABELS": [one_of(("auto", "subfolders", "none"))],
+    "DATA.*.DECODE_SIZE": [at_least(0)],
     "DATA.*.TRANSFORMS.NAME": [one_of("transforms")],
     "DATA.*.TRANSFORMS.HORIZONTAL_FLIP": [probability],
     "DATA.*.TRANSFORMS.BLUR_PROB": [probability],

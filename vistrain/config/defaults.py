@@ -44,15 +44,23 @@ _C.DATA = CN()
 _C.DATA.NUM_DATALOADER_WORKERS = 0  # DataLoader worker processes per rank
 _C.DATA.PIN_MEMORY = True  # pinned host memory (only used on CUDA)
 _C.DATA.CACHE_DIR = ""  # where bundled data sets are written ("" -> ~/.cache/vistrain)
+# elpv: seed of the 75/25 train/test split, stratified by (class, cell type); TRAIN and TEST share it
+_C.DATA.SPLIT_SEED = 0
 
 
 def _split_defaults(batch_size, shuffle):
     split = CN()
-    split.DATA_SOURCES = [
-        "synthetic"
-    ]  # one per data set: disk_folder | disk_filelist | synthetic | demo_digits
-    split.DATA_PATHS = [""]  # folder (disk_folder), text file of "path label" lines (disk_filelist)
-    split.SPLIT = "train"  # which split of demo_digits / a disk_folder with train/ and val/ below it
+    # one per data set: disk_folder | disk_filelist | synthetic | demo_digits | elpv
+    split.DATA_SOURCES = ["synthetic"]
+    # folder (disk_folder), text file of "path label" lines (disk_filelist), elpv: "" for the
+    # installed elpv-dataset package or a folder holding its labels.csv and images/
+    split.DATA_PATHS = [""]
+    # which split of demo_digits / elpv (val: its 25% test side) / a disk_folder with train/ and val/
+    split.SPLIT = "train"
+    # disk_folder: subfolders (<path>/<class>/<image>, labelled) | none (every image below <path>,
+    # label -1: pretraining only) | auto (none when <path> holds images itself, else subfolders)
+    split.FOLDER_LABELS = "auto"
+    split.DECODE_SIZE = 0  # elpv: side images are resized to once, when decoded and kept in memory (0: 300)
     split.DATA_LIMIT = -1  # use only the first N samples (-1: all)
     split.SYNTHETIC_SIZE = 256  # number of images of the synthetic source
     split.SYNTHETIC_NUM_CLASSES = 10  # labels of the synthetic source

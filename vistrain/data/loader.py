@@ -45,7 +45,9 @@ def build_loader(
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid splits: {list(SPLITS)}")
     split_cfg = data_cfg[split]
-    dataset = build_dataset(split_cfg, cache_dir=data_cfg.CACHE_DIR, seed=seed, key=f"DATA.{split}")
+    dataset = build_dataset(
+        split_cfg, data_cfg.CACHE_DIR, seed=seed, key=f"DATA.{split}", split_seed=data_cfg.SPLIT_SEED
+    )
     if indices is not None:
         dataset = IndexSubset(dataset, indices)
     batch_size = split_cfg.BATCHSIZE_PER_REPLICA
