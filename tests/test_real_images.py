@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from vistrain.config.defaults import get_defaults
 from vistrain.data import build_dataset, build_loader
 from vistrain.data.datasets import count_samples
 from vistrain.data.elpv import ElpvSource, package_folder, read_labels, stratified_split
+from vistrain.data.loader import auto_workers
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.training.trainer import train
 
@@ -106,6 +108,29 @@ def test_a_flat_folder_pretrains(tmp_path):
     run_on_ranks(_train_on_rank, 2, argv)
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["iteration"] == 2 and np.isfinite(lines[-1]["loss"])
+    # the step's wait for data, apart from compute: in the log line, metrics.jsonl and TensorBoard
+    assert all(0 <= r["data_share"] <= 1 and r["data_time"] >= 0 for r in lines)
+    assert re.search(r"img/s  data \d+\.\d{3}s \(\d+%\)  eta", (tmp_path / "run" / "log.txt").read_text())
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "tb")).Reload()
+    assert "train/data_share" in events.Tags()["scalars"]
+
+
+@pytest.mark.parametrize(
+    "cores, ranks, threads, cuda, workers",
+    [
+        (2, 2, 1, False, 0),  # this box: both cores compute
+        (16, 2, 8, False, 0),  # the launcher's default threads fill the cores
+        (16, 2, 2, False, 6),  # OMP_NUM_THREADS=2: 12 spare cores, 6 per rank
+        (64, 1, 4, False, 8),  # capped
+        (16, 8, 1, True, 1),  # one GPU per rank: a core stays with each rank
+        (96, 8, 1, True, 8),
+        (2, 4, 1, True, 1),
+    ],
+)
+def test_loader_workers_are_chosen_for_the_machine(cores, ranks, threads, cuda, workers):
+    assert auto_workers(cores, ranks, threads, cuda) == workers
 
 
 # --------------------------------------------------------------------------------------------

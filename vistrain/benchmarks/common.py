@@ -283,10 +283,33 @@ def log_accuracy_table(title: str, results: Dict[str, dict]) -> None:
         )
 
 
-def summarise(counts: torch.Tensor, names: List[str]) -> Dict[str, dict]:
-    """counts (F, 3) float64 [top-1 hits, top-5 hits, images], summed over ranks -> percentages."""
+def summarise(
+    counts: torch.Tensor, names: List[str], metrics: Sequence[str] = ("top1", "top5")
+) -> Dict[str, dict]:
+    """counts (F, M + 1) float64 [hits of each of ``metrics``..., images], summed over ranks -> percentages."""
     out = {}
-    for name, (top1, top5, total) in zip(names, counts.tolist()):
+    for name, row in zip(names, counts.tolist()):
+        *hits, total = row
         scale = 100.0 / max(total, 1.0)
-        out[name] = {"top1": top1 * scale, "top5": top5 * scale, "num_images": int(total)}
+        out[name] = {metric: h * scale for metric, h in zip(metrics, hits)}
+        out[name]["num_images"] = int(total)
     return out
+
+
+def grouped_correct(
+    logits: torch.Tensor, labels: torch.Tensor, groups: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """Bool (N,): the most probable group of classes is the label's group (``BENCHMARK.CLASS_GROUPS``).
+
+    A group's probability is the sum of its classes' softmax probabilities over ``logits`` (N, C),
+    e.g. ELPV's two-class protocol from its four-class probe: groups [[0, 1], [2, 3]] (functional,
+    defective when p >= 0.5). Every class 0..C-1 must be in exactly one group.
+    """
+    group_of = torch.full((logits.shape[1],), -1, dtype=torch.long, device=logits.device)
+    for g, members in enumerate(groups):
+        group_of[list(members)] = g
+    if (group_of < 0).any():
+        raise ValueError(f"BENCHMARK.CLASS_GROUPS {groups} leaves out some of the {logits.shape[1]} classes")
+    probs = logits.float().softmax(dim=1)
+    grouped = torch.zeros(logits.shape[0], len(groups), device=logits.device).index_add_(1, group_of, probs)
+    return grouped.argmax(dim=1) == group_of[labels]

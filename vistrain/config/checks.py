@@ -141,7 +141,7 @@ RULES = {
     "DISTRIBUTED.NODE_ID": [at_least(0)],
     "DISTRIBUTED.INIT_METHOD": [one_of(INIT_METHODS)],
     "DISTRIBUTED.TIMEOUT_SECONDS": [at_least(1)],
-    "DATA.NUM_DATALOADER_WORKERS": [at_least(0)],
+    "DATA.NUM_DATALOADER_WORKERS": [at_least(-1)],
     "DATA.*.BATCHSIZE_PER_REPLICA": [at_least(1)],
     "DATA.*.SPLIT": [one_of(("train", "val"))],
     "DATA.*.FOLDER_LABELS": [one_of(("auto", "subfolders", "none"))],

@@ -41,7 +41,9 @@ _C.DISTRIBUTED.TIMEOUT_SECONDS = 600  # collective timeout; a dead rank fails th
 
 # ---------------------------------------------------------------------------------------------
 _C.DATA = CN()
-_C.DATA.NUM_DATALOADER_WORKERS = 0  # DataLoader worker processes per rank
+# DataLoader worker processes per rank; -1: chosen for the machine from its cores, the ranks on it and
+# their threads (vistrain/data/loader.py auto_workers: on a CPU box whose ranks use every core, 0)
+_C.DATA.NUM_DATALOADER_WORKERS = -1
 _C.DATA.PIN_MEMORY = True  # pinned host memory (only used on CUDA)
 _C.DATA.CACHE_DIR = ""  # where bundled data sets are written ("" -> ~/.cache/vistrain)
 # elpv: seed of the 75/25 train/test split, stratified by (class, cell type); TRAIN and TEST share it
@@ -84,6 +86,8 @@ def _split_defaults(batch_size, shuffle):
     split.TRANSFORMS.ELASTIC_ALPHA = 20.0  # elastic displacement strength (pixels)
     split.TRANSFORMS.ELASTIC_SIGMA = 4.0  # elastic displacement smoothness (Gaussian sigma, pixels)
     split.TRANSFORMS.HORIZONTAL_FLIP = 0.5  # probability
+    split.TRANSFORMS.VERTICAL_FLIP = 0.0  # probability (images with no up: solar cells, tiles)
+    split.TRANSFORMS.ROTATE_90 = 0.0  # probability of a rotation by 90, 180 or 270 degrees
     split.TRANSFORMS.COLOR_DISTORTION = 0.5  # strength s: jitter 0.8s w.p. 0.8, grayscale w.p. 0.2
     split.TRANSFORMS.BLUR_PROB = 0.5  # Gaussian blur probability
     split.TRANSFORMS.BLUR_RADIUS = [0.1, 2.0]  # blur sigma range
@@ -235,6 +239,9 @@ _C.BENCHMARK.POOL_SIZE = 2  # stage maps are average-pooled to POOL_SIZE x POOL_
 _C.BENCHMARK.LINEAR_LRS = []  # linear_eval: peak lrs tried per feature ([]: OPTIMIZER's lr only)
 _C.BENCHMARK.LINEAR_HOLDOUT_FRACTION = 0.1  # linear_eval: part of TRAIN that picks the lr from LINEAR_LRS
 _C.BENCHMARK.LINEAR_LR_FOLDS = 1  # linear_eval: > 1 picks the lr by stratified k-fold CV on TRAIN instead
+# linear_eval: groups of classes scored as one too, "top1_<n>class": the group with the highest summed
+# probability is right (ELPV's two classes: [[0, 1], [2, 3]], defective when p >= 0.5; []: none)
+_C.BENCHMARK.CLASS_GROUPS = []
 _C.BENCHMARK.KNN_K = 20  # kNN: neighbours voting
 _C.BENCHMARK.KNN_TEMPERATURE = 0.07  # kNN: vote weight exp(sim / T)
 _C.BENCHMARK.KNN_CHUNK_SIZE = 256  # kNN: test features compared per chunk (bounds memory)

@@ -54,6 +54,7 @@ from vistrain.runtime.logger import (
     TrainingMeter,
     divergence_message,
     logger,
+    timed,
 )
 from vistrain.runtime.parallel import parallelize
 from vistrain.runtime.run_setup import record_config, start_run
@@ -161,7 +162,7 @@ def _train_epochs(cfg, run: _Run, iteration: int) -> None:
     for epoch in range(start_epoch, run.num_epochs):
         set_epoch(run.loader, epoch, start_iteration=skip if epoch == start_epoch else 0)
         criterion.set_epoch(epoch)
-        for batch in run.loader:
+        for batch, waited in timed(run.loader):  # waited: seconds this step waited for its batch
             lr = run.lr_schedule(iteration)
             set_lr(optimizer, lr)
             group = _accumulation_group(
@@ -172,7 +173,9 @@ def _train_epochs(cfg, run: _Run, iteration: int) -> None:
             loss = _forward_backward(
                 model, criterion, batch, settings, group, (cfg.CHECKPOINT.DIR, iteration)
             )
-            meter.update(loss, num_images=batch["index"].shape[0], num_skipped=batch.get("num_skipped", 0))
+            meter.update(
+                loss, batch["index"].shape[0], num_skipped=batch.get("num_skipped", 0), data_time=waited
+            )
             if group.is_last:
                 _optimizer_step(model, criterion, optimizer, settings, iteration)
             iteration += 1
