@@ -211,3 +211,61 @@ def test_elpv_package_is_read_where_it_is_installed():
     assert Counter(train.labels + test.labels) == {0: 1508, 1: 295, 2: 106, 3: 715}
     image, _ = test.load(0)
     assert image.size == (300, 300)
+
+
+# --------------------------------------------------------------------------------------------
+# the shipped ELPV recipes, shrunk, on a generated folder: they run, and draw their pictures
+
+
+def _linear_eval_on_rank(rank, world_size, argv):
+    from vistrain.benchmarks.linear_eval import linear_eval
+
+    linear_eval(load_config(argv))
+    return rank
+
+
+def _shrunk_elpv(folder, run_dir, *overrides):
+    small = [
+        f"config.DATA.{split}.{key}" for split in ("TRAIN", "TEST") for key in ("DATA_PATHS", "DECODE_SIZE")
+    ]
+    return [
+        f"config.CHECKPOINT.DIR={run_dir}",
+        f"{small[0]}=[{folder}]", f"{small[1]}=32", f"{small[2]}=[{folder}]", f"{small[3]}=32",
+        "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
+        "config.DATA.TEST.BATCHSIZE_PER_REPLICA=8",
+        "config.DATA.TEST.TRANSFORMS.RESIZE=32",
+        "config.DATA.TEST.TRANSFORMS.CENTER_CROP=32",
+        "config.DATA.NUM_DATALOADER_WORKERS=0",
+        "config.OPTIMIZER.num_epochs=2",
+        "config.LOG_FREQUENCY=1",
+        *overrides,
+    ]  # fmt: skip
+
+
+def test_elpv_recipes_pretrain_then_evaluate_and_draw(tmp_path):
+    folder = _elpv_folder(tmp_path / "elpv")
+    pretrain = _shrunk_elpv(folder, tmp_path / "pretrain", "config.DATA.TRAIN.TRANSFORMS.SIZE_CROPS=[32]")
+    run_on_ranks(_train_on_rank, 2, ["config=pretrain/simclr_regnet_elpv", *pretrain])
+    assert (tmp_path / "pretrain" / "views.png").stat().st_size > 0
+    with Image.open(tmp_path / "pretrain" / "views.png") as views:  # 8 rows of 2 views
+        assert views.size[1] > views.size[0] > 0
+    evaluate = _shrunk_elpv(
+        folder,
+        tmp_path / "eval",
+        "config.DATA.TRAIN.TRANSFORMS.RESIZE=32",
+        "config.DATA.TRAIN.TRANSFORMS.CENTER_CROP=32",
+        "config.BENCHMARK.LINEAR_LR_FOLDS=2",
+        f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={tmp_path / 'pretrain'}",
+    )
+    run_on_ranks(_linear_eval_on_rank, 2, ["config=benchmark/linear_eval_elpv", *evaluate])
+    record = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    picked = record["picked"]
+    assert picked["feature"] in record["results"] and picked["num_images"] == 13
+    assert {"top1", "top1_2class", "holdout_top1"} <= set(picked)
+    for name in ("confusion.png", "neighbours.png"):
+        with Image.open(tmp_path / "eval" / name) as picture:
+            assert min(picture.size) > 50
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    images = EventAccumulator(str(tmp_path / "eval" / "tb")).Reload().Tags()["images"]
+    assert {"linear_eval/confusion", "linear_eval/neighbours"} <= set(images)

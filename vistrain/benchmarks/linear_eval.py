@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vistrain.benchmarks import common, linear_report, lr_grid
+from vistrain.benchmarks import common, eval_pictures, linear_report, lr_grid
 from vistrain.config import ConfigError
 from vistrain.config.words import plural
 from vistrain.data import build_loader, set_epoch
@@ -193,6 +193,16 @@ def linear_eval(cfg) -> None:
         "total_seconds": time.perf_counter() - start,
     }
     _report(run_dir, record, meter.writer)
+    bank = (
+        train_source
+        if isinstance(train_source, CachedFeatures)
+        else cache_features(source, cfg.DATA, cfg.SEED_VALUE)
+    )
+    loaders = (train_loader, test_loader)
+    for path in eval_pictures.draw(
+        cfg, source, heads, loaders, picked, bank, num_classes, meter.writer, iterations
+    ):
+        logger.info(f"wrote {path}")
     if comm.is_main_process():
         torch.save(unwrap(heads).state_dict(), os.path.join(run_dir, "linear_heads.pt"))
     meter.summary()

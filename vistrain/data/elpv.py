@@ -112,6 +112,7 @@ class ElpvSource:
     """
 
     name = "elpv"
+    class_names = ("p=0", "p=1/3", "p=2/3", "p=1")  # defect probability of each class
 
     def __init__(self, folder: str, split: str, split_seed: int, decode_size: int = 0):
         if split not in SIDES:

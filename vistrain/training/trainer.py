@@ -57,6 +57,7 @@ from vistrain.runtime.logger import (
     timed,
 )
 from vistrain.runtime.parallel import parallelize
+from vistrain.runtime.pictures import save_picture, view_grid
 from vistrain.runtime.run_setup import record_config, start_run
 from vistrain.runtime.sharding import build_for_run
 from vistrain.training.preemption import BoundaryStop
@@ -157,6 +158,12 @@ def _train_epochs(cfg, run: _Run, iteration: int) -> None:
         cfg.CHECKPOINT.DIR, cfg.LOG_FREQUENCY, run.total_iterations, settings.device, settings.scaling
     )
     stop = BoundaryStop(cfg, run.total_iterations)  # SIGTERM / SIGUSR1: stop and save at a boundary
+    if meter.writer is not None:  # rank 0: what the loss compares, before the first step
+        transforms = cfg.DATA.TRAIN.TRANSFORMS
+        views = view_grid(
+            run.loader.dataset, transforms.MEAN, transforms.STD, side=max(transforms.SIZE_CROPS)
+        )
+        save_picture(views, cfg.CHECKPOINT.DIR, "views.png", meter.writer, "train/views", iteration)
     saved_at = iteration
     start_epoch, skip = divmod(iteration, iters_per_epoch)
     for epoch in range(start_epoch, run.num_epochs):
