@@ -179,9 +179,8 @@ def test_elpv_source_on_a_folder_of_the_package_layout(tmp_path):
     assert len(train) + len(test) == 53 and len(test) == 13
     assert not set(train.paths) & set(test.paths)
     image, label = train.load(0)
-    assert image.mode == "RGB" and image.size == (16, 16) and label == train.labels[0]
-    pixel = np.asarray(image)[0, 0]
-    assert pixel[0] == pixel[1] == pixel[2] and abs(int(pixel[0]) - 60 * label) <= 3  # gray, label's shade
+    assert image.mode == "L" and image.size == (16, 16) and label == train.labels[0]
+    assert abs(int(np.asarray(image)[0, 0]) - 60 * label) <= 3  # the label's shade
     os.remove(train.paths[0])
     assert train.load(0)[1] == label  # decoded once: kept in memory
 
@@ -197,6 +196,13 @@ def test_elpv_through_the_config(tmp_path):
     assert (len(train), len(test)) == (40, 13) == (count_samples(cfg.TRAIN), count_samples(cfg.TEST))
     assert not set(train.sources[0].paths) & set(test.sources[0].paths)
     assert common.num_classes(train, test) == 4
+    views = train[(0, 0)]["crops"]  # made on one channel, handed to the trunk as three
+    mean, std = (
+        torch.tensor(v)[:, None, None] for v in (cfg.TRAIN.TRANSFORMS.MEAN, cfg.TRAIN.TRANSFORMS.STD)
+    )
+    pixels = views[0] * std + mean
+    assert len(views) == 2 and views[0].shape == (3, 32, 32)
+    torch.testing.assert_close(pixels[0], pixels[2])
     cfg.TRAIN.SPLIT = "test"
     with pytest.raises(ConfigError, match="SPLIT 'test'"):
         build_dataset(cfg.TRAIN)

@@ -178,7 +178,7 @@ def linear_eval(cfg) -> None:
     logger.info(f"final fit on DATA.TRAIN done ({clock.elapsed()})")
     train_seconds = time.perf_counter() - start
     groups = [list(g) for g in cfg.BENCHMARK.CLASS_GROUPS]
-    results = _with_choices(evaluate(source, heads, test_loader, groups), dims, lrs, selection)
+    results = linear_report.with_choices(evaluate(source, heads, test_loader, groups), dims, lrs, selection)
     picked = linear_report.picked_feature(results)
     record = {
         "engine": "linear_eval",
@@ -206,15 +206,6 @@ def linear_eval(cfg) -> None:
     if comm.is_main_process():
         torch.save(unwrap(heads).state_dict(), os.path.join(run_dir, "linear_heads.pt"))
     meter.summary()
-
-
-def _with_choices(results: Dict[str, dict], dims: Dict[str, int], lrs: dict, selection: Optional[dict]):
-    """Each feature's test results with its width and, after an lr grid, its lr and held-out top-1."""
-    for name, result in results.items():
-        result["dim"] = dims[name]
-        if selection is not None:
-            result.update(lr=lrs[name], holdout_top1=selection[name])
-    return results
 
 
 def _passes(cfg, train_loader, device):

@@ -9,7 +9,7 @@ pass in progress. The meter's periodic lines (loss, lr, images/s) go to ``log.tx
 
 import datetime
 import time
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from vistrain.benchmarks import lr_grid
 from vistrain.config.words import plural
@@ -87,3 +87,12 @@ def picked_feature(results: Dict[str, dict]) -> str:
 def log_lines(lines: Sequence[str]) -> None:
     for line in lines:
         logger.info(line)
+
+
+def with_choices(results: Dict[str, dict], dims: Dict[str, int], lrs: dict, selection: Optional[dict]):
+    """Each feature's test results with its width and, after an lr grid, its lr and held-out top-1."""
+    for name, result in results.items():
+        result["dim"] = dims[name]
+        if selection is not None:
+            result.update(lr=lrs[name], holdout_top1=selection[name])
+    return results

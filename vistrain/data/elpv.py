@@ -105,10 +105,12 @@ def stratified_split(
 
 
 class ElpvSource:
-    """One side of an ELPV split: ``load(i) -> (RGB image of DECODE_SIZE, class 0..3)``.
+    """One side of an ELPV split: ``load(i) -> (grayscale "L" image of DECODE_SIZE, class 0..3)``.
 
     ``labels`` (4 classes) and ``types`` follow the split's order; decoded images are cached per
-    process as 8-bit grayscale arrays (ToTensor of the RGB copy gives three equal channels).
+    process as 8-bit arrays. The views are made on the one channel (a third of the work of RGB;
+    hue and saturation jitter are no-ops on it) and turned into three equal channels last
+    (``transforms.ToRGB``).
     """
 
     name = "elpv"
@@ -138,4 +140,4 @@ class ElpvSource:
             if self.decode_size and image.size != (self.decode_size, self.decode_size):
                 image = image.resize((self.decode_size, self.decode_size), Image.BILINEAR, reducing_gap=None)
             pixels = self._decoded[i] = np.asarray(image)
-        return Image.fromarray(pixels, "L").convert("RGB"), self.labels[i]
+        return Image.fromarray(pixels, "L"), self.labels[i]

@@ -11,7 +11,7 @@
     -> RandomApply([ColorJitter(0.8s, 0.8s, 0.8s, 0.2s)], p=0.8) -> RandomGrayscale(0.2)   (s = COLOR_DISTORTION)
     -> RandomApply([Gaussian blur, sigma ~ U(BLUR_RADIUS)], p=BLUR_PROB)   (PIL filter, as in SwAV/DINO)
     -> RandomSolarize(128, p=SOLARIZE_PROB)
-    -> ToTensor -> Normalize(MEAN, STD)
+    -> [to RGB, if a source gave a grayscale image] -> ToTensor -> Normalize(MEAN, STD)
 
 The affine step is left out when AFFINE_DEGREES, AFFINE_TRANSLATE and AFFINE_SHEAR are 0 and
 AFFINE_SCALE is [1, 1]; every other step whose probability or strength is 0 is left out too. The
@@ -31,10 +31,18 @@ from PIL import Image, ImageFilter
 from torchvision import transforms as T
 
 
+class ToRGB:
+    """A grayscale PIL image (a source may hand one over: ELPV) to RGB, last, so that every view
+    before it was made on one channel (a third of the work) and the trunk still sees three."""
+
+    def __call__(self, image: Image.Image) -> Image.Image:
+        return image if image.mode == "RGB" else image.convert("RGB")
+
+
 def _normalize(cfg) -> List[Callable]:
     if len(cfg.MEAN) != 3 or len(cfg.STD) != 3:
         raise ValueError(f"TRANSFORMS.MEAN and STD need 3 values each, got {cfg.MEAN} and {cfg.STD}")
-    return [T.ToTensor(), T.Normalize(mean=list(cfg.MEAN), std=list(cfg.STD))]
+    return [ToRGB(), T.ToTensor(), T.Normalize(mean=list(cfg.MEAN), std=list(cfg.STD))]
 
 
 class RandomRotate90:
