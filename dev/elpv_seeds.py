@@ -57,7 +57,8 @@ def run_seed(args, seed: int) -> dict:
         eval_dir = folder / f"eval_{trunk}"
         argv = [f"config={EVAL}", f"config.CHECKPOINT.DIR={eval_dir}", *seeds, *overrides(args.eval)]
         argv.append(f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={weights}")
-        run(f"seed {seed} eval {trunk}", argv, timings, folder / f"eval_{trunk}.log")
+        if not (eval_dir / "metrics.json").exists():  # an evaluation done before is read
+            run(f"seed {seed} eval {trunk}", argv, timings, folder / f"eval_{trunk}.log")
         metrics = json.loads((eval_dir / "metrics.json").read_text())
         record[trunk] = {"picked": metrics["picked"], "results": metrics["results"]}
     done.write_text(json.dumps(record, indent=1))
