@@ -1,8 +1,8 @@
 """Does the ELPV recipe beat the pixels and a random trunk? Pretrain, evaluate, and evaluate the
 random trunk through the same path, over seeds.
 
-For every seed s (``DATA.SPLIT_SEED`` = ``SEED_VALUE`` = s: the split, the trunk's initialisation,
-the data order, the views and the probe's folds), through the normal launcher on 2 CPU ranks:
+For every seed s (``SEED_VALUE`` = s: the trunk's initialisation, the data order, the views and
+the probe's folds; ``DATA.SPLIT_SEED`` = s too, or the matching ``--split-seeds`` value), through the normal launcher on 2 CPU ranks:
 
 1. ``config=pretrain/simclr_regnet_elpv`` on the split's 1,968 training cells (no labels);
 2. ``config=benchmark/linear_eval_elpv`` on that trunk: each feature's lr, then the feature, picked
@@ -17,6 +17,7 @@ A seed whose ``result.json`` exists is read, not run again. ``--pretrain`` / ``-
 overrides (``KEY=VALUE``).
 
     OMP_NUM_THREADS=1 python dev/elpv_seeds.py --seeds 0 1 2 --baselines /tmp/baselines.json
+    python dev/elpv_seeds.py --seeds 11 --split-seeds 7 --out /tmp/held_out   # seeds the docs do not use
 """
 
 import argparse
@@ -42,7 +43,8 @@ def run_seed(args, seed: int) -> dict:
     done = folder / "result.json"
     if done.exists():
         return json.loads(done.read_text())
-    seeds = [f"config.SEED_VALUE={seed}", f"config.DATA.SPLIT_SEED={seed}"]
+    split_seed = args.split_seeds[args.seeds.index(seed)] if args.split_seeds else seed
+    seeds = [f"config.SEED_VALUE={seed}", f"config.DATA.SPLIT_SEED={split_seed}"]
     timings = {}
     pretrain_dir = folder / "pretrain"
     pretrain = [
@@ -52,7 +54,12 @@ def run_seed(args, seed: int) -> dict:
         *overrides(args.pretrain),
     ]
     cpu = run(f"seed {seed} pretrain", pretrain, timings, folder / "pretrain.log")
-    record = {"seed": seed, "pretrain_s": timings[f"seed {seed} pretrain"], "pretrain_cpu_per_rank": cpu / 2}
+    record = {
+        "seed": seed,
+        "split_seed": split_seed,
+        "pretrain_s": timings[f"seed {seed} pretrain"],
+        "pretrain_cpu_per_rank": cpu / 2,
+    }
     for trunk, weights in (("pretrained", str(pretrain_dir)), ("random", "")):
         eval_dir = folder / f"eval_{trunk}"
         argv = [f"config={EVAL}", f"config.CHECKPOINT.DIR={eval_dir}", *seeds, *overrides(args.eval)]
@@ -82,12 +89,17 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument(
+        "--split-seeds", type=int, nargs="*", default=[], help="DATA.SPLIT_SEED per seed (default: the seed)"
+    )
     parser.add_argument("--out", default="./checkpoints/elpv_seeds")
     parser.add_argument("--baselines", default="", help="the --json of dev/elpv_baselines.py")
     parser.add_argument("--pretrain", nargs="*", default=[])
     parser.add_argument("--eval", nargs="*", default=[])
     args = parser.parse_args()
     args.out = Path(args.out).resolve()
+    if args.split_seeds and len(args.split_seeds) != len(args.seeds):
+        sys.exit("--split-seeds needs one value per --seeds value")
     baselines = json.loads(Path(args.baselines).read_text()) if args.baselines else None
     rows = []
     for seed in args.seeds:
@@ -98,7 +110,7 @@ def main() -> int:
             "random 4": rand["top1"], "random 2": rand["top1_2class"],
         }  # fmt: skip
         if baselines:
-            svm = svm_of(baselines, seed)
+            svm = svm_of(baselines, record.get("split_seed", seed))
             row.update(
                 {"SVM 4": svm.get("4 classes", float("nan")), "SVM 2": svm.get("2 classes", float("nan"))}
             )
