@@ -24,6 +24,9 @@ setup(
     extras_require={
         # Trainer(strategy="vistrain_fsdp"): vistrain.integrations.lightning
         "lightning": LIGHTNING,
+        # DATA_SOURCES: [elpv]: 2,624 solar-cell images (91 MB, CC BY-NC-SA 4.0), vistrain/data/elpv.py;
+        # not in dev: the tests run on a generated folder of its layout and read the package if present
+        "elpv": ["elpv-dataset>=1.0"],
         "dev": ["pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3", "ruff==0.14.14", *LIGHTNING],
     },
 )

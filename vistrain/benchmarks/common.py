@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vistrain.checkpoint import load_pretrained
+from vistrain.config.errors import DataError
 from vistrain.config.words import plural
 from vistrain.data import set_epoch
 from vistrain.distributed import comm
@@ -176,16 +177,19 @@ def extract(
 
 
 def check_labels(dataset, split: str) -> int:
-    """Number of classes of a labelled ``dataset``; ValueError when some images carry no label.
+    """Number of classes of a labelled ``dataset``; DataError (one line) when some images carry
+    no label.
 
-    A label is missing when it is negative (-1 is the "unlabelled" convention of file lists).
+    A label is missing when it is negative (-1: a file list's unlabelled line, or a disk_folder
+    read with FOLDER_LABELS none, e.g. a flat folder).
     """
     labels = torch.as_tensor(dataset.targets, dtype=torch.long)
     missing = int((labels < 0).sum())
     if missing:
-        raise ValueError(
-            f"DATA.{split} has {missing} of {len(labels)} images without a label (label < 0); "
-            "evaluation needs a labelled data set"
+        raise DataError(
+            f"DATA.{split} has {missing} of {len(labels)} images without a label: evaluation needs labels; "
+            f"put a disk_folder's images in class subfolders (<path>/<class>/<image>, DATA.{split}.FOLDER_LABELS "
+            "subfolders) or list them with labels in a disk_filelist"
         )
     return int(labels.max()) + 1
 
@@ -284,10 +288,33 @@ def log_accuracy_table(title: str, results: Dict[str, dict]) -> None:
         )
 
 
-def summarise(counts: torch.Tensor, names: List[str]) -> Dict[str, dict]:
-    """counts (F, 3) float64 [top-1 hits, top-5 hits, images], summed over ranks -> percentages."""
+def summarise(
+    counts: torch.Tensor, names: List[str], metrics: Sequence[str] = ("top1", "top5")
+) -> Dict[str, dict]:
+    """counts (F, M + 1) float64 [hits of each of ``metrics``..., images], summed over ranks -> percentages."""
     out = {}
-    for name, (top1, top5, total) in zip(names, counts.tolist()):
+    for name, row in zip(names, counts.tolist()):
+        *hits, total = row
         scale = 100.0 / max(total, 1.0)
-        out[name] = {"top1": top1 * scale, "top5": top5 * scale, "num_images": int(total)}
+        out[name] = {metric: h * scale for metric, h in zip(metrics, hits)}
+        out[name]["num_images"] = int(total)
     return out
+
+
+def grouped_correct(
+    logits: torch.Tensor, labels: torch.Tensor, groups: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """Bool (N,): the most probable group of classes is the label's group (``BENCHMARK.CLASS_GROUPS``).
+
+    A group's probability is the sum of its classes' softmax probabilities over ``logits`` (N, C),
+    e.g. ELPV's two-class protocol from its four-class probe: groups [[0, 1], [2, 3]] (functional,
+    defective when p >= 0.5). Every class 0..C-1 must be in exactly one group.
+    """
+    group_of = torch.full((logits.shape[1],), -1, dtype=torch.long, device=logits.device)
+    for g, members in enumerate(groups):
+        group_of[list(members)] = g
+    if (group_of < 0).any():
+        raise ValueError(f"BENCHMARK.CLASS_GROUPS {groups} leaves out some of the {logits.shape[1]} classes")
+    probs = logits.float().softmax(dim=1)
+    grouped = torch.zeros(logits.shape[0], len(groups), device=logits.device).index_add_(1, group_of, probs)
+    return grouped.argmax(dim=1) == group_of[labels]

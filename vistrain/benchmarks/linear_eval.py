@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vistrain.benchmarks import common, linear_report, lr_grid
+from vistrain.benchmarks import common, eval_pictures, linear_report, lr_grid
 from vistrain.config import ConfigError
 from vistrain.config.words import plural
 from vistrain.data import build_loader, set_epoch
@@ -177,7 +177,9 @@ def linear_eval(cfg) -> None:
     iterations = train_heads(train_source, heads, train_loader, cfg.OPTIMIZER, meter, iterations)
     logger.info(f"final fit on DATA.TRAIN done ({clock.elapsed()})")
     train_seconds = time.perf_counter() - start
-    results = _with_choices(evaluate(source, heads, test_loader), dims, lrs, selection)
+    groups = [list(g) for g in cfg.BENCHMARK.CLASS_GROUPS]
+    results = linear_report.with_choices(evaluate(source, heads, test_loader, groups), dims, lrs, selection)
+    picked = linear_report.picked_feature(results)
     record = {
         "engine": "linear_eval",
         "weights": cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE,
@@ -186,22 +188,24 @@ def linear_eval(cfg) -> None:
         "iterations": iterations,
         "world_size": comm.get_world_size(),
         "results": results,
+        "picked": {"feature": picked, **results[picked]},  # by cross-validation on TRAIN, not by TEST
         "train_seconds": train_seconds,
         "total_seconds": time.perf_counter() - start,
     }
     _report(run_dir, record, meter.writer)
+    bank = (
+        train_source
+        if isinstance(train_source, CachedFeatures)
+        else cache_features(source, cfg.DATA, cfg.SEED_VALUE)
+    )
+    loaders = (train_loader, test_loader)
+    for path in eval_pictures.draw(
+        cfg, source, heads, loaders, picked, bank, num_classes, meter.writer, iterations
+    ):
+        logger.info(f"wrote {path}")
     if comm.is_main_process():
         torch.save(unwrap(heads).state_dict(), os.path.join(run_dir, "linear_heads.pt"))
     meter.summary()
-
-
-def _with_choices(results: Dict[str, dict], dims: Dict[str, int], lrs: dict, selection: Optional[dict]):
-    """Each feature's test results with its width and, after an lr grid, its lr and held-out top-1."""
-    for name, result in results.items():
-        result["dim"] = dims[name]
-        if selection is not None:
-            result.update(lr=lrs[name], holdout_top1=selection[name])
-    return results
 
 
 def _passes(cfg, train_loader, device):
@@ -331,27 +335,37 @@ def _head_optimizers(opt_cfg, heads: LinearHeads) -> List[Tuple[torch.optim.Opti
 
 
 @torch.no_grad()
-def evaluate(source: FrozenFeatures, heads: nn.Module, loader) -> Dict[str, dict]:
-    """Collective: top-1/top-5 of every head over ``loader``'s data set, each image counted once.
+def evaluate(source: FrozenFeatures, heads: nn.Module, loader, groups=()) -> Dict[str, dict]:
+    """Collective: top-1/top-5 of every head over ``loader``'s data set, each image counted once;
+    with ``groups`` (BENCHMARK.CLASS_GROUPS) also ``top1_<len(groups)>class``.
 
-    Returns ``{head key: {"top1": %, "top5": %, "num_images": int}}``, equal on all ranks.
+    Returns ``{head key: {"top1": %, "top5": %, ["top1_2class": %,] "num_images": int}}``, equal on all ranks.
     """
     heads.eval()
     set_epoch(loader, 0)
     names = list(unwrap(heads).heads)
-    hits = [torch.zeros(0, len(names), 2, dtype=torch.bool, device=source.device)]
+    metrics = ["top1", "top5"] + ([f"top1_{len(groups)}class"] if groups else [])
+    hits = [torch.zeros(0, len(names), len(metrics), dtype=torch.bool, device=source.device)]
     indices = [torch.zeros(0, dtype=torch.long, device=source.device)]
     for batch in loader:
         features, labels = source(batch)
         logits = heads(features)
-        hits.append(torch.stack([common.topk_correct(logits[n], labels) for n in names], dim=1))  # (B, H, 2)
+        hits.append(torch.stack([_hits(logits[n], labels, groups) for n in names], dim=1))  # (B, H, M)
         indices.append(batch["index"].to(source.device))
     hits, indices = torch.cat(hits), torch.cat(indices)
     keep = common.unique_on_this_rank(indices)
-    counts = torch.zeros(len(names), 3, dtype=torch.float64, device=source.device)
-    counts[:, :2] = hits[keep].sum(dim=0).to(torch.float64)
-    counts[:, 2] = keep.sum()
-    return common.summarise(comm.all_reduce_sum(counts), names)
+    counts = torch.zeros(len(names), len(metrics) + 1, dtype=torch.float64, device=source.device)
+    counts[:, :-1] = hits[keep].sum(dim=0).to(torch.float64)
+    counts[:, -1] = keep.sum()
+    return common.summarise(comm.all_reduce_sum(counts), names, metrics)
+
+
+def _hits(logits: torch.Tensor, labels: torch.Tensor, groups) -> torch.Tensor:
+    """Bool (B, M): top-1, top-5 [and the group of classes] right."""
+    hits = common.topk_correct(logits, labels)
+    if groups:
+        hits = torch.cat([hits, common.grouped_correct(logits, labels, groups)[:, None]], dim=1)
+    return hits
 
 
 def _report(run_dir: str, record: dict, writer) -> None:
@@ -360,9 +374,14 @@ def _report(run_dir: str, record: dict, writer) -> None:
     results = record["results"]
     title = f"linear evaluation on DATA.TEST ({weights}, {plural(next(iter(results.values()))['num_images'], 'image')}):"
     linear_report.log_lines(linear_report.results_table(title, results, "lr" in next(iter(results.values()))))
+    picked = record["picked"]
+    logger.info(
+        f"picked by the held-out top-1 on TRAIN: {picked['feature']}, top-1 {picked['top1']:.2f}%"
+        + "".join(f", {k} {v:.2f}%" for k, v in picked.items() if k.startswith("top1_"))
+    )
     if writer is not None:
         for name, res in record["results"].items():
-            for metric in ("top1", "top5"):
+            for metric in [k for k in res if k.startswith("top")]:
                 writer.add_scalar(f"linear_eval/{name}/{metric}", res[metric], record["iterations"])
         writer.flush()
     logger.info(f"wrote {common.write_metrics(run_dir, record)}")

@@ -9,7 +9,7 @@ pass in progress. The meter's periodic lines (loss, lr, images/s) go to ``log.tx
 
 import datetime
 import time
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from vistrain.benchmarks import lr_grid
 from vistrain.config.words import plural
@@ -66,15 +66,33 @@ def fold_line(fold: int, folds: int, results: Dict[str, dict], names, grid, cloc
 
 
 def results_table(title: str, results: Dict[str, dict], with_grid: bool) -> List[str]:
-    """The final table: one header line, one line per feature."""
-    columns = f"  {'feature':<10}{'dim':>7}" + (f"{'lr':>8}{'held-out':>10}" if with_grid else "")
-    lines = [title, f"{columns}{'top-1':>9}{'top-5':>9}"]
+    """The final table: one header line, one line per feature (``top1_<n>class`` columns too)."""
+    grouped = [key for key in next(iter(results.values())) if key.startswith("top1_")]
+    columns = f"  {'feature':<12}{'dim':>7}" + (f"{'lr':>8}{'held-out':>10}" if with_grid else "")
+    lines = [title, f"{columns}{'top-1':>9}{'top-5':>9}" + "".join(f"{k[5:]:>9}" for k in grouped)]
     for name, res in results.items():
         grid = f"{res['lr']:>8g}{res['holdout_top1']:>9.2f}%" if with_grid else ""
-        lines.append(f"  {name:<10}{res['dim']:>7}{grid}{res['top1']:>8.2f}%{res['top5']:>8.2f}%")
+        extra = "".join(f"{res[k]:>8.2f}%" for k in grouped)
+        lines.append(f"  {name:<12}{res['dim']:>7}{grid}{res['top1']:>8.2f}%{res['top5']:>8.2f}%{extra}")
     return lines
+
+
+def picked_feature(results: Dict[str, dict]) -> str:
+    """The feature a user would pick without looking at the test set: the highest held-out top-1 of
+    the lr grid's cross-validation on TRAIN (ties: the first listed); without a grid, the first."""
+    names = list(results)
+    return max(names, key=lambda n: (results[n].get("holdout_top1", 0.0), -names.index(n)))
 
 
 def log_lines(lines: Sequence[str]) -> None:
     for line in lines:
         logger.info(line)
+
+
+def with_choices(results: Dict[str, dict], dims: Dict[str, int], lrs: dict, selection: Optional[dict]):
+    """Each feature's test results with its width and, after an lr grid, its lr and held-out top-1."""
+    for name, result in results.items():
+        result["dim"] = dims[name]
+        if selection is not None:
+            result.update(lr=lrs[name], holdout_top1=selection[name])
+    return results

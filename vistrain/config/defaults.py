@@ -41,18 +41,28 @@ _C.DISTRIBUTED.TIMEOUT_SECONDS = 600  # collective timeout; a dead rank fails th
 
 # ---------------------------------------------------------------------------------------------
 _C.DATA = CN()
-_C.DATA.NUM_DATALOADER_WORKERS = 0  # DataLoader worker processes per rank
+# DataLoader worker processes per rank; -1: chosen for the machine from its cores, the ranks on it and
+# their threads (vistrain/data/loader.py auto_workers: on a CPU box whose ranks use every core, 0)
+_C.DATA.NUM_DATALOADER_WORKERS = -1
 _C.DATA.PIN_MEMORY = True  # pinned host memory (only used on CUDA)
 _C.DATA.CACHE_DIR = ""  # where bundled data sets are written ("" -> ~/.cache/vistrain)
+# elpv: seed of the 75/25 train/test split, stratified by (class, cell type); TRAIN and TEST share it
+_C.DATA.SPLIT_SEED = 0
 
 
 def _split_defaults(batch_size, shuffle):
     split = CN()
-    split.DATA_SOURCES = [
-        "synthetic"
-    ]  # one per data set: disk_folder | disk_filelist | synthetic | demo_digits
-    split.DATA_PATHS = [""]  # folder (disk_folder), text file of "path label" lines (disk_filelist)
-    split.SPLIT = "train"  # which split of demo_digits / a disk_folder with train/ and val/ below it
+    # one per data set: disk_folder | disk_filelist | synthetic | demo_digits | elpv
+    split.DATA_SOURCES = ["synthetic"]
+    # folder (disk_folder), text file of "path label" lines (disk_filelist), elpv: "" for the
+    # installed elpv-dataset package or a folder holding its labels.csv and images/
+    split.DATA_PATHS = [""]
+    # which split of demo_digits / elpv (val: its 25% test side) / a disk_folder with train/ and val/
+    split.SPLIT = "train"
+    # disk_folder: subfolders (<path>/<class>/<image>, labelled) | none (every image below <path>,
+    # label -1: pretraining only) | auto (none when <path> holds images itself, else subfolders)
+    split.FOLDER_LABELS = "auto"
+    split.DECODE_SIZE = 0  # elpv: side images are resized to once, when decoded and kept in memory (0: 300)
     split.DATA_LIMIT = -1  # use only the first N samples (-1: all)
     split.SYNTHETIC_SIZE = 256  # number of images of the synthetic source
     split.SYNTHETIC_NUM_CLASSES = 10  # labels of the synthetic source
@@ -76,6 +86,8 @@ def _split_defaults(batch_size, shuffle):
     split.TRANSFORMS.ELASTIC_ALPHA = 20.0  # elastic displacement strength (pixels)
     split.TRANSFORMS.ELASTIC_SIGMA = 4.0  # elastic displacement smoothness (Gaussian sigma, pixels)
     split.TRANSFORMS.HORIZONTAL_FLIP = 0.5  # probability
+    split.TRANSFORMS.VERTICAL_FLIP = 0.0  # probability (images with no up: solar cells, tiles)
+    split.TRANSFORMS.ROTATE_90 = 0.0  # probability of a rotation by 90, 180 or 270 degrees
     split.TRANSFORMS.COLOR_DISTORTION = 0.5  # strength s: jitter 0.8s w.p. 0.8, grayscale w.p. 0.2
     split.TRANSFORMS.BLUR_PROB = 0.5  # Gaussian blur probability
     split.TRANSFORMS.BLUR_RADIUS = [0.1, 2.0]  # blur sigma range
@@ -260,6 +272,9 @@ _C.BENCHMARK.POOL_SIZE = 2  # stage maps are average-pooled to POOL_SIZE x POOL_
 _C.BENCHMARK.LINEAR_LRS = []  # linear_eval: peak lrs tried per feature ([]: OPTIMIZER's lr only)
 _C.BENCHMARK.LINEAR_HOLDOUT_FRACTION = 0.1  # linear_eval: part of TRAIN that picks the lr from LINEAR_LRS
 _C.BENCHMARK.LINEAR_LR_FOLDS = 1  # linear_eval: > 1 picks the lr by stratified k-fold CV on TRAIN instead
+# linear_eval: groups of classes scored as one too, "top1_<n>class": the group with the highest summed
+# probability is right (ELPV's two classes: [[0, 1], [2, 3]], defective when p >= 0.5; []: none)
+_C.BENCHMARK.CLASS_GROUPS = []
 _C.BENCHMARK.KNN_K = 20  # kNN: neighbours voting
 _C.BENCHMARK.KNN_TEMPERATURE = 0.07  # kNN: vote weight exp(sim / T)
 _C.BENCHMARK.KNN_CHUNK_SIZE = 256  # kNN: test features compared per chunk (bounds memory)

@@ -3,8 +3,10 @@
 Sources (``DATA.<split>.DATA_SOURCES``, one ``DATA_PATHS`` entry each; the entry is ignored by
 ``synthetic`` and ``demo_digits``):
 
-* ``disk_folder``: ImageFolder layout ``<path>/<class>/**/<image>``; labels are the indices of the
-  sorted class folder names. If ``<path>`` holds both ``train/`` and ``val/``, ``SPLIT`` picks one.
+* ``disk_folder``: ImageFolder layout ``<path>/<class>/**/<image>``, labels the indices of the
+  sorted class folder names; or a flat or nested folder of unlabelled images (label -1), as
+  ``FOLDER_LABELS`` says (``vistrain/data/folders.py``). If ``<path>`` holds both ``train/`` and
+  ``val/``, ``SPLIT`` picks one.
 * ``disk_filelist``: a text file of ``<image path> <integer label>`` lines (blank lines and ``#``
   comments skipped); relative image paths are relative to the list file's folder.
 * ``synthetic``: ``SYNTHETIC_SIZE`` deterministic images of ``IMAGE_SIZE`` pixels; sample ``i`` has
@@ -12,6 +14,9 @@ Sources (``DATA.<split>.DATA_SOURCES``, one ``DATA_PATHS`` entry each; the entry
   ``(SPLIT, i)``, so a linear probe can learn something in a dry run.
 * ``demo_digits``: scikit-learn's 1,797 digits, written once as PNGs (see ``demo_digits.py``) and
   read through ``disk_folder`` with ``SPLIT`` train (1,437) or val (360).
+* ``elpv``: the solar-cell images of the installed ``elpv-dataset`` package (or a folder of its
+  layout in ``DATA_PATHS``), a 75/25 split drawn from ``DATA.SPLIT_SEED``; ``SPLIT`` train or val
+  (the 25% test side); see ``elpv.py``.
 
 Several sources are concatenated in order, labels kept as each source gives them; ``DATA_LIMIT``
 keeps the first N samples of the concatenation. Input that cannot work (a missing or empty folder,
@@ -23,40 +28,29 @@ import bisect
 import logging
 import os
 import zlib
-from typing import Callable, Dict, Iterator, List, Sequence, Set, Tuple, Union
+from typing import Callable, Dict, List, Sequence, Tuple, Union
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from torch.utils.data import Dataset
-from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from vistrain.config.errors import ConfigError, DataError
-from vistrain.config.words import plural
+from vistrain.data import elpv
 from vistrain.data.demo_digits import demo_split_size, ensure_demo_digits_on_every_node
+from vistrain.data.folders import (
+    CorruptImageError,
+    pick_split_folder,
+    read_filelist,
+    read_image,
+    scan_disk_folder,
+    scan_image_folder,
+)
 from vistrain.data.sampler import mix_seed
 from vistrain.data.transforms import build_transform
-from vistrain.distributed import comm
 
 logger = logging.getLogger(__name__)
 MAX_CONSECUTIVE_BAD = 50  # give up when this many images in a row are unreadable
-
-
-class CorruptImageError(DataError):
-    """An image file cannot be read (missing, truncated, not an image); the message names the file."""
-
-
-def read_image(path: str) -> Image.Image:
-    """Decode ``path`` fully into an RGB PIL image (truncated files fail here, not later)."""
-    try:
-        with open(path, "rb") as handle:
-            return Image.open(handle).convert("RGB")  # convert() forces the full decode
-    except FileNotFoundError:
-        raise CorruptImageError(f"image file not found: {path}") from None
-    except UnidentifiedImageError:  # its message names a file handle, not the file
-        raise CorruptImageError(f"cannot read image {path}: not an image format PIL knows") from None
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-        raise CorruptImageError(f"cannot read image {path}: {err}") from None
 
 
 class FileSource:
@@ -105,122 +99,37 @@ class SyntheticSource:
         return Image.fromarray(pixels), label
 
 
-def _pick_split_folder(path: str, split: str) -> str:
-    if not os.path.isdir(path):
-        raise DataError(f"disk_folder: folder not found: {path}")
-    subdirs = sorted(e.name for e in os.scandir(path) if e.is_dir())
-    if "train" in subdirs and "val" in subdirs:
-        if split not in subdirs:
-            raise ConfigError(
-                f"disk_folder: {path} has split folders {subdirs}; SPLIT {split!r} is not one of them"
-            )
-        return os.path.join(path, split)
-    return path
-
-
-def scan_image_folder(root: str) -> Tuple[List[str], List[int], List[str]]:
-    """ImageFolder scan: (image paths, labels, class names), classes and files in sorted order.
-
-    Linked folders are followed, but every real folder is read once: a link back up the tree
-    (``cls/loop -> .``) or a second link to a folder already read is skipped, so no image is
-    counted twice. Global rank 0 of a running job says so in one warning (the launcher's check
-    counts the same folders first, and every rank reads them again).
-    """
-    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
-    if not classes:
-        raise DataError(f"disk_folder: no class subfolders in {root}")
-    paths, labels, seen, repeated = [], [], set(), []
-    for label, name in enumerate(classes):
-        for folder, files in _walk_once(os.path.join(root, name), seen, repeated):
-            for file in sorted(files):
-                if file.lower().endswith(IMG_EXTENSIONS):
-                    paths.append(os.path.join(folder, file))
-                    labels.append(label)
-    if repeated and comm.is_dist() and comm.is_main_process():
-        logger.warning(
-            f"disk_folder: skipped {plural(len(repeated), 'linked folder')} under {root} already read "
-            f"through another path (a symlink loop or a repeated link), e.g. {repeated[0]}"
-        )
-    if not paths:
-        raise DataError(f"disk_folder: no images ({', '.join(IMG_EXTENSIONS)}) under {root}")
-    return paths, labels, classes
-
-
-def _walk_once(top: str, seen: Set[Tuple[int, int]], repeated: List[str]) -> Iterator[Tuple[str, List[str]]]:
-    """(folder, file names) of ``top`` and the folders below it, links followed, each real folder
-    (device, inode) once across calls sharing ``seen``; folders skipped as repeats go to ``repeated``."""
-    if not _first_visit(top, seen):
-        repeated.append(top)
-        return
-    for folder, dirs, files in os.walk(top, followlinks=True):
-        kept = []
-        for name in sorted(dirs):
-            if _first_visit(os.path.join(folder, name), seen):
-                kept.append(name)
-            else:
-                repeated.append(os.path.join(folder, name))
-        dirs[:] = kept  # os.walk descends only into these
-        yield folder, files
-
-
-def _first_visit(folder: str, seen: Set[Tuple[int, int]]) -> bool:
-    try:
-        stat = os.stat(folder)  # follows links: the real folder's identity
-    except OSError:  # a dangling link: nothing to read
-        return False
-    key = (stat.st_dev, stat.st_ino)
-    if key in seen:
-        return False
-    seen.add(key)
-    return True
-
-
-def read_filelist(list_path: str) -> Tuple[List[str], List[int]]:
-    """Parse ``<path> <label>`` lines; relative paths are joined to the list file's folder."""
-    if not os.path.isfile(list_path):
-        raise DataError(f"disk_filelist: file list not found: {list_path}")
-    base = os.path.dirname(os.path.abspath(list_path))
-    paths, labels = [], []
-    with open(list_path) as handle:
-        for lineno, line in enumerate(handle, 1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            parts = line.rsplit(None, 1)  # the path itself may contain spaces
-            if len(parts) != 2 or not parts[1].lstrip("-").isdigit():
-                raise DataError(f"{list_path}:{lineno}: expected '<path> <integer label>', got {line!r}")
-            paths.append(os.path.join(base, os.path.expanduser(parts[0])))
-            labels.append(int(parts[1]))
-    if not paths:
-        raise DataError(f"disk_filelist: {list_path} lists no images")
-    return paths, labels
-
-
-def _disk_folder(split_cfg, path: str, cache_dir: str) -> FileSource:
+def _disk_folder(split_cfg, path: str, cache_dir: str, split_seed: int = 0) -> FileSource:
     if not path:
         raise ConfigError("disk_folder needs a folder in DATA_PATHS")
-    paths, labels, _ = scan_image_folder(_pick_split_folder(os.path.expanduser(path), split_cfg.SPLIT))
+    root = pick_split_folder(os.path.expanduser(path), split_cfg.SPLIT)
+    paths, labels = scan_disk_folder(root, split_cfg.FOLDER_LABELS)
     return FileSource(paths, labels, "disk_folder")
 
 
-def _disk_filelist(split_cfg, path: str, cache_dir: str) -> FileSource:
+def _disk_filelist(split_cfg, path: str, cache_dir: str, split_seed: int = 0) -> FileSource:
     if not path:
         raise ConfigError("disk_filelist needs a text file in DATA_PATHS")
     paths, labels = read_filelist(os.path.expanduser(path))
     return FileSource(paths, labels, "disk_filelist")
 
 
-def _synthetic(split_cfg, path: str, cache_dir: str) -> SyntheticSource:
+def _synthetic(split_cfg, path: str, cache_dir: str, split_seed: int = 0) -> SyntheticSource:
     return SyntheticSource(
         split_cfg.SYNTHETIC_SIZE, split_cfg.SYNTHETIC_NUM_CLASSES, split_cfg.IMAGE_SIZE, split_cfg.SPLIT
     )
 
 
-def _demo_digits(split_cfg, path: str, cache_dir: str) -> FileSource:
+def _demo_digits(split_cfg, path: str, cache_dir: str, split_seed: int = 0) -> FileSource:
     demo_split_size(split_cfg.SPLIT)  # a valid split
     root = ensure_demo_digits_on_every_node(cache_dir)
     paths, labels, _ = scan_image_folder(os.path.join(root, split_cfg.SPLIT))
     return FileSource(paths, labels, "demo_digits")
+
+
+def _elpv(split_cfg, path: str, cache_dir: str, split_seed: int = 0) -> elpv.ElpvSource:
+    folder = os.path.expanduser(path) if path else elpv.package_folder()
+    return elpv.ElpvSource(folder, split_cfg.SPLIT, split_seed, split_cfg.DECODE_SIZE)
 
 
 SOURCES: Dict[str, Callable] = {
@@ -228,6 +137,7 @@ SOURCES: Dict[str, Callable] = {
     "disk_filelist": _disk_filelist,
     "synthetic": _synthetic,
     "demo_digits": _demo_digits,
+    "elpv": _elpv,
 }
 
 
@@ -342,17 +252,21 @@ class IndexSubset(Dataset):
         return self.dataset[(self.indices[index], epoch)]
 
 
-def build_dataset(split_cfg, cache_dir: str = "", seed: int = 0, key: str = "DATA.TRAIN") -> SSLDataset:
+def build_dataset(
+    split_cfg, cache_dir: str = "", seed: int = 0, key: str = "DATA.TRAIN", split_seed: int = 0
+) -> SSLDataset:
     """Dataset of one split from ``DATA.<split>`` (``cache_dir`` is ``DATA.CACHE_DIR``; ``key``
-    the split's section, named by errors)."""
-    sources = [SOURCES[name](split_cfg, path, cache_dir) for name, path in _named_paths(split_cfg)]
+    the split's section, named by errors; ``split_seed`` is ``DATA.SPLIT_SEED``)."""
+    named = _named_paths(split_cfg)
+    sources = [SOURCES[name](split_cfg, path, cache_dir, split_seed) for name, path in named]
     transform = build_transform(split_cfg.TRANSFORMS)
     return SSLDataset(sources, transform, seed, split_cfg.SKIP_CORRUPT, split_cfg.DATA_LIMIT, key)
 
 
 def count_samples(split_cfg) -> int:
     """Samples of ``DATA.<split>`` after DATA_LIMIT, as :func:`build_dataset` would hold them,
-    without reading an image or writing the demo cache; DataError when there are none."""
+    without reading an image or writing the demo cache; DataError when there are none. (An elpv
+    side's size does not depend on DATA.SPLIT_SEED.)"""
     total = 0
     for name, path in _named_paths(split_cfg):
         if name == "demo_digits":

@@ -1,6 +1,7 @@
 """``build_loader``: dataset + transforms + distributed sampler + collator -> DataLoader of one rank."""
 
 import multiprocessing
+import os
 import signal
 from typing import Optional, Sequence
 
@@ -10,6 +11,7 @@ from torch.utils.data import DataLoader
 from vistrain.data.collate import collate_multicrop
 from vistrain.data.datasets import IndexSubset, build_dataset
 from vistrain.data.sampler import DistributedSampler
+from vistrain.distributed import comm
 from vistrain.distributed.supervise import die_with_parent
 
 SPLITS = ("TRAIN", "TEST")
@@ -45,7 +47,9 @@ def build_loader(
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid splits: {list(SPLITS)}")
     split_cfg = data_cfg[split]
-    dataset = build_dataset(split_cfg, cache_dir=data_cfg.CACHE_DIR, seed=seed, key=f"DATA.{split}")
+    dataset = build_dataset(
+        split_cfg, data_cfg.CACHE_DIR, seed=seed, key=f"DATA.{split}", split_seed=data_cfg.SPLIT_SEED
+    )
     if indices is not None:
         dataset = IndexSubset(dataset, indices)
     batch_size = split_cfg.BATCHSIZE_PER_REPLICA
@@ -58,7 +62,11 @@ def build_loader(
         rank=rank,
         world_size=world_size,
     )
-    workers = data_cfg.NUM_DATALOADER_WORKERS  # >= 0: checked with the config (vistrain.config.checks)
+    workers = data_cfg.NUM_DATALOADER_WORKERS  # >= -1: checked with the config (vistrain.config.checks)
+    if workers < 0:
+        workers = auto_workers(
+            _cores(), _ranks_per_node(), torch.get_num_threads(), torch.device(device).type == "cuda"
+        )
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -70,6 +78,39 @@ def build_loader(
         persistent_workers=workers > 0,
         worker_init_fn=leave_stop_signals_to_the_rank if workers > 0 else None,
     )
+
+
+MAX_AUTO_WORKERS = 8
+
+
+def auto_workers(cores: int, ranks_per_node: int, threads_per_rank: int, cuda: bool) -> int:
+    """DataLoader workers per rank for ``DATA.NUM_DATALOADER_WORKERS: -1``.
+
+    CPU ranks compute with ``threads_per_rank`` threads each; only the cores they leave free can
+    load data alongside (a worker on a core that computes slows the step by what it saves), so each
+    rank gets its share of the spare cores, 0 when there are none: the rank then loads its own
+    batches, and ``data_share`` in metrics.jsonl says what that costs. CUDA ranks leave the CPU to
+    the data: a core per rank stays with the rank, the rest are shared out. At most 8 per rank.
+    """
+    ranks = max(1, ranks_per_node)
+    if cuda:
+        spare = max(1, cores // ranks - 1)
+    else:
+        spare = max(0, cores - ranks * max(1, threads_per_rank)) // ranks
+    return min(MAX_AUTO_WORKERS, spare)
+
+
+def _cores() -> int:
+    """Cores this process may run on (a container's or taskset's limit, not the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def _ranks_per_node() -> int:
+    """Ranks sharing this machine: torchrun's LOCAL_WORLD_SIZE, else every rank of the job (spawned here)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or comm.get_world_size()
 
 
 def leave_stop_signals_to_the_rank(worker_id: int) -> None:

@@ -6,11 +6,12 @@
     [RandomAffine(AFFINE_DEGREES, translate, scale, shear)]   (digits: small rotations/shifts, black fill)
     -> [RandomApply([ElasticTransform(ELASTIC_ALPHA, ELASTIC_SIGMA)], p=ELASTIC_PROB)]
     -> RandomResizedCrop(SIZE_CROPS[i], scale=CROP_SCALES[i])
-    -> RandomHorizontalFlip(HORIZONTAL_FLIP)
+    -> RandomHorizontalFlip(HORIZONTAL_FLIP) -> RandomVerticalFlip(VERTICAL_FLIP)
+    -> [rotation by 90, 180 or 270 degrees, p=ROTATE_90]   (images with no up: cells, tiles, slides)
     -> RandomApply([ColorJitter(0.8s, 0.8s, 0.8s, 0.2s)], p=0.8) -> RandomGrayscale(0.2)   (s = COLOR_DISTORTION)
     -> RandomApply([Gaussian blur, sigma ~ U(BLUR_RADIUS)], p=BLUR_PROB)   (PIL filter, as in SwAV/DINO)
     -> RandomSolarize(128, p=SOLARIZE_PROB)
-    -> ToTensor -> Normalize(MEAN, STD)
+    -> [to RGB, if a source gave a grayscale image] -> ToTensor -> Normalize(MEAN, STD)
 
 The affine step is left out when AFFINE_DEGREES, AFFINE_TRANSLATE and AFFINE_SHEAR are 0 and
 AFFINE_SCALE is [1, 1]; every other step whose probability or strength is 0 is left out too. The
@@ -30,10 +31,38 @@ from PIL import Image, ImageFilter
 from torchvision import transforms as T
 
 
+class ToRGB:
+    """A grayscale PIL image (a source may hand one over: ELPV) to RGB, last, so that every view
+    before it was made on one channel (a third of the work) and the trunk still sees three."""
+
+    def __call__(self, image: Image.Image) -> Image.Image:
+        return image if image.mode == "RGB" else image.convert("RGB")
+
+
 def _normalize(cfg) -> List[Callable]:
     if len(cfg.MEAN) != 3 or len(cfg.STD) != 3:
         raise ValueError(f"TRANSFORMS.MEAN and STD need 3 values each, got {cfg.MEAN} and {cfg.STD}")
-    return [T.ToTensor(), T.Normalize(mean=list(cfg.MEAN), std=list(cfg.STD))]
+    return [ToRGB(), T.ToTensor(), T.Normalize(mean=list(cfg.MEAN), std=list(cfg.STD))]
+
+
+class RandomRotate90:
+    """With probability ``p``, rotate by 90, 180 or 270 degrees (equally likely; lossless on a
+    square crop). Solar cells, micrographs and satellite tiles have no "up", so these are views of
+    the same thing. Draws from torch's generator, like the torchvision ops."""
+
+    def __init__(self, p: float):
+        self.p = float(p)
+
+    def __call__(self, image: Image.Image) -> Image.Image:
+        if torch.rand(()).item() >= self.p:
+            return image
+        turns = int(torch.randint(1, 4, ()).item())
+        return image.transpose(
+            (Image.Transpose.ROTATE_90, Image.Transpose.ROTATE_180, Image.Transpose.ROTATE_270)[turns - 1]
+        )
+
+    def __repr__(self) -> str:
+        return f"RandomRotate90(p={self.p})"
 
 
 class GaussianBlurPIL:
@@ -73,7 +102,14 @@ def _check_multicrop(cfg) -> None:
     if len(cfg.BLUR_RADIUS) != 2 or not 0 < cfg.BLUR_RADIUS[0] <= cfg.BLUR_RADIUS[1]:
         raise ValueError(f"TRANSFORMS.BLUR_RADIUS must be [lo, hi] with 0 < lo <= hi, got {cfg.BLUR_RADIUS}")
     _check_geometric(cfg)
-    for key in ("HORIZONTAL_FLIP", "BLUR_PROB", "SOLARIZE_PROB", "ELASTIC_PROB"):
+    for key in (
+        "HORIZONTAL_FLIP",
+        "VERTICAL_FLIP",
+        "ROTATE_90",
+        "BLUR_PROB",
+        "SOLARIZE_PROB",
+        "ELASTIC_PROB",
+    ):
         if not 0 <= cfg[key] <= 1:
             raise ValueError(f"TRANSFORMS.{key} is a probability, got {cfg[key]}")
 
@@ -124,6 +160,10 @@ def ssl_view_transform(cfg, size: int, scale: Sequence[float]) -> Callable[[Imag
     ops: List[Callable] = geometric_ops(cfg) + [T.RandomResizedCrop(size, scale=tuple(scale))]
     if cfg.HORIZONTAL_FLIP > 0:
         ops.append(T.RandomHorizontalFlip(p=cfg.HORIZONTAL_FLIP))
+    if cfg.VERTICAL_FLIP > 0:
+        ops.append(T.RandomVerticalFlip(p=cfg.VERTICAL_FLIP))
+    if cfg.ROTATE_90 > 0:
+        ops.append(RandomRotate90(cfg.ROTATE_90))
     strength = cfg.COLOR_DISTORTION
     if strength > 0:
         jitter = T.ColorJitter(0.8 * strength, 0.8 * strength, 0.8 * strength, 0.2 * strength)

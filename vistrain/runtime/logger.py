@@ -1,6 +1,9 @@
 """Watching a run: console/file log lines, metrics.jsonl and TensorBoard scalars (rank 0 writes).
 
-Per iteration the trainer only adds tensors on the device (no host sync). Every LOG_FREQUENCY
+Per iteration the trainer only adds tensors on the device (no host sync) and the seconds it waited
+for the batch (:func:`timed`): ``data_time`` (mean wait per iteration) and ``data_share`` (the
+part of the window's wall time spent waiting for data, mean over ranks) say whether the data
+pipeline keeps up. Every LOG_FREQUENCY
 iterations :meth:`TrainingMeter.log` reduces the window over ranks in one all-reduce and rank 0
 writes one line, one JSON object and the TensorBoard scalars. The same reduction catches a NaN/inf
 loss on any rank in the window and stops every rank with the same error. Under fp16 loss scaling
@@ -14,7 +17,7 @@ import logging
 import os
 import sys
 import time
-from typing import Optional
+from typing import Iterable, Iterator, Optional, Tuple
 
 import torch
 
@@ -72,11 +75,24 @@ def divergence_message(what: str, iteration: int, run_dir: str) -> str:
     )
 
 
+def timed(batches: Iterable) -> Iterator[Tuple[object, float]]:
+    """Yield ``(batch, seconds waited for it)`` from ``batches`` (a DataLoader): the step's wait
+    for data, apart from its compute."""
+    iterator = iter(batches)
+    while True:
+        start = time.perf_counter()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        yield batch, time.perf_counter() - start
+
+
 class TrainingMeter:
     """Accumulates per-iteration loss and image counts; reduces and writes them every ``log_frequency``."""
 
     # slots of the window tensor summed over ranks in one all-reduce
-    _LOSS_SUM, _ITERS, _IMAGES, _SKIPPED, _NONFINITE, _LAST_LOSS, _NAN = range(7)
+    _LOSS_SUM, _ITERS, _IMAGES, _SKIPPED, _NONFINITE, _LAST_LOSS, _NAN, _DATA_TIME = range(8)
 
     def __init__(
         self,
@@ -92,7 +108,8 @@ class TrainingMeter:
             raise ValueError(f"LOG_FREQUENCY must be >= 1, got {log_frequency}")
         self.run_dir, self.log_frequency, self.total = run_dir, log_frequency, total_iterations
         self.device, self.scaling, self.console = device, scaling, console
-        self.window = torch.zeros(7, dtype=torch.float64, device=device)
+        self.window = torch.zeros(8, dtype=torch.float64, device=device)
+        self.data_time = 0.0  # seconds this rank waited for data in the window (a host number)
         self.window_start = self.run_start = time.perf_counter()
         self.images_seen = 0.0  # this run, all ranks
         self.skipped_total = 0.0
@@ -104,8 +121,11 @@ class TrainingMeter:
             self.writer = SummaryWriter(log_dir=os.path.join(run_dir, "tb"))
             self.metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")  # noqa: SIM115  closed by close()
 
-    def update(self, loss: torch.Tensor, num_images: int, num_skipped: int = 0) -> None:
-        """Add one iteration's (this rank's) loss and batch size. No host sync."""
+    def update(
+        self, loss: torch.Tensor, num_images: int, num_skipped: int = 0, data_time: float = 0.0
+    ) -> None:
+        """Add one iteration's (this rank's) loss, batch size and seconds waited for the batch. No host sync."""
+        self.data_time += data_time
         loss = loss.detach().to(torch.float64)
         finite = torch.isfinite(loss)
         w = self.window
@@ -133,6 +153,8 @@ class TrainingMeter:
     def log(self, iteration: int, epoch: int, num_epochs: int, lr: float) -> None:
         """Collective: reduce the window over ranks; rank 0 writes the line, metrics.jsonl and TensorBoard."""
         self.check_finite(iteration, epoch)
+        self.window[self._DATA_TIME] = self.data_time
+        self.data_time = 0.0
         window = comm.all_reduce_sum(self.window.clone()).tolist()
         peak = comm.all_reduce_max(torch.tensor([peak_memory_mib(self.device)], device=self.device)).item()
         now = time.perf_counter()
@@ -153,6 +175,8 @@ class TrainingMeter:
             "eta_seconds": (self.total - iteration) * elapsed / max(iters, 1),
             "peak_mem_mib": peak,
             "skipped_images": int(self.skipped_total),
+            "data_time": window[self._DATA_TIME] / max(window[self._ITERS], 1),  # s per iteration
+            "data_share": min(1.0, window[self._DATA_TIME] / world / max(elapsed, 1e-9)),
         }
         if self.scaling is not None:
             record.update(loss_scale=self.scaling.scale, skipped_steps=self.scaling.skipped_steps)
@@ -167,12 +191,22 @@ class TrainingMeter:
         logger.info(
             f"epoch {record['epoch'] + 1}/{num_epochs}  it {record['iteration']}/{self.total}  "
             f"loss {record['loss']:.4f} (avg {record['loss_avg']:.4f})  lr {record['lr']:.4g}  "
-            f"{record['images_per_sec']:.1f} img/s  eta {eta}  mem {record['peak_mem_mib']:.0f} MiB{skipped}",
+            f"{record['images_per_sec']:.1f} img/s  data {record['data_time']:.3f}s ({record['data_share']:.0%})  "
+            f"eta {eta}  mem {record['peak_mem_mib']:.0f} MiB{skipped}",
             extra=None if self.console else LOG_FILE_ONLY,
         )
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
-        names = ("loss", "loss_avg", "lr", "images_per_sec", "peak_mem_mib", "skipped_images")
+        names = (
+            "loss",
+            "loss_avg",
+            "lr",
+            "images_per_sec",
+            "data_share",
+            "data_time",
+            "peak_mem_mib",
+            "skipped_images",
+        )
         for name in names + ("loss_scale", "skipped_steps"):
             if name in record:
                 self.writer.add_scalar(f"train/{name}", record[name], record["iteration"])

@@ -56,8 +56,10 @@ from vistrain.runtime.logger import (
     TrainingMeter,
     divergence_message,
     logger,
+    timed,
 )
 from vistrain.runtime.parallel import parallelize
+from vistrain.runtime.pictures import save_picture, view_grid
 from vistrain.runtime.run_setup import record_config, start_run
 from vistrain.runtime.sharding import build_for_run
 from vistrain.runtime.teacher import build_teacher
@@ -173,12 +175,18 @@ def _train_epochs(cfg, run: _Run, iteration: int) -> None:
         cfg.CHECKPOINT.DIR, cfg.LOG_FREQUENCY, run.total_iterations, settings.device, settings.scaling
     )
     stop = BoundaryStop(cfg, run.total_iterations)  # SIGTERM / SIGUSR1: stop and save at a boundary
+    if meter.writer is not None:  # rank 0: what the loss compares, before the first step
+        transforms = cfg.DATA.TRAIN.TRANSFORMS
+        views = view_grid(
+            run.loader.dataset, transforms.MEAN, transforms.STD, side=max(transforms.SIZE_CROPS)
+        )
+        save_picture(views, cfg.CHECKPOINT.DIR, "views.png", meter.writer, "train/views", iteration)
     saved_at = iteration
     start_epoch, skip = divmod(iteration, iters_per_epoch)
     for epoch in range(start_epoch, run.num_epochs):
         set_epoch(run.loader, epoch, start_iteration=skip if epoch == start_epoch else 0)
         criterion.set_epoch(epoch)
-        for batch in run.loader:
+        for batch, waited in timed(run.loader):  # waited: seconds this step waited for its batch
             lr = run.lr_schedule(iteration)
             set_lr(optimizer, lr)
             group = _accumulation_group(
@@ -189,7 +197,9 @@ def _train_epochs(cfg, run: _Run, iteration: int) -> None:
             loss = _forward_backward(
                 model, criterion, batch, settings, group, (cfg.CHECKPOINT.DIR, iteration), run.teacher
             )
-            meter.update(loss, num_images=batch["index"].shape[0], num_skipped=batch.get("num_skipped", 0))
+            meter.update(
+                loss, batch["index"].shape[0], num_skipped=batch.get("num_skipped", 0), data_time=waited
+            )
             if group.is_last:
                 _optimizer_step(model, criterion, optimizer, settings, iteration)
                 if run.teacher is not None:

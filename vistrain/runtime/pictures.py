@@ -1,0 +1,98 @@
+"""Pictures a run writes where people would rather look than read (Pillow only): the augmented views
+pretraining trains on, a confusion matrix, a sheet of nearest neighbours. Each goes to the run
+folder as a PNG and to TensorBoard as an image (rank 0's writer).
+"""
+
+import os
+from typing import List, Optional, Sequence
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+PAD = 4  # pixels between tiles
+BACKGROUND = (255, 255, 255)
+TEXT = (0, 0, 0)
+
+
+def to_pixels(image: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
+    """A normalised view (3, h, w) float32 back to uint8 (h, w, 3), undoing ``Normalize(mean, std)``."""
+    mean_t = torch.tensor(list(mean), dtype=torch.float32)[:, None, None]
+    std_t = torch.tensor(list(std), dtype=torch.float32)[:, None, None]
+    pixels = (image.float().cpu() * std_t + mean_t).clamp(0, 1) * 255
+    return pixels.round().to(torch.uint8).permute(1, 2, 0).numpy()
+
+
+def tile(rows: List[List[np.ndarray]], side: int, captions: Optional[List[List[str]]] = None) -> Image.Image:
+    """A sheet of ``rows`` of images (each uint8 (h, w, 3)), every tile resized to ``side`` x ``side``,
+    with an optional caption line under each tile."""
+    caption_h = 12 if captions else 0
+    columns = max(len(row) for row in rows)
+    width = columns * (side + PAD) + PAD
+    height = len(rows) * (side + caption_h + PAD) + PAD
+    sheet = Image.new("RGB", (width, height), BACKGROUND)
+    draw = ImageDraw.Draw(sheet)
+    for r, row in enumerate(rows):
+        y = PAD + r * (side + caption_h + PAD)
+        for c, pixels in enumerate(row):
+            x = PAD + c * (side + PAD)
+            sheet.paste(Image.fromarray(pixels).resize((side, side), Image.NEAREST), (x, y))
+            if captions:
+                draw.text((x, y + side), captions[r][c], fill=TEXT)
+    return sheet
+
+
+def confusion_image(
+    matrix: np.ndarray, class_names: Sequence[str], title: str, cell: int = 56
+) -> Image.Image:
+    """``matrix`` (C, C) counts, rows true classes, columns predicted, drawn as shaded cells (shade:
+    the row's share, so every class reads alike however rare) holding the counts."""
+    classes = len(class_names)
+    margin = 60
+    size = (margin + classes * cell + PAD, margin + classes * cell + PAD)
+    image = Image.new("RGB", size, BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    draw.text((PAD, PAD), title, fill=TEXT)
+    draw.text((margin, margin - 26), "predicted", fill=TEXT)
+    draw.text((PAD, margin + classes * cell // 2), "true", fill=TEXT)
+    shares = matrix / np.maximum(matrix.sum(axis=1, keepdims=True), 1)
+    for i in range(classes):
+        draw.text((margin + i * cell + 4, margin - 14), str(class_names[i]), fill=TEXT)
+        draw.text((margin - 28, margin + i * cell + cell // 2 - 6), str(class_names[i]), fill=TEXT)
+        for j in range(classes):
+            shade = int(255 * (1 - shares[i, j]))
+            box = (
+                margin + j * cell,
+                margin + i * cell,
+                margin + (j + 1) * cell - 1,
+                margin + (i + 1) * cell - 1,
+            )
+            draw.rectangle(box, fill=(shade, shade, 255), outline=(200, 200, 200))
+            ink = (255, 255, 255) if shares[i, j] > 0.5 else TEXT
+            draw.text((box[0] + cell // 3, box[1] + cell // 3), str(int(matrix[i, j])), fill=ink)
+    return image
+
+
+def save_picture(
+    image: Image.Image, run_dir: str, name: str, writer=None, tag: str = "", step: int = 0
+) -> str:
+    """Write ``image`` to ``run_dir/name`` (PNG) and, with ``writer``, as TensorBoard image ``tag``."""
+    path = os.path.join(run_dir, name)
+    os.makedirs(run_dir, exist_ok=True)
+    image.save(path)
+    if writer is not None:
+        writer.add_image(tag or name.rsplit(".", 1)[0], np.asarray(image), step, dataformats="HWC")
+        writer.flush()
+    return path
+
+
+def view_grid(
+    dataset, mean: Sequence[float], std: Sequence[float], count: int = 8, side: int = 96
+) -> Image.Image:
+    """The first ``count`` images of ``dataset`` (an SSLDataset) as pretraining's epoch 0 sees them:
+    one row per image, one column per augmented view (the crops the loss compares)."""
+    rows = []
+    for index in range(min(count, len(dataset))):
+        crops = dataset[(index, 0)]["crops"]
+        rows.append([to_pixels(crop, mean, std) for crop in crops])
+    return tile(rows, side)
