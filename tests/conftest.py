@@ -3,6 +3,7 @@
 import multiprocessing
 
 import pytest
+import torch
 import torch.distributed as dist
 
 
@@ -24,3 +25,13 @@ def _no_process_group_outlives_its_test(request):
     if dist.is_initialized():
         dist.destroy_process_group()
         pytest.fail(f"{request.node.nodeid} left the default process group initialised in pytest's process")
+
+
+@pytest.fixture
+def one_thread():
+    """Torch on one thread for the test: tiny convolutions spend their time starting threads, and
+    on a busy 2-core box oversubscription makes a 30 ms forward take seconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -19,15 +19,7 @@ from vistrain.models.trunks.regnet import (
     to_torchvision_state_dict,
 )
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny convolutions: thread start-up dominates, and on a busy 2-core box oversubscription
-    # makes a 30 ms forward take seconds.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 TINY_WIDTHS = [8, 32, 64, 128]  # stage widths of the tiny custom RegNet below (stem: 8)

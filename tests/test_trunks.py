@@ -23,13 +23,7 @@ from vistrain.models.trunks.vit import VIT_SIZES, LayerNorm32
 from vistrain.models.units import LARGE_LAYER_PARAMS, is_large_layer
 from vistrain.training.trainer import train
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def resnet_cfg(name="resnet18", out_features=("avgpool",), **options):
