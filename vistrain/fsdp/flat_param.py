@@ -1,12 +1,14 @@
 """Flat, padded, sharded parameter storage for one group of original parameters.
 
-A ``FlatParamHandle`` owns some original parameters of one sharded unit. Their values are
-concatenated into one flat fp32 vector of ``numel`` elements, padded with zeros to
-``padded_numel = shard_numel * world_size`` and cut into ``world_size`` equal chunks; rank r keeps
-chunk r as ``shard`` (the ``nn.Parameter`` the optimizer sees). Before compute, the chunks are
-all-gathered into ``full`` (padded_numel elements, compute dtype) and the original parameters
-become views of it; afterwards the storage of ``full`` is released but the tensor object is kept,
-so the autograd graph and its saved views see the data again after the next gather.
+A ``FlatParamHandle`` owns some original parameters of one sharded unit. Their values are laid
+into one flat fp32 vector (``flat_layout``: in order, each moved by less than a row so that rank
+boundaries fall between rows), padded to ``padded_numel = shard_numel * world_size`` and cut into
+``world_size`` equal chunks; rank r keeps chunk r as ``shard``. Each original parameter stays a
+parameter of its module: ``local_params[i]``, this rank's rows of it, a view of ``shard`` (what
+``parameters()`` and optimizers see). Before compute, the chunks are all-gathered into ``full``
+(padded_numel elements, compute dtype) and the modules' attributes become views of it; afterwards
+the storage of ``full`` is released but the tensor object is kept, so the autograd graph and its
+saved views see the data again after the next gather.
 
 With hybrid sharding (``groups.replica``, see ``collectives.py``) the ranks of the replica group
 hold the same shard; a gradient is reduce-scattered inside the shard group and its shard then

@@ -66,7 +66,8 @@ class FullyShardedDataParallel(nn.Module):
             runs on the current CUDA device.
         sync_module_states: broadcast parameters and buffers from the world's first rank.
         param_group_fn: ``fn(fqn, module, param) -> key``; parameters with different keys are
-            never flattened together, so optimizer groups (no weight decay on BN...) survive.
+            never flattened together (optimizer param groups need none of this: they hold the
+            original parameters, ``docs/engine.md``).
         root: the whole model's options (:class:`RootOptions`); only the outermost unit may take them.
     """
 
