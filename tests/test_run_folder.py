@@ -23,7 +23,8 @@ from vistrain.checkpoint.files import prune
 from vistrain.config import load_config
 from vistrain.distributed.supervise import LOCK_NAME, RunFolderBusyError, lock_run_folder
 from vistrain.distributed.testing import run_on_ranks
-from vistrain.training.trainer import _pick_checkpoint, train
+from vistrain.training.resume import pick_checkpoint
+from vistrain.training.trainer import train
 
 HERE = Path(__file__).resolve()
 JOB = HERE.parent / "run_folder_job.py"  # a real launcher with 2 ranks looping on collectives
@@ -214,7 +215,7 @@ def test_an_unreadable_checkpoint_is_reported_and_set_aside(tmp_path, damage, ca
     assert find_latest_checkpoint(str(tmp_path), unreadable) == str(tmp_path / "checkpoint_4")
     assert [path for path, _ in unreadable] == [str(bad)]
     with caplog.at_level("WARNING", logger="vistrain"):
-        assert _pick_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint_4")
+        assert pick_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint_4")
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "\n" not in warnings[0]
     assert warnings[0].startswith("skipping unreadable checkpoint: ")
@@ -262,7 +263,7 @@ def test_checkpoints_set_aside_as_unreadable_are_pruned_beyond_the_newest_few(tm
         bad = Path(_plain_checkpoint(tmp_path, 4, samples_seen=32))
         (bad / "rank0.pt").write_bytes(b"truncated")
         (bad / "round").write_text(str(n))
-        assert _pick_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint_2")
+        assert pick_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint_2")
         time.sleep(0.02)  # distinct rename times
     _plain_checkpoint(tmp_path, 6, samples_seen=48)  # every save prunes
     kept = sorted(int((p / "round").read_text()) for p in tmp_path.glob("checkpoint_4.corrupt*"))

@@ -17,7 +17,8 @@ from vistrain.config import load_config
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import LayoutMismatchError, ema_update_
 from vistrain.losses import cosine_momentum
-from vistrain.training.trainer import _build, _resume, train
+from vistrain.training.resume import resume
+from vistrain.training.trainer import _build, train
 
 STEPS = 4
 
@@ -132,7 +133,7 @@ def test_resume_with_a_teacher_reproduces_the_uninterrupted_run(tmp_path):
 def _resumed_state(rank, world, argv):
     cfg = load_config(argv)
     run = _build(cfg, torch.device("cpu"))
-    iteration, _ = _resume(cfg.CHECKPOINT.DIR, run)
+    iteration, _ = resume(cfg.CHECKPOINT.DIR, run)
     teacher = run.teacher.model.state_dict()  # collective: the full teacher
     student = run.model.state_dict()
     dist.barrier()

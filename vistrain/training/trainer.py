@@ -17,7 +17,7 @@ number of completed iterations.
 import contextlib
 import dataclasses
 import functools
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -26,11 +26,7 @@ from vistrain.checkpoint import (
     EpochLayout,
     find_latest_checkpoint,
     load_pretrained,
-    load_sharded_checkpoint,
-    restore_rng,
-    resume_iteration,
     save_sharded_checkpoint,
-    set_aside,
 )
 from vistrain.config import ConfigError, InputError
 from vistrain.config.words import plural
@@ -64,6 +60,7 @@ from vistrain.runtime.run_setup import record_config, start_run
 from vistrain.runtime.sharding import build_for_run
 from vistrain.runtime.teacher import build_teacher
 from vistrain.training.preemption import BoundaryStop
+from vistrain.training.resume import resume
 
 
 @dataclasses.dataclass
@@ -122,7 +119,7 @@ def train(cfg, notes: Sequence[str] = (), across_nodes=None) -> None:
     run = _build(cfg, device)
     iteration, resumed_from = 0, 0
     if cfg.CHECKPOINT.AUTO_RESUME:
-        iteration, resumed_from = _resume(cfg.CHECKPOINT.DIR, run)
+        iteration, resumed_from = resume(cfg.CHECKPOINT.DIR, run)
     iters_per_epoch = run.layout.iters_per_epoch
     if iteration >= run.total_iterations:
         logger.info(
@@ -395,42 +392,3 @@ def _check_finite_weights(model: nn.Module, iteration: int, run_dir: str) -> Non
         raise NonFiniteLossError(
             divergence_message("model weights became nan/inf", iteration, run_dir), agreed=True
         )
-
-
-def _resume(run_dir: str, run: _Run) -> Tuple[int, int]:
-    """Load the most advanced complete checkpoint of ``run_dir`` (saved on any world size).
-
-    Returns (the iteration to continue from, the resumed checkpoint's own iteration); (0, 0) when
-    there is none.
-    """
-    # rank 0 decides (and sets unreadable checkpoints aside) for everyone
-    path = comm.all_gather_object(_pick_checkpoint(run_dir) if comm.is_main_process() else None)[0]
-    if path is None:
-        return 0, 0
-    state = load_sharded_checkpoint(path, run.checkpointed_models(), run.optimizer)
-    meta, extra = state["metadata"], state["extra"]
-    iteration = resume_iteration(meta, run.layout, path)
-    if state["same_world_size"]:  # per-rank state: rank r continues rank r's RNG streams and queue
-        run.criterion.load_state_dict(extra["loss"])
-        restore_rng(state["rng"])
-    else:
-        run.criterion.load_shared_state(extra["loss"])  # rank 0's: equal on every rank (DINO's centre)
-        logger.info(
-            f"{path} was saved by {plural(meta['world_size'], 'rank')}: per-rank loss state "
-            "(e.g. the SwAV queue) and RNG streams start afresh"
-        )
-    if run.settings.scaling is not None:
-        run.settings.scaling.load_state_dict(extra)
-    logger.info(f"resumed from {path} at iteration {iteration}")
-    return iteration, meta["iteration"]
-
-
-def _pick_checkpoint(run_dir: str) -> Optional[str]:
-    """Rank 0: the most advanced readable checkpoint; unreadable ones on the way are reported in
-    one line each and renamed ``*.corrupt`` so that no save of this run can overwrite them."""
-    unreadable: List[Tuple[str, str]] = []
-    path = find_latest_checkpoint(run_dir, unreadable)
-    for bad, reason in unreadable:
-        kept = set_aside(bad)
-        logger.warning(f"skipping unreadable checkpoint: {reason}; kept as {kept}")
-    return path

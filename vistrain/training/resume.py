@@ -1,0 +1,56 @@
+"""Resuming a training run from its folder: the most advanced readable checkpoint, on any
+world size, with what a rank restores only when the world is the same (its RNG streams, its loss
+state such as the SwAV queue)."""
+
+from typing import List, Optional, Tuple
+
+from vistrain.checkpoint import (
+    find_latest_checkpoint,
+    load_sharded_checkpoint,
+    restore_rng,
+    resume_iteration,
+    set_aside,
+)
+from vistrain.config.words import plural
+from vistrain.distributed import comm
+from vistrain.runtime.logger import logger
+
+
+def resume(run_dir: str, run) -> Tuple[int, int]:
+    """Load the most advanced complete checkpoint of ``run_dir`` (saved on any world size) into
+    ``run`` (the trainer's: its models, optimizer, criterion, epoch layout and loss scaling).
+
+    Returns (the iteration to continue from, the resumed checkpoint's own iteration); (0, 0) when
+    there is none.
+    """
+    # rank 0 decides (and sets unreadable checkpoints aside) for everyone
+    path = comm.all_gather_object(pick_checkpoint(run_dir) if comm.is_main_process() else None)[0]
+    if path is None:
+        return 0, 0
+    state = load_sharded_checkpoint(path, run.checkpointed_models(), run.optimizer)
+    meta, extra = state["metadata"], state["extra"]
+    iteration = resume_iteration(meta, run.layout, path)
+    if state["same_world_size"]:  # per-rank state: rank r continues rank r's RNG streams and queue
+        run.criterion.load_state_dict(extra["loss"])
+        restore_rng(state["rng"])
+    else:
+        run.criterion.load_shared_state(extra["loss"])  # rank 0's: equal on every rank (DINO's centre)
+        logger.info(
+            f"{path} was saved by {plural(meta['world_size'], 'rank')}: per-rank loss state "
+            "(e.g. the SwAV queue) and RNG streams start afresh"
+        )
+    if run.settings.scaling is not None:
+        run.settings.scaling.load_state_dict(extra)
+    logger.info(f"resumed from {path} at iteration {iteration}")
+    return iteration, meta["iteration"]
+
+
+def pick_checkpoint(run_dir: str) -> Optional[str]:
+    """Rank 0: the most advanced readable checkpoint; unreadable ones on the way are reported in
+    one line each and renamed ``*.corrupt`` so that no save of this run can overwrite them."""
+    unreadable: List[Tuple[str, str]] = []
+    path = find_latest_checkpoint(run_dir, unreadable)
+    for bad, reason in unreadable:
+        kept = set_aside(bad)
+        logger.warning(f"skipping unreadable checkpoint: {reason}; kept as {kept}")
+    return path
