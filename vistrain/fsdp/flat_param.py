@@ -32,7 +32,7 @@ from vistrain.fsdp.collectives import (
     wait_within,
 )
 from vistrain.fsdp.deferred_init import materialize
-from vistrain.fsdp.ownership import register_local_param, register_shard
+from vistrain.fsdp.ownership import register_local_param
 from vistrain.fsdp.precision import Precision
 from vistrain.fsdp.shard_grad import ShardGrad, own_shard_grad
 from vistrain.torch_compat import own_parameters, version_counter
@@ -217,7 +217,6 @@ class FlatParamHandle:
         if sync_module_states and groups.replicas > 1:  # replicas start from the first one's shard
             dist.broadcast(shard, src=dist.get_global_rank(groups.replica, 0), group=groups.replica)
         self.shard = nn.Parameter(shard.to(shard_device), requires_grad=requires_grad)
-        register_shard(self.shard, self)
 
         self.full = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=compute_device)
         self.full.requires_grad_(requires_grad)

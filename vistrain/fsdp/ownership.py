@@ -1,8 +1,8 @@
 """What the engine knows about the user's objects, and which unit owns what.
 
-**The registry.** A parameter replaced by a flat shard, the handle behind a shard, the unit
-owning a module, the scope of a tied parameter, the recorded initialisation of a meta tensor:
-each is an entry in a weak map keyed by the object (by identity: a tensor's ``==`` is
+**The registry.** A parameter replaced by a flat shard, the handle and origin behind a local
+parameter, the unit owning a module, the scope of a tied parameter, the recorded initialisation of
+a meta tensor: each is an entry in a weak map keyed by the object (by identity: a tensor's ``==`` is
 elementwise), never an attribute pinned on it. Entries die with their keys; values are weak
 references where they name engine objects, so the registry keeps nothing alive. The optimizer
 check lives here too: torch offers only a process-wide step pre-hook to see an optimizer the
@@ -40,7 +40,6 @@ def clean_name(name: str) -> str:
 
 class _Registry:
     def __init__(self):
-        self.handle_of_shard = WeakIdKeyDictionary()  # shard -> weakref(FlatParamHandle)
         self.replaced = WeakIdKeyDictionary()  # original param -> (weakref(unit), local fqn)
         self.owner_of_module = WeakIdKeyDictionary()  # module -> weakref(unit owning it)
         self.tie_of_param = WeakIdKeyDictionary()  # tied param -> (weakref(scope module), names)
@@ -52,16 +51,6 @@ class _Registry:
 
 
 _REGISTRY = _Registry()
-
-
-def register_shard(shard: nn.Parameter, handle) -> None:
-    _REGISTRY.handle_of_shard[shard] = weakref.ref(handle)
-
-
-def handle_of(param):
-    """The FlatParamHandle whose flat shard ``param`` is, or None."""
-    ref = _REGISTRY.handle_of_shard.get(param)
-    return ref() if ref is not None else None
 
 
 def register_local_param(param: nn.Parameter, handle, index: int) -> None:
