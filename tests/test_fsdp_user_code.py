@@ -197,3 +197,21 @@ def test_in_place_writes_between_units_inside_a_forward_equal_ddp():
     for ddp, ours in run_on_ranks(_writes_both, 2):
         assert max_rel_diff(ours[0], ddp[0]) < TOL
         assert max_rel_diff(ours[1], ddp[1]) < TOL
+
+
+def _wrong_size_data(rank, world):
+    torch.manual_seed(0)
+    model = auto_wrap(Student(), by_class([nn.Linear]))
+    head = model.module.head.weight
+    head.data = torch.zeros(head.numel() + 1)  # not this rank's part of it
+    try:
+        model(_batch(0, rank, world))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_assigning_data_of_another_size_is_one_line_naming_the_parameter():
+    for message in run_on_ranks(_wrong_size_data, 2):
+        assert "parameter head.weight was given" in message and "summon_full_params" in message
+        assert "\n" not in message
