@@ -321,13 +321,15 @@ class FlatParamHandle:
         bytes allocated here (when no gather had been started)."""
         if self.is_unsharded:
             return 0
+        prefetched = self.gather is not None
         nbytes = self.start_unshard()
-        self.local_views_intact()
-        if version_counter(self.shard) != self.gather.shard_version:
-            # written after a prefetch started (code between units: an EMA, a normalisation);
-            # every rank runs the same code, so every rank gathers again
-            self._finish_gather()
-            self.start_unshard()
+        if prefetched:
+            self.local_views_intact()
+            if version_counter(self.shard) != self.gather.shard_version:
+                # written after the prefetch started (code between units: an EMA, a
+                # normalisation); every rank runs the same code, so every rank gathers again
+                self._finish_gather()
+                self.start_unshard()
         self._finish_gather()
         self.is_unsharded = True
         self.set_views()
