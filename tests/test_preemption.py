@@ -297,6 +297,9 @@ def test_a_stop_signal_while_the_job_starts_is_one_line(tmp_path):
             sys.executable,
             str(REPO / "tools" / "run_distributed.py"),
             "config=test/simclr_tiny",
+            # the whole tiny job takes about a second with forked ranks: a test process that a
+            # loaded machine holds back longer would signal a job that already ended (exit 0)
+            "config.OPTIMIZER.num_epochs=1000",
             f"config.CHECKPOINT.DIR={run_dir}",
         ],
         run_dir,
