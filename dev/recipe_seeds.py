@@ -75,6 +75,12 @@ def parse_args():
         help="an earlier --out of the same recipe: evaluate its seeds' pretrained trunks again (another "
         "probe) instead of pretraining; its pretraining times are reported",
     )
+    parser.add_argument(
+        "--random-control",
+        action="store_true",
+        help="also run the same linear evaluation on the seed's untrained trunk (no PARAMS_FILE): "
+        "what pretraining adds on the feature each probe picks",
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 unless the claim holds")
     parser.add_argument(
         "--min-mean-margin",
@@ -134,6 +140,7 @@ def run_seed(args, seed: int) -> dict:
         f"seed {seed} linear eval", evaluation + overrides(args.eval), timings, folder / "linear_eval.log"
     )
     results = json.loads((eval_dir / "metrics.json").read_text())["results"]
+    control = random_control(args, seed, folder, evaluation, timings, cpu) if args.random_control else {}
     record = {
         "seed": seed,
         **recipe,
@@ -146,9 +153,31 @@ def run_seed(args, seed: int) -> dict:
         },
         "cpu_per_rank": {step: seconds / 2 for step, seconds in cpu.items()},
         "resumed": resumed,  # its times are those of the part run last
+        **control,
     }
     done.write_text(json.dumps(record, indent=1))
     return record
+
+
+def random_control(args, seed: int, folder: Path, evaluation, timings: dict, cpu: dict) -> dict:
+    """The linear evaluation of ``evaluation`` on the untrained trunk of ``seed`` (the same eval path,
+    features, BN handling and probe seed): {"random": {"top1": ..., "cv_top1": ...}}."""
+    control_dir = folder / "linear_eval_random"
+    argv = [
+        arg if not arg.startswith("config.CHECKPOINT.DIR=") else f"config.CHECKPOINT.DIR={control_dir}"
+        for arg in evaluation
+        if not arg.startswith("config.MODEL.WEIGHTS_INIT.PARAMS_FILE=")
+    ]
+    name = f"seed {seed} linear eval, random trunk"
+    argv.append("config.MODEL.WEIGHTS_INIT.PARAMS_FILE=")
+    cpu["random_eval"] = run(name, argv + overrides(args.eval), timings, folder / "linear_eval_random.log")
+    results = json.loads((control_dir / "metrics.json").read_text())["results"]
+    return {
+        "random": {
+            "top1": {feature: r["top1"] for feature, r in results.items()},
+            "cv_top1": {feature: r.get("holdout_top1") for feature, r in results.items()},
+        }
+    }
 
 
 def reused_pretraining(args, seed: int, recipe: dict, timings: dict, cpu: dict) -> Path:
@@ -189,6 +218,9 @@ def seed_row(record: dict, pixels: dict) -> dict:
     row["chosen"] = record["top1"][chosen_feature(record)]
     row["vs logistic"] = row["chosen"] - pixels["logistic regression"]
     row["vs RBF-SVM"] = row["chosen"] - pixels["RBF-SVM"]
+    if "random" in record:
+        row["random chosen"] = record["random"]["top1"][chosen_feature(record["random"])]
+        row["vs random"] = row["chosen"] - row["random chosen"]
     row["pretrain s"] = record["seconds"]["pretrain"]
     row["eval s"] = record["seconds"]["linear_eval"]
     return row
@@ -198,7 +230,8 @@ def print_table(args, records, pixels: dict) -> dict:
     """Per-seed rows, then mean +- std; returns {column: (mean, std)}."""
     rows = [seed_row(record, pixels) for record in records]
     columns = list(rows[0])
-    percent = len(records[0]["top1"]) + 1  # features and chosen are accuracies, then margins, then times
+    # features and chosen are accuracies, then margins (and the random trunk's), then times
+    percent = len(records[0]["top1"]) + 1
     print(
         f"\n{args.method} ({METHODS[args.method]}"
         + (" " + " ".join(overrides(args.pretrain)) if args.pretrain else "")
@@ -210,7 +243,7 @@ def print_table(args, records, pixels: dict) -> dict:
     print("|---" * (len(columns) + 2) + "|")
 
     def cell(column, value, std=None):
-        if columns.index(column) < percent:
+        if columns.index(column) < percent or column == "random chosen":
             return f"{value:.2f}" + (f" ± {std:.2f}" if std is not None else "")
         if column.startswith("vs "):
             return f"{value:+.2f}" + (f" ± {std:.2f}" if std is not None else "")

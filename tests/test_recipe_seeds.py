@@ -40,6 +40,19 @@ def test_the_counted_feature_is_chosen_by_cross_validation_not_by_val(recipe_see
     assert row["vs logistic"] == pytest.approx(0.83) and row["vs RBF-SVM"] == pytest.approx(-1.39)
 
 
+def test_the_random_control_counts_the_feature_its_own_cross_validation_picks(recipe_seeds):
+    # the untrained trunk's probe picks avgpool (its best on TRAIN), not the pretrained run's s3
+    record = {
+        **_record(0, [97.0, 97.5, 99.0], [97.9, 98.3, 98.1]),
+        "random": _record(0, [96.0, 95.0, 94.0], [90.0, 91.0, 92.0]),
+        "seconds": {"pretrain": 1, "linear_eval": 2},
+    }
+    row = recipe_seeds.seed_row(record, PIXELS)
+    assert row["random chosen"] == 94.0 and row["vs random"] == pytest.approx(3.5)
+    without_control = {key: value for key, value in record.items() if key != "random"}
+    assert "random chosen" not in recipe_seeds.seed_row(without_control, PIXELS)
+
+
 def test_the_claim_needs_every_seed_above_the_pixels_and_the_mean_margin(recipe_seeds):
     good = [_record(s, [98.0, 99.0, 99.0], [97.0, 98.0, 97.0]) for s in range(5)]
     assert recipe_seeds.claim(good, PIXELS, 1.0) == (True, [pytest.approx(2.33)] * 5)
