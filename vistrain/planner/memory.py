@@ -22,11 +22,14 @@ ceil(n / W) elements, p = fp32 master bytes 4, c = compute bytes: 2 under mixed 
                     and saving no activations, before the student's, so it adds nothing at the peak
     runtime         CPU: RSS of a fresh Python process after importing the training stack (measured
                     once per planner run) + ``CPU_ALLOWANCE_MIB`` for the process group, loader
-                    and allocator; CUDA: 0 (the CUDA context is not allocated memory)
+                    and allocator + (sharded, glibc's default) the all-gather buffers gloo's
+                    worker threads keep in their own heaps (:func:`gather_arena_bytes`); CUDA: 0
+                    (the CUDA context is not allocated memory)
 
 On CPU the plan is for glibc's default allocator: the engine gives freed heap pages back at unit
 boundaries (``vistrain/fsdp/model_state.py``) and ``GRADIENT_COPIES`` holds what glibc keeps until the
-next trim. The measurements the terms were fitted to and checked against: docs/notes/memory.md.
+next trim. How the main heap fragments between trims beyond that is not modelled (ResNet-18 and the
+ViT keep 45-110 MiB more at their peaks; docs/limitations.md). The measurements the terms were fitted to and checked against: docs/notes/memory.md.
 
 ``move_params_to_cpu`` on CUDA moves params, grads and optimizer state out of GPU memory.
 Which knobs fit a budget and which of them is fastest: ``knobs.py`` and ``auto_tune.py``.
@@ -57,6 +60,12 @@ OPTIMIZER_STATES = {"sgd": 1, "lars": 1, "adamw": 2}
 GRADIENT_COPIES = 2.5
 # With MACHINE.CPU_MMAP_THRESHOLD_MIB set glibc keeps nothing freed: the two copies autograd holds
 GRADIENT_COPIES_MMAPPED = 2.0
+# Worker threads of one gloo process group (ProcessGroupGloo's default ``threads``): each runs
+# collectives with its own glibc heap (arena)
+GLOO_WORKER_THREADS = 2
+# glibc's mmap threshold climbs to the largest mapped block freed, at most this (64-bit
+# DEFAULT_MMAP_THRESHOLD_MAX): larger blocks are always mapped and unmapped when freed
+GLIBC_MMAP_THRESHOLD_MAX = 32 * MIB
 
 
 @dataclass
@@ -155,7 +164,7 @@ def plan(cfg, device: str = "cpu", shapes: Optional[ModelShapes] = None) -> Memo
     gathered = 0
     if shape.sharded:
         gathered, state["grads"] = _backward_moment(cfg, shape, device)
-    runtime = runtime_bytes(cfg, device, shapes)
+    runtime = runtime_bytes(cfg, device, shapes) + gather_arena_bytes(cfg, shape, device)
     backward_peak = MemoryPlan(
         gathered_units=gathered,
         activations=activation_bytes(cfg, shapes, shape.precision.low),
@@ -206,6 +215,29 @@ def runtime_bytes(cfg, device: str, shapes: ModelShapes) -> float:
     forked = forked_ranks(cfg, device)
     baseline = shapes.baseline_mib or import_baseline_mib(forked)
     return (baseline + CPU_ALLOWANCE_MIB + (FORKED_LIBRARY_MIB if forked else 0)) * MIB
+
+
+def gather_arena_bytes(cfg, shape: RunShape, device: str) -> int:
+    """CPU, sharded, glibc's default threshold: the all-gather buffers gloo's workers keep.
+
+    gloo's list all-gather stages through one flat buffer of the full unit (W * ceil(n / W)
+    elements of the compute dtype, W = shard ranks) that the gather group's worker thread allocates
+    and frees in its own arena; the arena keeps the pages until the engine's next trim and reuses
+    them for every smaller unit. So each of the ``GLOO_WORKER_THREADS`` workers holds the largest
+    unit's buffer below ``GLIBC_MMAP_THRESHOLD_MAX`` (ResNet-18, 2 ranks: two arenas of 18.3 MiB at
+    the peak, docs/notes/memory.md). A momentum teacher gathers through its own group. With the
+    threshold fixed (``MACHINE.CPU_MMAP_THRESHOLD_MIB``) buffers above it are mapped and go back
+    when freed; the arenas held 1-2 MiB then.
+    """
+    if device != "cpu" or not shape.sharded or shape.groups.shard_ranks == 1:
+        return 0
+    if cfg.MACHINE.CPU_MMAP_THRESHOLD_MIB > 0:
+        return 0
+    world = shape.groups.shard_ranks
+    buffers = [world * shard_size(n, world) * shape.precision.compute_bytes for n in shape.unit_sizes]
+    largest = max((b for b in buffers if b < GLIBC_MMAP_THRESHOLD_MAX), default=0)
+    groups = 2 if has_teacher(cfg.LOSS) else 1
+    return groups * GLOO_WORKER_THREADS * largest
 
 
 def forked_ranks(cfg, device: str) -> bool:
