@@ -26,6 +26,7 @@ pretrained trunks of an earlier ``--out`` again (after a change of the linear ev
 
     python dev/recipe_seeds.py                                      # SimCLR quick start, seeds 0-4
     python dev/recipe_seeds.py --method SwAV --seeds 5 6 7 --check # held-out seeds
+    python dev/recipe_seeds.py --method DINO-ViT --seeds 5 6 7 --random-control  # + untrained trunks
     python dev/recipe_seeds.py --out /tmp/t01 --pretrain config.LOSS.simclr_loss.temperature=0.1
     python dev/recipe_seeds.py --out /tmp/zero3 --pretrain \\
         config.MODEL.FSDP_CONFIG.wrap_granularity=block config.MODEL.FSDP_CONFIG.reshard_after_forward=True
@@ -115,6 +116,9 @@ def run_seed(args, seed: int) -> dict:
                 f"{done} was run with other overrides ({record.get('pretrain_overrides')}, "
                 f"{record.get('eval_overrides')}): use another --out or --overwrite"
             )
+        if args.random_control and "random" not in record:  # a seed run before without the control
+            record.update(random_control(args, seed, folder, evaluation_argv(args, seed, folder, ""), {}, {}))
+            done.write_text(json.dumps(record, indent=1))
         return record
     pretrain_dir, eval_dir = folder / "pretrain", folder / "linear_eval"
     # An interrupted seed resumes: the launcher continues from the newest complete checkpoint.
@@ -130,12 +134,7 @@ def run_seed(args, seed: int) -> dict:
         )
     if args.method == "SwAV":
         print_head_diagnostics(pretrain_dir)
-    evaluation = [
-        f"config={EVAL_CONFIGS.get(args.method, 'benchmark/linear_eval_regnet')}",
-        f"config.CHECKPOINT.DIR={eval_dir}",
-        f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={pretrain_dir}",
-        seed_arg,
-    ]
+    evaluation = evaluation_argv(args, seed, eval_dir, pretrain_dir)
     cpu["linear_eval"] = run(
         f"seed {seed} linear eval", evaluation + overrides(args.eval), timings, folder / "linear_eval.log"
     )
@@ -157,6 +156,16 @@ def run_seed(args, seed: int) -> dict:
     }
     done.write_text(json.dumps(record, indent=1))
     return record
+
+
+def evaluation_argv(args, seed: int, eval_dir: Path, weights) -> list:
+    """The launcher's arguments of the method's linear evaluation of ``weights`` into ``eval_dir``."""
+    return [
+        f"config={EVAL_CONFIGS.get(args.method, 'benchmark/linear_eval_regnet')}",
+        f"config.CHECKPOINT.DIR={eval_dir}",
+        f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={weights}",
+        f"config.SEED_VALUE={seed}",
+    ]
 
 
 def random_control(args, seed: int, folder: Path, evaluation, timings: dict, cpu: dict) -> dict:
