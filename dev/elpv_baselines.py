@@ -16,6 +16,7 @@ and scikit-learn. About 8 minutes on one busy core for 5 seeds at 32 and 64 px w
 
     OMP_NUM_THREADS=1 python dev/elpv_baselines.py                  # seeds 0-4, 32 and 64 px
     python dev/elpv_baselines.py --seeds 7 --sides 32 --json /tmp/b.json
+    python dev/elpv_baselines.py --sides 64 --models "pixel RBF-SVM" --views dihedral
 """
 
 import argparse
@@ -33,21 +34,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vistrain.data.elpv import DEFECTIVE_FROM, package_folder, read_labels, stratified_split
 
 
-def load_pixels(paths, side: int) -> np.ndarray:
-    """(N, side * side) float32 in [0, 1]: every cell resized to side x side (bilinear)."""
+def load_pixels(paths, side: int, views: str = "identity") -> np.ndarray:
+    """(N, side * side) float32 in [0, 1]: every cell resized to side x side (bilinear); with
+    ``views`` "dihedral" each cell is the mean of its 8 quarter turns and mirrors (the pixels'
+    analogue of the probe's ``BENCHMARK.FEATURE_VIEWS: dihedral``)."""
     rows = []
     for path in paths:
         with Image.open(path) as image:
             rows.append(np.asarray(image.convert("L").resize((side, side), Image.BILINEAR), dtype=np.float32))
-    return np.stack(rows).reshape(len(rows), -1) / 255.0
+    cells = np.stack(rows) / 255.0
+    if views == "dihedral":
+        turned = [np.rot90(cells, turns, axes=(1, 2)) for turns in range(4)]
+        cells = sum(t + t[:, :, ::-1] for t in turned) / 8.0
+    return cells.reshape(len(rows), -1)
 
 
 GRIDS = {"pixel LR": [0.01, 0.1, 1.0], "pixel RBF-SVM": [1.0, 10.0, 100.0]}  # C, picked on TRAIN
 
 
-def scores(train_x, train_y, test_x, test_y, tune: bool, chosen: dict) -> dict:
+def scores(train_x, train_y, test_x, test_y, tune: bool, chosen: dict, names=tuple(GRIDS)) -> dict:
     """Test accuracy (%) of the three baselines trained on (train_x, train_y); each model's C
-    (cross-validated on the training cells when ``tune``) is appended to ``chosen[name]``."""
+    (cross-validated on the training cells when ``tune``) is appended to ``chosen[name]``; only the
+    models in ``names`` are trained."""
     from sklearn.linear_model import LogisticRegression
     from sklearn.model_selection import GridSearchCV, StratifiedKFold
     from sklearn.pipeline import make_pipeline
@@ -61,6 +69,8 @@ def scores(train_x, train_y, test_x, test_y, tune: bool, chosen: dict) -> dict:
         "pixel RBF-SVM": make_pipeline(StandardScaler(), SVC(C=1.0, kernel="rbf", gamma="scale")),
     }
     for name, model in models.items():
+        if name not in names:
+            continue
         if tune:
             key = f"{model.steps[-1][0]}__C"
             folds = StratifiedKFold(3, shuffle=True, random_state=0)
@@ -83,6 +93,11 @@ def main():
     parser.add_argument("--folder", default="", help="ELPV folder (default: the installed elpv-dataset)")
     parser.add_argument("--json", default="", help="write every number here")
     parser.add_argument("--no-tune", action="store_true", help="C = 1 instead of 3-fold CV on TRAIN")
+    parser.add_argument("--models", nargs="+", default=list(GRIDS), choices=list(GRIDS))
+    parser.add_argument(
+        "--views", default="identity", choices=["identity", "dihedral"],
+        help="dihedral: each cell averaged over its 8 quarter turns and mirrors",
+    )  # fmt: skip
     args = parser.parse_args()
 
     start = time.perf_counter()
@@ -91,13 +106,14 @@ def main():
     table = {}  # (protocol, model, side) -> [accuracy per seed]
     chosen = {}  # model -> [C per (side, seed, protocol)]
     for side in args.sides:
-        pixels = load_pixels(paths, side)
+        pixels = load_pixels(paths, side, args.views)
         for seed in args.seeds:
             train, test = stratified_split(list(zip(classes.tolist(), types.tolist())), seed)
             for protocol, labels in protocols.items():
                 result = scores(
-                    pixels[train], labels[train], pixels[test], labels[test], not args.no_tune, chosen
-                )
+                    pixels[train], labels[train], pixels[test], labels[test], not args.no_tune, chosen,
+                    args.models,
+                )  # fmt: skip
                 for model, accuracy in result.items():
                     table.setdefault((protocol, model, side), []).append(accuracy)
             print(f"  {side} px, split seed {seed} done ({time.perf_counter() - start:.0f} s)", flush=True)
@@ -119,7 +135,13 @@ def main():
     for name, values in chosen.items():
         print(f"  {name}: C chosen by cross-validation on TRAIN: {values}")
     if args.json:
-        record = {"seeds": args.seeds, "tuned": not args.no_tune, "chosen_C": chosen, "rows": rows}
+        record = {
+            "seeds": args.seeds,
+            "tuned": not args.no_tune,
+            "views": args.views,
+            "chosen_C": chosen,
+            "rows": rows,
+        }
         Path(args.json).write_text(json.dumps(record, indent=1))
     print(f"({time.perf_counter() - start:.0f} s)")
 

@@ -13,7 +13,8 @@ the probe's folds; ``DATA.SPLIT_SEED`` = s too, or the matching ``--split-seeds`
 Prints one row per seed (the picked feature's test top-1 on 4 and 2 classes, the random trunk's
 picked feature likewise, the pixel RBF-SVM of ``dev/elpv_baselines.py`` on the same split when
 ``--baselines`` names its ``--json``, the pretraining's wall time) and the mean +- sample std.
-A seed whose ``result.json`` exists is read, not run again. ``--pretrain`` / ``--eval`` add
+A seed whose ``result.json`` exists is read, not run again; one whose ``pretrain.json`` exists
+keeps its pretraining (delete ``result.json`` and the ``eval_*`` folders to rerun the evaluations). ``--pretrain`` / ``--eval`` add
 overrides (``KEY=VALUE``).
 
     OMP_NUM_THREADS=1 python dev/elpv_seeds.py --seeds 0 1 2 --baselines /tmp/baselines.json
@@ -53,13 +54,13 @@ def run_seed(args, seed: int) -> dict:
         *seeds,
         *overrides(args.pretrain),
     ]
-    cpu = run(f"seed {seed} pretrain", pretrain, timings, folder / "pretrain.log")
-    record = {
-        "seed": seed,
-        "split_seed": split_seed,
-        "pretrain_s": timings[f"seed {seed} pretrain"],
-        "pretrain_cpu_per_rank": cpu / 2,
-    }
+    # a pretraining done before is kept: an eval change reruns the evaluations only
+    finished = folder / "pretrain.json"
+    if not finished.exists():
+        cpu = run(f"seed {seed} pretrain", pretrain, timings, folder / "pretrain.log")
+        timing = {"pretrain_s": timings[f"seed {seed} pretrain"], "pretrain_cpu_per_rank": cpu / 2}
+        finished.write_text(json.dumps(timing))
+    record = {"seed": seed, "split_seed": split_seed, **json.loads(finished.read_text())}
     for trunk, weights in (("pretrained", str(pretrain_dir)), ("random", "")):
         eval_dir = folder / f"eval_{trunk}"
         argv = [f"config={EVAL}", f"config.CHECKPOINT.DIR={eval_dir}", *seeds, *overrides(args.eval)]

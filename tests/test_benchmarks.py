@@ -118,6 +118,47 @@ def test_a_feature_joined_by_plus_is_its_parts_pooled_and_concatenated():
     assert logits["s1+s2+avgpool"].shape == (3, 10)
 
 
+def _symmetries(images):
+    """The 8 symmetries of the square applied to (N, C, H, W), written with transposes and flips."""
+    transpose = images.transpose(2, 3)
+    return [
+        images, images.flip(3), images.flip(2), images.flip(2).flip(3),
+        transpose, transpose.flip(3), transpose.flip(2), transpose.flip(2).flip(3),
+    ]  # fmt: skip
+
+
+def test_dihedral_feature_views_average_the_eight_symmetries_and_do_not_see_them():
+    """FEATURE_VIEWS dihedral: f(x) = mean of the pooled features of x's 8 turns and mirrors, so a
+    turned or mirrored image has the same features; "flip" averages x and its left-right mirror."""
+    cfg = load_config(
+        _tiny(
+            "unused",
+            "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False",
+            "config.BENCHMARK.FEATURES=[s1, s1+s2]",
+        )
+    )
+    trunk, dims = common.build_frozen_trunk(cfg, CPU)
+    images, names = torch.randn(3, 3, 16, 16), list(dims)
+    averaged = common.trunk_features(trunk, images, names, 2, views="dihedral")
+    by_hand = [common.trunk_features(trunk, view, names, 2) for view in _symmetries(images)]
+    for name in names:
+        torch.testing.assert_close(averaged[name], torch.stack([f[name] for f in by_hand]).mean(0))
+        assert not torch.allclose(averaged[name], by_hand[0][name], atol=1e-3)  # the views differ
+    for view in _symmetries(images)[1:]:
+        turned = common.trunk_features(trunk, view, names, 2, views="dihedral")
+        for name in names:
+            torch.testing.assert_close(turned[name], averaged[name], rtol=1e-5, atol=1e-5)
+    flipped = common.trunk_features(trunk, images, names, 2, views="flip")
+    mirror = common.trunk_features(trunk, images.flip(3), names, 2)
+    torch.testing.assert_close(flipped["s1"], (by_hand[0]["s1"] + mirror["s1"]) / 2)
+
+
+def test_an_unknown_feature_view_is_refused_in_one_line():
+    cfg = load_config(_tiny("unused", "config.BENCHMARK.FEATURE_VIEWS=rotations"))
+    with pytest.raises(ConfigError, match="BENCHMARK.FEATURE_VIEWS must be one of identity, flip, dihedral"):
+        check_values(cfg)
+
+
 def test_a_feature_part_at_p_is_pooled_to_its_own_side():
     """ "s1@4+s2" with POOL_SIZE 1: s1 pooled to 4 x 4 (its whole map), s2 to 1 x 1, concatenated."""
     cfg = load_config(
@@ -530,13 +571,15 @@ def test_linear_eval_with_k_fold_lr_selection_holds_out_every_training_image_onc
         assert result["lr"] in (0.001, 0.5) and round(result["holdout_top1"] * 48 / 100, 6).is_integer()
 
 
-def test_cached_train_features_train_the_same_heads_as_the_trunk_every_epoch():
-    """With an un-augmented TRAIN transform the bank computed once stands in for the trunk exactly."""
+@pytest.mark.parametrize("views", ["identity", "dihedral"])
+def test_cached_train_features_train_the_same_heads_as_the_trunk_every_epoch(views):
+    """With an un-augmented TRAIN transform the bank computed once stands in for the trunk exactly
+    (also when each image's features are averaged over views)."""
     cfg = load_config(
         _tiny("unused", "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False", "config.OPTIMIZER.num_epochs=2")
     )
     trunk, dims = common.build_frozen_trunk(cfg, CPU)
-    source = FrozenFeatures(trunk, list(dims), cfg.BENCHMARK.POOL_SIZE, None, CPU)
+    source = FrozenFeatures(trunk, list(dims), cfg.BENCHMARK.POOL_SIZE, None, CPU, views)
     cached = cache_features(source, cfg.DATA, seed=0)
     assert cached.bank["s2"].shape == (32, dims["s2"])
     loader = build_loader(cfg.DATA, "TRAIN", seed=0, device=CPU, rank=0, world_size=1)

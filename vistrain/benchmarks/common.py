@@ -109,17 +109,48 @@ def _first(keys: List[str], shown: int = 5) -> str:
     return ", ".join(keys[:shown]) + (f", ... ({len(keys)} in all)" if len(keys) > shown else "")
 
 
+# BENCHMARK.FEATURE_VIEWS -> the image transforms whose features are averaged: (quarter turns, flip)
+FEATURE_VIEWS = {
+    "identity": [(0, False)],
+    "flip": [(0, False), (0, True)],
+    "dihedral": [(turns, flip) for turns in range(4) for flip in (False, True)],
+}
+
+
+def view_of(images: torch.Tensor, turns: int, flip: bool) -> torch.Tensor:
+    """(N, C, H, W) turned by ``turns`` quarter turns, then mirrored left-right when ``flip``."""
+    turned = torch.rot90(images, turns, dims=(2, 3)) if turns else images
+    return turned.flip(3) if flip else turned
+
+
 @torch.no_grad()
 def trunk_features(
-    trunk: nn.Module, images: torch.Tensor, names: Sequence[str], pool_size: int, dtype=None
+    trunk: nn.Module,
+    images: torch.Tensor,
+    names: Sequence[str],
+    pool_size: int,
+    dtype=None,
+    views: str = "identity",
 ) -> Dict[str, torch.Tensor]:
     """Pooled float32 features ``{name: (N, D_name)}`` of ``images`` (N, 3, H, W) from the frozen trunk.
 
     Stage maps (N, C, h, w) are average-pooled to (N, C, P, P) with P = ``pool_size`` (or the
     name's ``@P``) and flattened to D = C * P * P (VISSL's linear-eval protocol); "avgpool" is
     already (N, C). A name joining several features by "+" gets their pooled features concatenated
-    along D (:func:`feature_parts`).
+    along D (:func:`feature_parts`). ``views`` (:data:`FEATURE_VIEWS`) averages the features of
+    transformed copies of the images, f(x) = mean_g f(g x): for images with no "up" (cells, slides,
+    satellite tiles) "dihedral" averages over the 8 symmetries of the square, so a feature no longer
+    depends on which way an image was scanned.
     """
+    transforms = FEATURE_VIEWS[views]
+    total = None
+    for turns, flip in transforms:
+        out = _pooled(trunk, view_of(images, turns, flip), names, pool_size, dtype)
+        total = out if total is None else {name: total[name] + out[name] for name in names}
+    return {name: total[name] / len(transforms) for name in names} if len(transforms) > 1 else total
+
+
+def _pooled(trunk: nn.Module, images: torch.Tensor, names: Sequence[str], pool_size: int, dtype):
     with torch.autocast(images.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
         out = trunk(images)
 
@@ -153,9 +184,16 @@ def pooled_dims(
 
 @torch.no_grad()
 def extract(
-    trunk: nn.Module, loader, names: Sequence[str], pool_size: int, dtype, device: torch.device
+    trunk: nn.Module,
+    loader,
+    names: Sequence[str],
+    pool_size: int,
+    dtype,
+    device: torch.device,
+    views: str = "identity",
 ) -> Tuple[Dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-    """This rank's pooled features ``{name: (N_r, D)}``, labels (N_r,) and indices (N_r,) of one pass."""
+    """This rank's pooled features ``{name: (N_r, D)}``, labels (N_r,) and indices (N_r,) of one
+    pass (``views``: see :func:`trunk_features`)."""
     set_epoch(loader, 0)
     feats = {name: [] for name in names}
     labels, indices = [], []
@@ -164,7 +202,7 @@ def extract(
             raise ValueError(
                 f"feature extraction takes one view per image, got {len(batch['crops'])}: use TRANSFORMS.NAME=eval"
             )
-        out = trunk_features(trunk, batch["crops"][0].to(device), names, pool_size, dtype)
+        out = trunk_features(trunk, batch["crops"][0].to(device), names, pool_size, dtype, views)
         for name in names:
             feats[name].append(out[name])
         labels.append(batch["label"].to(device))

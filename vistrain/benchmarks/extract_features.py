@@ -39,7 +39,7 @@ def extract_features(cfg) -> None:
     for split in splits:
         loader = build_loader(cfg.DATA, split, seed=cfg.SEED_VALUE, device=device)
         features, labels, indices = common.extract(
-            trunk, loader, names, cfg.BENCHMARK.POOL_SIZE, dtype, device
+            trunk, loader, names, cfg.BENCHMARK.POOL_SIZE, dtype, device, cfg.BENCHMARK.FEATURE_VIEWS
         )
         mine = {"features": features, "label": labels, "index": indices, "split": split.lower()}
         torch.save(_to_cpu(mine), os.path.join(out_dir, f"{split.lower()}_rank{comm.get_rank()}.pt"))

@@ -119,11 +119,13 @@ def knn(cfg) -> None:
     trunk, dims = common.build_frozen_trunk(cfg, device)
     record_config(cfg)  # built and loaded: the job really starts
     names = list(dims)
-    pool, dtype = bench.POOL_SIZE, amp_dtype(cfg.MODEL)
+    pool, dtype, views = bench.POOL_SIZE, amp_dtype(cfg.MODEL), bench.FEATURE_VIEWS
     train_feats, train_labels, train_indices = common.extract(
-        trunk, loaders["TRAIN"], names, pool, dtype, device
+        trunk, loaders["TRAIN"], names, pool, dtype, device, views
     )
-    test_feats, test_labels, test_indices = common.extract(trunk, loaders["TEST"], names, pool, dtype, device)
+    test_feats, test_labels, test_indices = common.extract(
+        trunk, loaders["TEST"], names, pool, dtype, device, views
+    )
     logger.info(
         f"kNN (k={bench.KNN_K}, T={bench.KNN_TEMPERATURE}) on {names}, {plural(num_classes, 'class', 'classes')}"
     )

@@ -80,10 +80,14 @@ class FrozenFeatures:
     pool_size: int
     dtype: Optional[torch.dtype]  # autocast of the trunk forward; None: fp32
     device: torch.device
+    views: str = "identity"  # BENCHMARK.FEATURE_VIEWS
 
     def __call__(self, batch: dict):
         images, labels = batch["crops"][0].to(self.device), batch["label"].to(self.device)
-        return common.trunk_features(self.trunk, images, self.names, self.pool_size, self.dtype), labels
+        features = common.trunk_features(
+            self.trunk, images, self.names, self.pool_size, self.dtype, self.views
+        )
+        return features, labels
 
 
 @dataclasses.dataclass
@@ -128,7 +132,7 @@ def cache_features(source: FrozenFeatures, data_cfg, seed: int) -> CachedFeature
     ordered.TRAIN.SHUFFLE = ordered.TRAIN.DROP_LAST = False
     loader = build_loader(ordered, "TRAIN", seed=seed, device=source.device)
     feats, _, indices = common.extract(
-        source.trunk, loader, source.names, source.pool_size, source.dtype, source.device
+        source.trunk, loader, source.names, source.pool_size, source.dtype, source.device, source.views
     )
     indices, banks = common.gather_unique(indices, *[feats[name] for name in source.names])
     rows = torch.full((int(indices.max()) + 1,), -1, dtype=torch.long, device=source.device)
@@ -150,7 +154,9 @@ def linear_eval(cfg) -> None:
         raise ConfigError("DATA.TRAIN yields no full batch per rank: add data or lower BATCHSIZE_PER_REPLICA")
     trunk, dims = common.build_frozen_trunk(cfg, device)
     record_config(cfg)  # built and loaded: the job really starts
-    source = FrozenFeatures(trunk, list(dims), cfg.BENCHMARK.POOL_SIZE, amp_dtype(cfg.MODEL), device)
+    source = FrozenFeatures(
+        trunk, list(dims), cfg.BENCHMARK.POOL_SIZE, amp_dtype(cfg.MODEL), device, cfg.BENCHMARK.FEATURE_VIEWS
+    )
     grid, (splits, fit_loaders), total = _passes(cfg, train_loader, device)
     epochs = cfg.OPTIMIZER.num_epochs
     logger.info(

@@ -269,6 +269,9 @@ _C.BENCHMARK = CN()
 # instead of POOL_SIZE; "s3+avgpool" concatenates
 _C.BENCHMARK.FEATURES = ["s3", "s4", "avgpool"]
 _C.BENCHMARK.POOL_SIZE = 2  # stage maps are average-pooled to POOL_SIZE x POOL_SIZE, then flattened
+# features averaged over transformed copies of each image: identity | flip (left-right) | dihedral
+# (the 8 quarter turns and mirrors: for images with no "up", such as ELPV's cells)
+_C.BENCHMARK.FEATURE_VIEWS = "identity"
 _C.BENCHMARK.LINEAR_LRS = []  # linear_eval: peak lrs tried per feature ([]: OPTIMIZER's lr only)
 _C.BENCHMARK.LINEAR_HOLDOUT_FRACTION = 0.1  # linear_eval: part of TRAIN that picks the lr from LINEAR_LRS
 _C.BENCHMARK.LINEAR_LR_FOLDS = 1  # linear_eval: > 1 picks the lr by stratified k-fold CV on TRAIN instead
