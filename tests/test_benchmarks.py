@@ -368,6 +368,29 @@ def test_extract_features_merged_file_is_the_same_on_any_world_size(tmp_path):
     assert (tmp_path / "2" / "features" / "train.pt").exists()
 
 
+def test_extracted_features_are_averaged_over_the_configured_views(tmp_path):
+    """The engines pass BENCHMARK.FEATURE_VIEWS down: extract_features with "dihedral" writes the
+    8-view means of each test image's features."""
+    _save_pretrained(tmp_path / "pretrained.pt", randomise_bn=False)
+    argv = _tiny(
+        tmp_path,
+        "config.JOB=extract_features",
+        "config.BENCHMARK.FEATURE_VIEWS=dihedral",
+        f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={tmp_path / 'pretrained.pt'}",
+    )
+    run_on_ranks(_engine_on_ranks, 1, extract_features, argv)
+    written = torch.load(tmp_path / "features" / "test.pt", weights_only=True)
+    cfg = load_config([*argv, "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False"])  # the engine ran sharded
+    trunk, dims = common.build_frozen_trunk(cfg, CPU)
+    loader = build_loader(cfg.DATA, "TEST", seed=cfg.SEED_VALUE, device=CPU, rank=0, world_size=1)
+    images = torch.cat([batch["crops"][0] for batch in loader])
+    expected = common.trunk_features(trunk, images, list(dims), cfg.BENCHMARK.POOL_SIZE, views="dihedral")
+    single = common.trunk_features(trunk, images, list(dims), cfg.BENCHMARK.POOL_SIZE)
+    for name in dims:
+        torch.testing.assert_close(written["features"][name], expected[name], rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(written["features"][name], single[name], atol=1e-3)
+
+
 def test_knn_engine_counts_every_test_image_once(tmp_path):
     from vistrain.benchmarks import knn
 
