@@ -14,8 +14,8 @@ Prints one row per seed (the picked feature's test top-1 on 4 and 2 classes, the
 picked feature likewise, the pixel RBF-SVM of ``dev/elpv_baselines.py`` on the same split when
 ``--baselines`` names its ``--json``, the pretraining's wall time) and the mean +- sample std.
 A seed whose ``result.json`` exists is read, not run again; one whose ``pretrain.json`` exists
-keeps its pretraining (delete ``result.json`` and the ``eval_*`` folders to rerun the evaluations). ``--pretrain`` / ``--eval`` add
-overrides (``KEY=VALUE``).
+keeps its pretraining (delete ``result.json`` and the ``eval_*`` folders to rerun the
+evaluations). ``--pretrain`` / ``--eval`` add overrides (``KEY=VALUE``).
 
     OMP_NUM_THREADS=1 python dev/elpv_seeds.py --seeds 0 1 2 --baselines /tmp/baselines.json
     python dev/elpv_seeds.py --seeds 11 --split-seeds 7 --out /tmp/held_out   # seeds the docs do not use

@@ -155,7 +155,9 @@ def test_dihedral_feature_views_average_the_eight_symmetries_and_do_not_see_them
 
 def test_an_unknown_feature_view_is_refused_in_one_line():
     cfg = load_config(_tiny("unused", "config.BENCHMARK.FEATURE_VIEWS=rotations"))
-    with pytest.raises(ConfigError, match="BENCHMARK.FEATURE_VIEWS must be one of identity, flip, dihedral"):
+    with pytest.raises(
+        ConfigError, match="BENCHMARK.FEATURE_VIEWS must be one of dihedral, flip, identity; got 'rotations'"
+    ):
         check_values(cfg)
 
 
@@ -369,8 +371,9 @@ def test_extract_features_merged_file_is_the_same_on_any_world_size(tmp_path):
 
 
 def test_extracted_features_are_averaged_over_the_configured_views(tmp_path):
-    """The engines pass BENCHMARK.FEATURE_VIEWS down: extract_features with "dihedral" writes the
-    8-view means of each test image's features."""
+    """The engines pass BENCHMARK.FEATURE_VIEWS down: extract_features with "dihedral" on 2 sharded
+    gloo ranks writes the 8-view means of each test image's features, as one unsharded process
+    computes them."""
     _save_pretrained(tmp_path / "pretrained.pt", randomise_bn=False)
     argv = _tiny(
         tmp_path,
@@ -378,8 +381,9 @@ def test_extracted_features_are_averaged_over_the_configured_views(tmp_path):
         "config.BENCHMARK.FEATURE_VIEWS=dihedral",
         f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={tmp_path / 'pretrained.pt'}",
     )
-    run_on_ranks(_engine_on_ranks, 1, extract_features, argv)
+    run_on_ranks(_engine_on_ranks, 2, extract_features, argv)
     written = torch.load(tmp_path / "features" / "test.pt", weights_only=True)
+    assert written["index"].tolist() == list(range(21))
     cfg = load_config([*argv, "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False"])  # the engine ran sharded
     trunk, dims = common.build_frozen_trunk(cfg, CPU)
     loader = build_loader(cfg.DATA, "TEST", seed=cfg.SEED_VALUE, device=CPU, rank=0, world_size=1)

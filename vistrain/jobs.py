@@ -11,6 +11,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from vistrain.benchmarks import extract_features, knn, linear_eval
+from vistrain.benchmarks.common import FEATURE_VIEWS
 from vistrain.checkpoint.files import CheckpointError
 from vistrain.checkpoint.pretrained import check_weights_file
 from vistrain.config import ConfigError, InputError
@@ -59,6 +60,7 @@ def catalog() -> Catalog:
         "sharding backends": BACKENDS,
         "compute dtypes": DTYPES,
         "amp dtypes": AMP_DTYPES,
+        "feature views": FEATURE_VIEWS,
     }
     return Catalog(
         names={key: sorted(names) for key, names in registries.items()},

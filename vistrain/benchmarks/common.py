@@ -147,7 +147,7 @@ def trunk_features(
     for turns, flip in transforms:
         out = _pooled(trunk, view_of(images, turns, flip), names, pool_size, dtype)
         total = out if total is None else {name: total[name] + out[name] for name in names}
-    return {name: total[name] / len(transforms) for name in names} if len(transforms) > 1 else total
+    return {name: total[name] / len(transforms) for name in names}
 
 
 def _pooled(trunk: nn.Module, images: torch.Tensor, names: Sequence[str], pool_size: int, dtype):

@@ -183,7 +183,7 @@ RULES = {
     "CHECKPOINT.CHECKPOINT_FREQUENCY": [at_least(1)],
     "CHECKPOINT.STOP_GRACE_SECONDS": [above(0)],
     "BENCHMARK.POOL_SIZE": [at_least(1)],
-    "BENCHMARK.FEATURE_VIEWS": [one_of(("identity", "flip", "dihedral"))],
+    "BENCHMARK.FEATURE_VIEWS": [one_of("feature views")],
     "BENCHMARK.LINEAR_LR_FOLDS": [at_least(1)],
     "BENCHMARK.KNN_K": [at_least(1)],
     "BENCHMARK.KNN_TEMPERATURE": [above(0)],
