@@ -58,9 +58,19 @@ def _run_bn(bn, x, dy, steps):
     }
 
 
-def _sync_worker(rank, world, sizes, dtype_name, momentum, steps, group_size):
+def _laid_out(x, dy, layout):
+    """(N, C, 4, 5) inputs as the layout a test asks for: "nchw", "channels_last" or "nc" (N, C)."""
+    if layout == "nc":
+        return x[:, :, 0, 0].contiguous(), dy[:, :, 0, 0].contiguous()
+    if layout == "channels_last":
+        return x.contiguous(memory_format=torch.channels_last), dy
+    return x, dy
+
+
+def _sync_worker(rank, world, sizes, dtype_name, momentum, steps, group_size, layout="nchw"):
     dtype = getattr(torch, dtype_name)
     x, dy, weight, bias = _global_batch(sizes, dtype)
+    x, dy = _laid_out(x, dy, layout)
     group = sync_bn_process_group(group_size)
     param_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     bn = convert_sync_batchnorm(_make_bn(weight, bias, momentum, param_dtype), group)
@@ -68,8 +78,13 @@ def _sync_worker(rank, world, sizes, dtype_name, momentum, steps, group_size):
     return _run_bn(bn, _slice(x, sizes, rank), _slice(dy, sizes, rank), steps)
 
 
-def _reference(sizes, dtype=torch.float64, momentum=0.1, steps=2):
+def _reference(sizes, dtype=torch.float64, momentum=0.1, steps=2, layout="nchw"):
     x, dy, weight, bias = _global_batch(sizes, dtype)
+    if layout == "nc":  # BatchNorm2d takes 4-D input only; the functional form is the same for (N, C)
+        x, dy = _laid_out(x, dy, layout)
+        bn = _make_bn(weight, bias, momentum)
+        bn._check_input_dim = lambda input: None
+        return _run_bn(bn, x.double(), dy, steps)
     # Reference statistics in float64 from the (possibly bf16-rounded) inputs.
     return _run_bn(_make_bn(weight, bias, momentum), x.double(), dy, steps)
 
@@ -90,6 +105,15 @@ def _check_against(results, ref, tol):
 def test_sync_bn_matches_global_batchnorm(sizes):
     results = run_on_ranks(_sync_worker, len(sizes), sizes, "float64", 0.1, 2, 0)
     _check_against(results, _reference(sizes), tol=1e-10)
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "nc"])
+def test_sync_bn_channels_last_and_flat_inputs(layout):
+    sizes = [3, 2]
+    results = run_on_ranks(_sync_worker, 2, sizes, "float64", 0.1, 2, 0, layout)
+    _check_against(results, _reference(sizes, layout=layout), tol=1e-10)
+    if layout == "channels_last":  # the next convolution gets the layout it was given
+        assert all(r["y"].is_contiguous(memory_format=torch.channels_last) for r in results)
 
 
 def test_sync_bn_float32_and_cumulative_momentum():

@@ -29,7 +29,7 @@ from vistrain.distributed.testing import run_on_ranks
 from vistrain.losses import build_loss
 from vistrain.models import build_model
 from vistrain.optim import build_optimizer
-from vistrain.training.trainer import _accumulation_group, train
+from vistrain.training.trainer import StepSettings, _accumulation_group, _forward_backward, _Group, train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,10 +55,13 @@ def _tiny(run_dir, *overrides):
 # distributed training equals single-process training
 
 
-def test_two_ranks_with_sync_bn_equal_one_rank_with_the_global_batch(tmp_path):
-    """2 ranks x 4 images (sync BN, global SimCLR negatives, DDP mean) == 1 rank x 8 images."""
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_two_ranks_with_sync_bn_equal_one_rank_with_the_global_batch(tmp_path, channels_last):
+    """2 ranks x 4 images (sync BN, global SimCLR negatives, DDP mean) == 1 rank x 8 images; the
+    two ranks also with their batches in channels_last memory (the one rank: contiguous)."""
     common = ["config.LOG_FREQUENCY=1", "config.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN=true"]
-    run_on_ranks(_train_on_rank, 2, _tiny(tmp_path / "two", *common))
+    layout = [f"config.MODEL.CHANNELS_LAST={channels_last}"]
+    run_on_ranks(_train_on_rank, 2, _tiny(tmp_path / "two", *common, *layout))
     run_on_ranks(
         _train_on_rank, 1, _tiny(tmp_path / "one", *common, "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8")
     )
@@ -73,6 +76,33 @@ def test_two_ranks_with_sync_bn_equal_one_rank_with_the_global_batch(tmp_path):
     assert final_two.keys() == final_one.keys()
     for key in final_one:
         torch.testing.assert_close(final_two[key], final_one[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_channels_last_batches_reach_the_model():
+    seen = []
+
+    class Recorder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()))
+
+        def forward(self, crops):
+            seen.extend(c.is_contiguous(memory_format=torch.channels_last) for c in crops)
+            return sum(c.sum() for c in crops) * self.scale
+
+    class Loss:
+        def student_crops(self, crops):
+            return crops
+
+        def __call__(self, out, num_crops, targets):
+            return out
+
+    crops = [torch.rand(2, 3, 8, 8), torch.rand(2, 3, 6, 6)]
+    for memory_format, expected in ((torch.contiguous_format, False), (torch.channels_last, True)):
+        seen.clear()
+        settings = StepSettings(torch.device("cpu"), None, None, 1, 0.0, None, memory_format)
+        _forward_backward(Recorder(), Loss(), {"crops": crops}, settings, _Group(1, True), ("", 0))
+        assert seen == [expected, expected]
 
 
 def _accumulation_reference(rank, world_size, argv):

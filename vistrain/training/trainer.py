@@ -73,6 +73,7 @@ class StepSettings:
     update_freq: int
     clip_grad_norm: float
     in_backward: Optional[OptimizerInBackward]  # the step runs inside backward (sharded engine)
+    memory_format: torch.memory_format = torch.contiguous_format  # of the image batches (N, C, H, W)
 
 
 @dataclasses.dataclass
@@ -254,7 +255,9 @@ def _forward_backward(
     ``where``: (run folder, iteration), named if a failed backward left the model partly updated.
     The teacher (no_grad, resharded after) runs first: its gathered units are freed before the
     student's forward keeps any."""
-    crops = [c.to(s.device, non_blocking=True) for c in batch["crops"]]
+    crops = [
+        c.to(s.device, non_blocking=True).contiguous(memory_format=s.memory_format) for c in batch["crops"]
+    ]
     # DDP and the sharded engine skip the gradient all-reduce / reduce-scatter inside no_sync()
     sync = contextlib.nullcontext() if group.is_last else model.no_sync()
     with sync:
@@ -332,8 +335,15 @@ def _step_settings(cfg, model: nn.Module, optimizer, device: torch.device) -> St
     scaling = precision.loss_scaling(model, cfg.MODEL, device)
     # checked before launch: the built-in engine, no clipping, no fp16 scaler
     in_backward = apply_optimizer_in_backward(model, optimizer) if cfg.OPTIMIZER.step_in_backward else None
+    memory_format = torch.channels_last if cfg.MODEL.CHANNELS_LAST else torch.contiguous_format
     return StepSettings(
-        device, amp_dtype, scaling, update_freq, float(cfg.OPTIMIZER.clip_grad_norm), in_backward
+        device,
+        amp_dtype,
+        scaling,
+        update_freq,
+        float(cfg.OPTIMIZER.clip_grad_norm),
+        in_backward,
+        memory_format,
     )
 
 
