@@ -262,6 +262,26 @@ def test_linear_eval_through_the_launcher_writes_metrics(tmp_path):
     assert heads["heads.s2.1.weight"].shape == (10, 64)
 
 
+def test_linear_eval_heads_are_the_same_on_any_world_size_without_trunk_sync_bn(tmp_path):
+    """The probe heads' BatchNorm standardises over the global batch even when the trunk's
+    config has no sync BN: 2 ranks x 4 images train the heads 1 rank x 8 images does."""
+    heads = {}
+    for world in (1, 2):
+        argv = _tiny(
+            tmp_path / str(world),
+            "config.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN=False",
+            f"config.DATA.TRAIN.BATCHSIZE_PER_REPLICA={8 // world}",
+            "config.OPTIMIZER.num_epochs=2",
+        )
+        run_on_ranks(_engine_on_ranks, world, linear_eval, argv)
+        heads[world] = torch.load(tmp_path / str(world) / "linear_heads.pt", weights_only=True)
+    assert sorted(heads[2]) == sorted(heads[1])
+    for key, value in heads[1].items():
+        if value.is_floating_point():
+            torch.testing.assert_close(heads[2][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert not torch.equal(heads[1]["heads.s2.1.weight"], torch.zeros_like(heads[1]["heads.s2.1.weight"]))
+
+
 def test_linear_eval_takes_one_view_per_image(tmp_path):
     cfg = load_config(_tiny(tmp_path, "config.DATA.TRAIN.TRANSFORMS.NAME=multicrop"))  # 2 crops (simclr_tiny)
     with pytest.raises(ConfigError, match=r"one view per image.*NUM_CROPS=\[1\]"):  # before launch

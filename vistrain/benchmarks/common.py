@@ -57,6 +57,18 @@ def trunk_model_config(cfg):
     return model_cfg
 
 
+def heads_model_config(model_cfg):
+    """``model_cfg`` (the MODEL section) for the probe heads: their BatchNorm always standardises
+    over the global batch, whatever the trunk trained with, so the probe reads the same on any
+    number of ranks (a per-rank BatchNorm would see 1/world of each batch)."""
+    heads_cfg = model_cfg.clone()
+    heads_cfg.defrost()
+    heads_cfg.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN = True
+    heads_cfg.SYNC_BN_CONFIG.GROUP_SIZE = 0
+    heads_cfg.freeze()
+    return heads_cfg
+
+
 def build_frozen_trunk(cfg, device: torch.device) -> Tuple[nn.Module, Dict[str, int]]:
     """The trunk of ``cfg.MODEL`` with ``MODEL.WEIGHTS_INIT`` loaded, frozen, on ``device``.
 

@@ -179,7 +179,8 @@ def linear_eval(cfg) -> None:
         lrs, selection, iterations = select_learning_rates(
             cfg, (train_source, source), dims, num_classes, grid, (splits, fit_loaders), (meter, clock)
         )
-    heads = parallelize(LinearHeads(dims, num_classes, lrs=lrs), cfg.MODEL, device, shard=False)
+    heads = LinearHeads(dims, num_classes, lrs=lrs)
+    heads = parallelize(heads, common.heads_model_config(cfg.MODEL), device, shard=False)
     iterations = train_heads(train_source, heads, train_loader, cfg.OPTIMIZER, meter, iterations)
     logger.info(f"final fit on DATA.TRAIN done ({clock.elapsed()})")
     train_seconds = time.perf_counter() - start
@@ -284,7 +285,8 @@ def _fit_and_score(cfg, sources, grid_heads, split, meter: TrainingMeter, iterat
     holdout_loader = build_loader(
         _holdout_data_config(cfg.DATA), "TRAIN", seed=cfg.SEED_VALUE, device=source.device, indices=holdout
     )
-    heads = parallelize(LinearHeads(*grid_heads), cfg.MODEL, source.device, shard=False)
+    heads_cfg = common.heads_model_config(cfg.MODEL)
+    heads = parallelize(LinearHeads(*grid_heads), heads_cfg, source.device, shard=False)
     iterations = train_heads(train_source, heads, fit_loader, cfg.OPTIMIZER, meter, iterations)
     return evaluate(source, heads, holdout_loader), iterations
 
