@@ -279,7 +279,6 @@ def test_linear_eval_heads_are_the_same_on_any_world_size_without_trunk_sync_bn(
     for key, value in heads[1].items():
         if value.is_floating_point():
             torch.testing.assert_close(heads[2][key], value, rtol=1e-5, atol=1e-6, msg=key)
-    assert not torch.equal(heads[1]["heads.s2.1.weight"], torch.zeros_like(heads[1]["heads.s2.1.weight"]))
 
 
 def test_linear_eval_takes_one_view_per_image(tmp_path):
