@@ -288,6 +288,23 @@ def test_job_rank_reads_torchrun_and_srun_variables():
     assert job_rank({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) == 0  # one task spawns its own ranks
 
 
+def test_a_stop_signal_swallowed_by_library_code_before_the_start_still_stops():
+    """The pre-start handler raises where the signal lands; code that catches every exception
+    there (torch's import has such blocks) must not make the job run on as if nothing came."""
+    from vistrain import cli
+    from vistrain.config import StopRequested
+
+    before = signal.getsignal(signal.SIGTERM)
+    swallowing = pytest.raises(StopRequested, match="SIGTERM before the run started")
+    with swallowing, cli._stop_signals_before_start():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)  # the handler runs here, at the latest
+        except Exception:  # what the library code does with it
+            pass
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+
+
 def test_a_stop_signal_while_the_job_starts_is_one_line(tmp_path):
     """SIGTERM as soon as the command says what it does (checking, planning, starting the ranks):
     whatever it was doing, one line and exit 143."""

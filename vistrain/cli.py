@@ -90,8 +90,11 @@ def _stop_signals_before_start() -> Iterator[None]:
         yield
         return
 
+    received: List[str] = []
+
     def stop(signum, frame):
-        raise StopRequested(f"{signal.Signals(signum).name} before the run started; nothing was written")
+        received.append(signal.Signals(signum).name)
+        raise StopRequested(f"{received[0]} before the run started; nothing was written")
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
@@ -99,6 +102,8 @@ def _stop_signals_before_start() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if received:  # the raise landed in code that swallows exceptions (torch's import has such blocks)
+        raise StopRequested(f"{received[0]} before the run started; nothing was written")
 
 
 def say(text: str) -> None:
