@@ -92,9 +92,12 @@ def _stop_signals_before_start() -> Iterator[None]:
 
     received: List[str] = []
 
+    def stopped() -> StopRequested:
+        return StopRequested(f"{received[0]} before the run started; nothing was written")
+
     def stop(signum, frame):
         received.append(signal.Signals(signum).name)
-        raise StopRequested(f"{received[0]} before the run started; nothing was written")
+        raise stopped()
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
@@ -103,7 +106,7 @@ def _stop_signals_before_start() -> Iterator[None]:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if received:  # the raise landed in code that swallows exceptions (torch's import has such blocks)
-        raise StopRequested(f"{received[0]} before the run started; nothing was written")
+        raise stopped()
 
 
 def say(text: str) -> None:
