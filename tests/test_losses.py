@@ -48,6 +48,25 @@ def naive_nt_xent(z1, z2, temperature):
     return total / n2
 
 
+def naive_multicrop_nt_xent(views, temperature):
+    """Loop over anchors and their positives: each of an image's other views scored against the
+    views of the other images only (VISSL's multi-crop SimCLR form)."""
+    num_views, n = len(views), views[0].shape[0]
+    z = [F.normalize(v, dim=1) for v in views]
+    total, count = 0.0, 0
+    for c in range(num_views):
+        for i in range(n):
+            negatives = [
+                z[c][i] @ z[d][k] / temperature for d in range(num_views) for k in range(n) if k != i
+            ]
+            for d in range(num_views):
+                if d != c:
+                    positive = z[c][i] @ z[d][i] / temperature
+                    total = total - (positive - torch.logsumexp(torch.stack([positive, *negatives]), 0))
+                    count += 1
+    return total / count
+
+
 def naive_sinkhorn(scores, epsilon, iterations):
     """SwAV's Algorithm (float64, one process, no stabilisation)."""
     q = torch.exp(scores.double() / epsilon).t()
@@ -95,6 +114,39 @@ def test_simclr_low_precision_inputs_computed_in_fp32():
         loss = SimCLRLoss(TEMPERATURE)(z1.bfloat16(), z2.bfloat16())
     assert loss.dtype == torch.float32
     torch.testing.assert_close(loss, ref)
+
+
+def test_simclr_multicrop_matches_the_loop_and_two_views_match_the_paper():
+    views = [randn(5, 4, seed=20 + c) for c in range(4)]
+    torch.testing.assert_close(SimCLRLoss(TEMPERATURE)(*views), naive_multicrop_nt_xent(views, TEMPERATURE))
+    torch.testing.assert_close(
+        naive_multicrop_nt_xent(views[:2], TEMPERATURE), naive_nt_xent(*views[:2], TEMPERATURE)
+    )
+    # the views of one image are positives of one another, so their order does not matter
+    shuffled = [views[2], views[0], views[3], views[1]]
+    torch.testing.assert_close(SimCLRLoss(TEMPERATURE)(*shuffled), SimCLRLoss(TEMPERATURE)(*views))
+
+
+def _simclr_multicrop_worker(rank, world, views):
+    local = [rank_slice(v, rank, world).clone().requires_grad_(True) for v in views]
+    loss = SimCLRLoss(TEMPERATURE)(*local)
+    loss.backward()
+    return loss.detach(), [v.grad for v in local]
+
+
+def test_simclr_multicrop_distributed_equals_single_process():
+    world = 2
+    views = [randn(3 * world, 5, seed=30 + c) for c in range(3)]
+    refs = [v.clone().requires_grad_(True) for v in views]
+    ref = SimCLRLoss(TEMPERATURE)(*refs)
+    ref.backward()
+    results = run_on_ranks(_simclr_multicrop_worker, world, views)
+    torch.testing.assert_close(sum(r[0] for r in results) / world, ref.detach(), rtol=1e-12, atol=1e-12)
+    for rank, (_, grads) in enumerate(results):
+        for got, want in zip(grads, refs):
+            torch.testing.assert_close(
+                got, world * rank_slice(want.grad, rank, world), rtol=1e-10, atol=1e-12
+            )
 
 
 def _simclr_worker(rank, world, z1, z2):
@@ -148,6 +200,8 @@ def test_simclr_errors():
         SimCLRLoss(0.0)
     with pytest.raises(ValueError, match="equal shape"):
         SimCLRLoss(0.1)(randn(4, 3), randn(5, 3))
+    with pytest.raises(ValueError, match="two or more"):
+        SimCLRLoss(0.1)(randn(4, 3))
 
 
 # ---------------------------------------------------------------------------------------- Sinkhorn
@@ -337,8 +391,11 @@ def test_simclr_criterion_splits_views():
     criterion = build_loss(_loss_cfg("simclr_loss"))
     z = randn(8, 5, seed=12)
     torch.testing.assert_close(criterion(z, num_crops=2), SimCLRLoss(TEMPERATURE)(z[:4], z[4:]))
-    with pytest.raises(ValueError, match="exactly 2 crops"):
-        criterion(z, num_crops=4)
+    torch.testing.assert_close(criterion(z, num_crops=4), SimCLRLoss(TEMPERATURE)(*z.chunk(4)))
+    with pytest.raises(ValueError, match="2 or more crops"):
+        criterion(z, num_crops=1)
+    with pytest.raises(ValueError, match=r"\(3N, D\) embedding"):
+        criterion(z, num_crops=3)
     criterion.before_optimizer_step(nn.Linear(2, 2), 0)  # no-ops
     criterion.after_optimizer_step(nn.Linear(2, 2))
 

@@ -116,6 +116,25 @@ def test_a_method_needs_its_head():
         build_method(cfg)
 
 
+@pytest.mark.parametrize(
+    "name, crops, problem",
+    [
+        ("test/byol_tiny", "[2,2]", "takes exactly 2 crops per image"),
+        ("regnet_fsdp", "[1]", "takes 2 or more crops per image"),
+        ("regnet_fsdp", "[2,4]", None),  # SimCLR with multi-crop
+        ("test/dino_tiny", "[2,6]", None),
+    ],
+)
+def test_a_method_refuses_crop_counts_it_cannot_take_before_the_first_step(name, crops, problem):
+    cfg = load_config([f"config={name}", f"config.DATA.TRAIN.TRANSFORMS.NUM_CROPS={crops}"])
+    if problem is None:
+        build_method(cfg)
+        return
+    with pytest.raises(ConfigError, match=problem) as error:
+        build_method(cfg)
+    assert "change NUM_CROPS" in str(error.value) and "\n" not in str(error.value)
+
+
 @pytest.mark.parametrize("name", ["test/dino_tiny", "test/byol_tiny"])
 def test_teacher_methods_route_crops(name):
     cfg = load_config([f"config={name}"])

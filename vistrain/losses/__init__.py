@@ -71,19 +71,19 @@ class SSLCriterion(nn.Module):
 
 
 class SimCLRCriterion(SSLCriterion):
-    """SimCLR on an (2N, D) embedding tensor: rows [0, N) are view 1, [N, 2N) view 2."""
+    """SimCLR on a (C*N, D) embedding tensor: rows [c*N, (c+1)*N) are crop c (C >= 2; with
+    multi-crop every crop of an image is a positive of every other, ``losses/simclr.py``)."""
 
     def __init__(self, simclr_cfg):
         super().__init__()
         self.loss = SimCLRLoss(simclr_cfg.temperature)
 
     def forward(self, model_output: torch.Tensor, num_crops: int, teacher_output=None) -> torch.Tensor:
-        if num_crops != 2:
-            raise ValueError(f"simclr_loss needs exactly 2 crops per image, got {num_crops}")
-        if not isinstance(model_output, torch.Tensor) or model_output.shape[0] % 2:
-            raise ValueError("simclr_loss expects a (2N, D) embedding tensor from a simclr head")
-        z1, z2 = model_output.chunk(2)
-        return self.loss(z1, z2)
+        if num_crops < 2:
+            raise ValueError(f"simclr_loss needs 2 or more crops per image, got {num_crops}")
+        if not isinstance(model_output, torch.Tensor) or model_output.shape[0] % num_crops:
+            raise ValueError(f"simclr_loss expects a ({num_crops}N, D) embedding tensor from a simclr head")
+        return self.loss(*model_output.chunk(num_crops))
 
 
 class SwAVCriterion(SSLCriterion):
@@ -224,18 +224,21 @@ def _modules_of(model: nn.Module, cls: type, head: str) -> List[nn.Module]:
 @dataclasses.dataclass(frozen=True)
 class Method:
     """A registry entry: the criterion class, the heads it reads (empty: any), whether it trains
-    a momentum teacher (built like the student; the planner counts it)."""
+    a momentum teacher (built like the student; the planner counts it), the crops per image it
+    takes (at least ``min_crops``, at most ``max_crops`` when set)."""
 
     criterion: type
     heads: Tuple[str, ...] = ()
     teacher: bool = False
+    min_crops: int = 2
+    max_crops: Optional[int] = None
 
 
 METHODS = {
     "simclr_loss": Method(SimCLRCriterion),
     "swav_loss": Method(SwAVCriterion),
     "dino_loss": Method(DINOCriterion, ("dino",), teacher=True),
-    "byol_loss": Method(BYOLCriterion, ("byol",), teacher=True),
+    "byol_loss": Method(BYOLCriterion, ("byol",), teacher=True, max_crops=2),
 }
 LOSSES = METHODS  # the names LOSS.NAME accepts
 
@@ -261,7 +264,24 @@ def build_method(cfg) -> SSLCriterion:
             f"LOSS.NAME={cfg.LOSS.NAME} reads a {' or '.join(method.heads)} head: set "
             f"MODEL.HEAD.NAME={method.heads[0]} (now {cfg.MODEL.HEAD.NAME})"
         )
+    _check_crops(cfg, method)
     return build_loss(cfg.LOSS, cfg.MODEL.HEAD)
+
+
+def _check_crops(cfg, method: Optional[Method]) -> None:
+    """Before the first step: the crops per image DATA.TRAIN makes must be ones the method takes."""
+    transforms = cfg.DATA.TRAIN.TRANSFORMS
+    if method is None or transforms.NAME != "multicrop":
+        return
+    crops = sum(transforms.NUM_CROPS)
+    if crops < method.min_crops or (method.max_crops is not None and crops > method.max_crops):
+        wanted = {None: f"{method.min_crops} or more", method.min_crops: f"exactly {method.min_crops}"}.get(
+            method.max_crops, f"{method.min_crops} to {method.max_crops}"
+        )
+        raise ConfigError(
+            f"LOSS.NAME={cfg.LOSS.NAME} takes {wanted} crops per image, but DATA.TRAIN.TRANSFORMS.NUM_CROPS="
+            f"{list(transforms.NUM_CROPS)} makes {crops}: change NUM_CROPS (and SIZE_CROPS, CROP_SCALES)"
+        )
 
 
 def has_teacher(loss_cfg) -> bool:

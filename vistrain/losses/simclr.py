@@ -1,4 +1,5 @@
-"""NT-Xent (SimCLR, Chen et al., 2020) with negatives from the whole global batch."""
+"""NT-Xent (SimCLR, Chen et al., 2020) with negatives from the whole global batch, for two or
+more views per image (multi-crop)."""
 
 import torch
 import torch.nn.functional as F
@@ -8,15 +9,19 @@ from vistrain.distributed import comm
 
 
 class SimCLRLoss(nn.Module):
-    """``loss(z1, z2)``: z1, z2 (N, D) embeddings (any float dtype) of two views of this rank's N
+    """``loss(z_1, ..., z_C)``: C >= 2 tensors (N, D) (any float dtype), view c of this rank's N
     images -> scalar loss, computed in float32 (float64 for float64 inputs).
 
-    For anchor i with positive j(i) (its other view), over the 2B = 2 * world * N global views:
+    Over the C * B global views (B = world * N images), anchor a = (c, i) has the positives
+    P(a) = {(c', i): c' != c} (the other views of its image) and the negatives K(a) (every view of
+    every other image). With s(a, k) = sim(z_a, z_k) / t and sim the cosine similarity,
 
-        l_i = -log( exp(sim(z_i, z_j(i)) / t) / sum_{k != i} exp(sim(z_i, z_k) / t) )
+        l_a = 1/|P(a)| sum_{p in P(a)} -log( exp(s(a, p)) / (exp(s(a, p)) + sum_{k in K(a)} exp(s(a, k))) )
 
-    with sim the cosine similarity. Every rank scores its 2N local anchors against all 2B views
-    (gathered with ``all_gather_with_grad``) and returns the mean of its l_i.
+    each positive scored against the negatives only, not against the anchor's other positives.
+    With C = 2 this is the paper's l_i = -log( exp(s(i, j(i))) / sum_{k != i} exp(s(i, k)) ).
+    Every rank scores its C * N local anchors against all C * B views (gathered with
+    ``all_gather_with_grad``) and returns the mean of its l_a.
 
     Scaling convention: with equal N per rank, the single-process loss over the concatenated
     batch equals the mean of the per-rank losses, and each rank's backward yields, for its own
@@ -32,25 +37,30 @@ class SimCLRLoss(nn.Module):
             raise ValueError(f"SimCLR temperature must be positive, got {temperature}")
         self.temperature = temperature
 
-    def forward(self, z1: torch.Tensor, z2: torch.Tensor) -> torch.Tensor:
-        if z1.dim() != 2 or z1.shape != z2.shape:
-            shapes = f"{tuple(z1.shape)} and {tuple(z2.shape)}"
-            raise ValueError(f"SimCLRLoss expects two (N, D) tensors of equal shape, got {shapes}")
+    def forward(self, *views: torch.Tensor) -> torch.Tensor:
+        shapes = [tuple(z.shape) for z in views]
+        if len(views) < 2 or views[0].dim() != 2 or len(set(shapes)) != 1:
+            raise ValueError(f"SimCLRLoss expects two or more (N, D) tensors of equal shape, got {shapes}")
         # Softmax over thousands of logits divided by a small temperature: keep it in fp32.
-        with torch.autocast(device_type=z1.device.type, enabled=False):
-            dtype = torch.promote_types(z1.dtype, torch.float32)  # fp64 inputs stay fp64
-            return self._nt_xent(z1.to(dtype), z2.to(dtype))
+        with torch.autocast(device_type=views[0].device.type, enabled=False):
+            dtype = torch.promote_types(views[0].dtype, torch.float32)  # fp64 inputs stay fp64
+            return self._nt_xent([z.to(dtype) for z in views])
 
-    def _nt_xent(self, z1: torch.Tensor, z2: torch.Tensor) -> torch.Tensor:
-        n = z1.shape[0]
-        local = F.normalize(torch.cat([z1, z2]), dim=1)  # (2N, D): view 1 rows, then view 2 rows
-        everyone = comm.all_gather_with_grad(local)  # (world*2N, D), rank-major
-        logits = local @ everyone.t() / self.temperature  # (2N, world*2N)
+    def _nt_xent(self, views) -> torch.Tensor:
+        num_views, n = len(views), views[0].shape[0]
+        local = F.normalize(torch.cat(views), dim=1)  # (C*N, D): view c's rows at [c*N, (c+1)*N)
+        everyone = comm.all_gather_with_grad(local)  # (world*C*N, D), rank-major
+        logits = local @ everyone.t() / self.temperature  # (C*N, world*C*N)
 
-        rows = torch.arange(2 * n, device=local.device)
-        offset = comm.get_rank() * 2 * n  # this rank's block of columns
-        self_mask = torch.zeros_like(logits, dtype=torch.bool)
-        self_mask[rows, offset + rows] = True
-        logits = logits.masked_fill(self_mask, float("-inf"))  # an anchor is not its own negative
-        positives = offset + (rows + n) % (2 * n)  # view 1 row i <-> view 2 row i
-        return F.cross_entropy(logits, positives)
+        rows = torch.arange(num_views * n, device=local.device)
+        offset = comm.get_rank() * num_views * n  # this rank's block of columns
+        image = rows % n
+        same_image = image[:, None] == image[None, :]  # (C*N, C*N) within this rank's block
+        positive = torch.zeros_like(logits, dtype=torch.bool)
+        positive[:, offset : offset + num_views * n] = same_image
+        positive[rows, offset + rows] = False  # an anchor is not its own positive...
+        not_negative = positive.clone()
+        not_negative[rows, offset + rows] = True  # ...nor its own negative
+        negatives = torch.logsumexp(logits.masked_fill(not_negative, float("-inf")), dim=1, keepdim=True)
+        positives = logits[positive].view(num_views * n, num_views - 1)  # row order kept by masking
+        return (torch.logaddexp(positives, negatives) - positives).mean()
