@@ -13,7 +13,8 @@
 
 2. BatchNorm, one process, one thread: forward + backward of the CPU sync BN's autograd function
    (its all-reduces are no-ops in one process) and of ``F.batch_norm`` in training mode, on the
-   recipe's BatchNorm shapes (batch 128 = 64 cells x 2 views per rank, 96 px crops).
+   recipe's BatchNorm shapes at its 96 px crops (batch 128 = 64 cells x 2 views per rank; the
+   four 48 px crops of its multi-crop are not timed here).
 
     OMP_NUM_THREADS=1 python dev/bench_elpv_step.py
     python dev/bench_elpv_step.py --skip-runs          # the BatchNorm part only (seconds)

@@ -1,6 +1,7 @@
 """What an image recipe costs on this machine: img/s and data share of the ELPV recipe by crop size.
 
-Runs ``config=pretrain/simclr_regnet_elpv`` (2 CPU ranks) for two short epochs (``--images`` cells)
+Runs ``config=pretrain/simclr_regnet_elpv`` (2 CPU ranks) with two views per cell (its four small
+crops left out, as the recipe had before multi-crop) for two short epochs (``--images`` cells)
 at each of ``--sizes`` (crop side = DECODE_SIZE, so no resize is left for the views but the crop's),
 with ``--workers`` DataLoader workers per rank each, and prints the second epoch's throughput (the
 mean of metrics.jsonl's ``images_per_sec``; the first holds the start and decodes every cell once)
@@ -40,7 +41,9 @@ def main() -> int:
                     "config=pretrain/simclr_regnet_elpv",
                     f"config.CHECKPOINT.DIR={run_dir}",
                     f"config.DATA.TRAIN.DECODE_SIZE={size}",
+                    "config.DATA.TRAIN.TRANSFORMS.NUM_CROPS=[2]",  # two views of one size, no small crops
                     f"config.DATA.TRAIN.TRANSFORMS.SIZE_CROPS=[{size}]",
+                    "config.DATA.TRAIN.TRANSFORMS.CROP_SCALES=[[0.6,1.0]]",
                     f"config.DATA.TRAIN.DATA_LIMIT={args.images}",
                     f"config.DATA.NUM_DATALOADER_WORKERS={workers}",
                     "config.OPTIMIZER.num_epochs=2",

@@ -250,10 +250,10 @@ def _shrunk_elpv(folder, run_dir, *overrides):
 
 def test_elpv_recipes_pretrain_then_evaluate_and_draw(tmp_path):
     folder = _elpv_folder(tmp_path / "elpv")
-    pretrain = _shrunk_elpv(folder, tmp_path / "pretrain", "config.DATA.TRAIN.TRANSFORMS.SIZE_CROPS=[32]")
+    pretrain = _shrunk_elpv(folder, tmp_path / "pretrain", "config.DATA.TRAIN.TRANSFORMS.SIZE_CROPS=[32,16]")
     run_on_ranks(_train_on_rank, 2, ["config=pretrain/simclr_regnet_elpv", *pretrain])
     assert (tmp_path / "pretrain" / "views.png").stat().st_size > 0
-    with Image.open(tmp_path / "pretrain" / "views.png") as views:  # 8 rows of 2 views
+    with Image.open(tmp_path / "pretrain" / "views.png") as views:  # 8 rows of 6 views (2 + 4 small)
         assert views.size[1] > views.size[0] > 0
     evaluate = _shrunk_elpv(
         folder,
