@@ -10,9 +10,11 @@ the probe's folds; ``DATA.SPLIT_SEED`` = s too, or the matching ``--split-seeds`
 3. the same evaluation without ``MODEL.WEIGHTS_INIT.PARAMS_FILE``: the random trunk of seed s (the
    control: same features, same BatchNorm handling, same probe).
 
-Prints one row per seed (the picked feature's test top-1 on 4 and 2 classes, the random trunk's
-picked feature likewise, the pixel RBF-SVM of ``dev/elpv_baselines.py`` on the same split when
-``--baselines`` names its ``--json``, the pretraining's wall time) and the mean +- sample std.
+Prints one row per seed (the picked feature's cross-validated top-1 on the training cells, the
+score to choose a recipe by; its test top-1 on 4 and 2 classes; the random trunk's picked feature
+likewise and the 4-class gap to it; the pixel RBF-SVM of ``dev/elpv_baselines.py`` on the same
+split when ``--baselines`` names its ``--json``; the pretraining's wall time) and the mean +-
+sample std.
 A seed whose ``result.json`` exists is read, not run again; one whose ``pretrain.json`` exists
 keeps its pretraining (delete ``result.json`` and the ``eval_*`` folders to rerun the
 evaluations). ``--pretrain`` / ``--eval`` add overrides (``KEY=VALUE``).
@@ -106,17 +108,19 @@ def main() -> int:
     for seed in args.seeds:
         record = run_seed(args, seed)
         ours, rand = record["pretrained"]["picked"], record["random"]["picked"]
+        split_seed = record.get("split_seed", seed)
+        label = str(seed) if split_seed == seed else f"{seed} (split {split_seed})"
         row = {
-            "ours 4": ours["top1"], "ours 2": ours["top1_2class"],
-            "random 4": rand["top1"], "random 2": rand["top1_2class"],
+            "ours CV": ours["holdout_top1"], "ours 4": ours["top1"], "ours 2": ours["top1_2class"],
+            "random 4": rand["top1"], "random 2": rand["top1_2class"], "gap 4": ours["top1"] - rand["top1"],
         }  # fmt: skip
         if baselines:
-            svm = svm_of(baselines, record.get("split_seed", seed))
+            svm = svm_of(baselines, split_seed)
             row.update(
                 {"SVM 4": svm.get("4 classes", float("nan")), "SVM 2": svm.get("2 classes", float("nan"))}
             )
         row["pretrain min"] = record["pretrain_s"] / 60
-        rows.append((seed, ours["feature"], rand["feature"], row))
+        rows.append((label, ours["feature"], rand["feature"], row))
     columns = list(rows[0][3])
     print(f"\nELPV, {PRETRAIN} -> {EVAL} {' '.join(overrides(args.pretrain + args.eval))}: test top-1 (%)")
     print("| seed | picked (ours / random) | " + " | ".join(columns) + " |")
