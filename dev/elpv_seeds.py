@@ -122,12 +122,12 @@ def main() -> int:
         row["pretrain min"] = record["pretrain_s"] / 60
         rows.append((label, ours["feature"], rand["feature"], row))
     columns = list(rows[0][3])
-    print(f"\nELPV, {PRETRAIN} -> {EVAL} {' '.join(overrides(args.pretrain + args.eval))}: test top-1 (%)")
+    print(f"\nELPV, {PRETRAIN} -> {EVAL} {' '.join(overrides(args.pretrain + args.eval))}: top-1 (%)")
     print("| seed | picked (ours / random) | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 2) + "|")
-    for seed, feature, random_feature, row in rows:
+    for label, feature, random_feature, row in rows:
         print(
-            f"| {seed} | {feature} / {random_feature} | "
+            f"| {label} | {feature} / {random_feature} | "
             + " | ".join(f"{row[c]:.2f}" for c in columns)
             + " |"
         )
