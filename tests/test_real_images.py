@@ -17,7 +17,7 @@ from vistrain.config import ConfigError, DataError, load_config
 from vistrain.config.defaults import get_defaults
 from vistrain.data import build_dataset, build_loader
 from vistrain.data.datasets import count_samples
-from vistrain.data.elpv import ElpvSource, package_folder, read_labels, stratified_split
+from vistrain.data.elpv import ElpvSource, package_folder, read_labels, split_side, stratified_split
 from vistrain.data.loader import auto_workers
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.training.trainer import train
@@ -168,6 +168,24 @@ def test_split_is_stratified_disjoint_repeatable_and_75_25():
         assert abs(in_test[stratum] - 0.25 * count) < 1, stratum
 
 
+def test_recipe_choosing_sides_split_the_train_side_only():
+    classes = [0] * 1508 + [1] * 295 + [2] * 106 + [3] * 715
+    kinds = (["mono"] * 588 + ["poly"] * 920) + (["mono"] * 117 + ["poly"] * 178)
+    kinds += (["mono"] * 56 + ["poly"] * 50) + (["mono"] * 313 + ["poly"] * 402)
+    strata = list(zip(classes, kinds))
+    train, test = stratified_split(strata, seed=3)
+    fit, select = (split_side(strata, side, seed=3) for side in ("train_fit", "train_select"))
+    assert (split_side(strata, "train", 3), split_side(strata, "val", 3)) == (train, test)
+    assert (len(fit), len(select)) == (1476, 492)
+    assert sorted(fit + select) == train and not set(fit) & set(select)
+    assert select == split_side(strata, "train_select", seed=3) != split_side(strata, "train_select", 4)
+    in_train, in_select = Counter(strata[i] for i in train), Counter(strata[i] for i in select)
+    for stratum, count in in_train.items():
+        assert abs(in_select[stratum] - 0.25 * count) < 1, stratum
+    with pytest.raises(ConfigError, match=r"SPLIT 'test' is not one of train .* train_select"):
+        split_side(strata, "test", 3)
+
+
 def test_elpv_source_on_a_folder_of_the_package_layout(tmp_path):
     folder = _elpv_folder(tmp_path / "elpv")
     paths, classes, types = read_labels(str(folder))
@@ -183,6 +201,10 @@ def test_elpv_source_on_a_folder_of_the_package_layout(tmp_path):
     assert abs(int(np.asarray(image)[0, 0]) - 60 * label) <= 3  # the label's shade
     os.remove(train.paths[0])
     assert train.load(0)[1] == label  # decoded once: kept in memory
+    fit, select = (ElpvSource(str(folder), side, split_seed=0) for side in ("train_fit", "train_select"))
+    assert sorted(fit.paths + select.paths) == sorted(train.paths) and len(select) == 10
+    with pytest.raises(ConfigError, match=r"SPLIT 'tests' is not one of"):
+        ElpvSource(str(folder / "missing"), "tests", split_seed=0)  # named before any file is read
 
 
 def test_elpv_through_the_config(tmp_path):

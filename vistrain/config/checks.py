@@ -144,7 +144,9 @@ RULES = {
     "DISTRIBUTED.TIMEOUT_SECONDS": [at_least(1)],
     "DATA.NUM_DATALOADER_WORKERS": [at_least(-1)],
     "DATA.*.BATCHSIZE_PER_REPLICA": [at_least(1)],
-    "DATA.*.SPLIT": [one_of(("train", "val"))],
+    # train_fit / train_select: the elpv source's recipe-choosing sides inside train (its own check
+    # names the sources that have them)
+    "DATA.*.SPLIT": [one_of(("train", "val", "train_fit", "train_select"))],
     "DATA.*.FOLDER_LABELS": [one_of(("auto", "subfolders", "none"))],
     "DATA.*.DECODE_SIZE": [at_least(0)],
     "DATA.*.TRANSFORMS.NAME": [one_of("transforms")],

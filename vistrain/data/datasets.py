@@ -16,7 +16,7 @@ Sources (``DATA.<split>.DATA_SOURCES``, one ``DATA_PATHS`` entry each; the entry
   read through ``disk_folder`` with ``SPLIT`` train (1,437) or val (360).
 * ``elpv``: the solar-cell images of the installed ``elpv-dataset`` package (or a folder of its
   layout in ``DATA_PATHS``), a 75/25 split drawn from ``DATA.SPLIT_SEED``; ``SPLIT`` train or val
-  (the 25% test side); see ``elpv.py``.
+  (the 25% test side), or train_fit / train_select inside train for choosing recipes; see ``elpv.py``.
 
 Several sources are concatenated in order, labels kept as each source gives them; ``DATA_LIMIT``
 keeps the first N samples of the concatenation. Input that cannot work (a missing or empty folder,

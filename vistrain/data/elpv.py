@@ -8,7 +8,11 @@ CC BY-NC-SA 4.0: they are read where the package put them, never copied into thi
 There is no official split. :func:`stratified_split` draws the paper's 75/25 proportion (1,968 train,
 656 test), stratified by (class, type), from ``DATA.SPLIT_SEED``. ``labels.csv`` has no module ids,
 so a random split puts cells of one module on both sides (the paper's did too, as far as is known).
-``SPLIT: train`` reads the 75% side, ``SPLIT: val`` the 25% test side.
+``SPLIT: train`` reads the 75% side, ``SPLIT: val`` the 25% test side. For choosing a recipe
+without the test side, ``train_select`` is a quarter of the train side drawn the same way (492
+cells) and ``train_fit`` the rest (1,476): pretrain and fit the probe on ``train_fit``, score it on
+``train_select``, cells the pretraining did not see (a cross-validation on pretrained-on cells
+rewards recipes that fit those cells better without the unseen ones following).
 
 Decoding a 300 px PNG costs more than an augmented view of it, so every image is decoded once per
 process, resized to ``DECODE_SIZE`` (0: kept at 300) and kept in memory as 8-bit grayscale
@@ -28,7 +32,7 @@ from vistrain.data.folders import read_image
 NUM_CLASSES = 4  # defect probabilities 0, 1/3, 2/3, 1
 DEFECTIVE_FROM = 2  # classes 2 and 3 (p >= 0.5) are defective in the two-class protocol
 TEST_FRACTION = 0.25  # the paper's 1,968 / 656
-SIDES = {"train": 0, "val": 1}
+SPLITS = ("train", "val", "train_fit", "train_select")
 
 
 def package_folder() -> str:
@@ -104,6 +108,27 @@ def stratified_split(
     return [i for i in range(len(keys)) if i not in test_set], sorted(test)
 
 
+def check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ConfigError(
+            f"elpv: SPLIT {split!r} is not one of train (75%), val (the 25% test side), train_fit and "
+            "train_select (75 / 25 of the train side, for choosing a recipe)"
+        )
+
+
+def split_side(strata: Sequence, split: str, seed: int) -> List[int]:
+    """Sorted sample indices of ``split`` (one of :data:`SPLITS`): ``train`` / ``val`` are the two
+    sides of ``stratified_split(strata, seed)``; ``train_fit`` / ``train_select`` the two sides of
+    the same draw applied to the train side's strata (75 / 25 of it), so both lie inside ``train``.
+    """
+    check_split(split)
+    train, test = stratified_split(strata, seed)
+    if split in ("train", "val"):
+        return train if split == "train" else test
+    fit, select = stratified_split([strata[i] for i in train], seed)
+    return [train[i] for i in (fit if split == "train_fit" else select)]
+
+
 class ElpvSource:
     """One side of an ELPV split: ``load(i) -> (grayscale "L" image of DECODE_SIZE, class 0..3)``.
 
@@ -117,10 +142,9 @@ class ElpvSource:
     class_names = ("p=0", "p=1/3", "p=2/3", "p=1")  # defect probability of each class
 
     def __init__(self, folder: str, split: str, split_seed: int, decode_size: int = 0):
-        if split not in SIDES:
-            raise ConfigError(f"elpv: SPLIT {split!r} is not one of train (75%), val (the 25% test side)")
+        check_split(split)  # before reading anything
         paths, classes, types = read_labels(folder)
-        side = stratified_split(list(zip(classes.tolist(), types.tolist())), split_seed)[SIDES[split]]
+        side = split_side(list(zip(classes.tolist(), types.tolist())), split, split_seed)
         self.paths = [paths[i] for i in side]
         self.labels = classes[side].tolist()
         self.types = types[side].tolist()
