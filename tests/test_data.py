@@ -306,6 +306,9 @@ def test_corrupt_images_skipped_and_counted(tmp_path, caplog):
     cfg.TEST.DATA_SOURCES, cfg.TEST.DATA_PATHS = ["disk_folder"], [str(tmp_path)]
     cfg.TEST.SKIP_CORRUPT, cfg.TEST.BATCHSIZE_PER_REPLICA = True, 4
     cfg.TEST.TRANSFORMS.RESIZE = cfg.TEST.TRANSFORMS.CENTER_CROP = 8
+    # the dataset's own count is kept by the process that loads: this one, whatever the automatic
+    # worker count makes of the threads other tests left to this pytest worker
+    cfg.NUM_DATALOADER_WORKERS = 0
     loader = build_loader(cfg, "TEST", seed=0, device=CPU)
     with caplog.at_level(logging.WARNING):
         batches = list(loader)
