@@ -21,9 +21,10 @@ evaluations). ``--pretrain`` / ``--eval`` add overrides (``KEY=VALUE``).
 
 ``--select`` chooses recipes without the test cells and without the bias of the cross-validation
 on pretrained-on cells (it scored 95 epochs and 112 px crops higher on every seed tried, and a
-temperature of 1.0 on seed 3, while their test cells fell): the pretraining and the probe's fit use ``train_fit`` (1,476 cells of the
-train side) and the probe is scored on ``train_select`` (the other 492, which the pretraining
-did not see); the 656 test cells are not read. Its "4" and "2" columns are then those scores.
+temperature of 1.0 on seed 3, while their test cells fell): the pretraining and the probe's fit
+use ``train_fit`` (1,476 cells of the train side) and the probe is scored on ``train_select``
+(the other 492, which the pretraining did not see); the 656 test cells are not read. Its "4" and
+"2" columns are then those scores.
 
     OMP_NUM_THREADS=1 python dev/elpv_seeds.py --seeds 0 1 2 --baselines /tmp/baselines.json
     python dev/elpv_seeds.py --seeds 11 --split-seeds 7 --out /tmp/held_out   # seeds the docs do not use

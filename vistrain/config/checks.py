@@ -144,8 +144,8 @@ RULES = {
     "DISTRIBUTED.TIMEOUT_SECONDS": [at_least(1)],
     "DATA.NUM_DATALOADER_WORKERS": [at_least(-1)],
     "DATA.*.BATCHSIZE_PER_REPLICA": [at_least(1)],
-    # train_fit / train_select: the elpv source's recipe-choosing sides inside train (its own check
-    # names the sources that have them)
+    # train_fit / train_select: the elpv source's sides inside train, for choosing recipes
+    # (demo_digits refuses them; a folder without train/ and val/ ignores SPLIT, as for val)
     "DATA.*.SPLIT": [one_of(("train", "val", "train_fit", "train_select"))],
     "DATA.*.FOLDER_LABELS": [one_of(("auto", "subfolders", "none"))],
     "DATA.*.DECODE_SIZE": [at_least(0)],
