@@ -153,11 +153,16 @@ def _elpv_folder(root: Path, per_stratum=None) -> Path:
     return root
 
 
-def test_split_is_stratified_disjoint_repeatable_and_75_25():
+def _elpv_strata():
+    """(class, type) of each of ELPV's 2,624 cells, in the real counts."""
     classes = [0] * 1508 + [1] * 295 + [2] * 106 + [3] * 715
     kinds = (["mono"] * 588 + ["poly"] * 920) + (["mono"] * 117 + ["poly"] * 178)
     kinds += (["mono"] * 56 + ["poly"] * 50) + (["mono"] * 313 + ["poly"] * 402)
-    strata = list(zip(classes, kinds))
+    return list(zip(classes, kinds))
+
+
+def test_split_is_stratified_disjoint_repeatable_and_75_25():
+    strata = _elpv_strata()
     train, test = stratified_split(strata, seed=3)
     assert (len(train), len(test)) == (1968, 656)  # the paper's sizes
     assert sorted(train + test) == list(range(2624)) and not set(train) & set(test)
@@ -169,10 +174,7 @@ def test_split_is_stratified_disjoint_repeatable_and_75_25():
 
 
 def test_recipe_choosing_sides_split_the_train_side_only():
-    classes = [0] * 1508 + [1] * 295 + [2] * 106 + [3] * 715
-    kinds = (["mono"] * 588 + ["poly"] * 920) + (["mono"] * 117 + ["poly"] * 178)
-    kinds += (["mono"] * 56 + ["poly"] * 50) + (["mono"] * 313 + ["poly"] * 402)
-    strata = list(zip(classes, kinds))
+    strata = _elpv_strata()
     train, test = stratified_split(strata, seed=3)
     fit, select = (split_side(strata, side, seed=3) for side in ("train_fit", "train_select"))
     assert (split_side(strata, "train", 3), split_side(strata, "val", 3)) == (train, test)
