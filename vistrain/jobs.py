@@ -12,6 +12,7 @@ import torch
 
 from vistrain.benchmarks import extract_features, knn, linear_eval
 from vistrain.benchmarks.common import FEATURE_VIEWS
+from vistrain.benchmarks.precise_bn import TRUNK_BN_STATS
 from vistrain.checkpoint.files import CheckpointError
 from vistrain.checkpoint.pretrained import check_weights_file
 from vistrain.config import ConfigError, InputError
@@ -61,6 +62,7 @@ def catalog() -> Catalog:
         "compute dtypes": DTYPES,
         "amp dtypes": AMP_DTYPES,
         "feature views": FEATURE_VIEWS,
+        "trunk BN statistics": TRUNK_BN_STATS,
     }
     return Catalog(
         names={key: sorted(names) for key, names in registries.items()},

@@ -4,7 +4,8 @@ over ranks whose data was padded.
 The trunk is built from ``cfg.MODEL`` with the "identity" head, so it returns the feature dict of
 ``BENCHMARK.FEATURES``; pretrained weights come from ``MODEL.WEIGHTS_INIT`` (any checkpoint
 format, see :func:`vistrain.checkpoint.load_pretrained`). It is then frozen: ``requires_grad``
-False, eval mode (BatchNorm uses and keeps its running statistics), every forward under
+False, eval mode (BatchNorm uses and keeps its running statistics: those of the checkpoint, or
+recomputed on DATA.TRAIN with ``BENCHMARK.TRUNK_BN_STATS: recompute``), every forward under
 ``no_grad``. With ``MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP`` it is sharded by our engine, which under
 ``no_grad`` gathers each unit's weights for its forward and frees them right after, so a trunk
 larger than one device's memory can be evaluated. Without it every rank holds a plain copy (DDP
@@ -19,13 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vistrain.benchmarks.precise_bn import recompute_bn_statistics
 from vistrain.checkpoint import load_pretrained
 from vistrain.config.errors import DataError
 from vistrain.config.words import plural
-from vistrain.data import set_epoch
+from vistrain.data import build_loader, set_epoch
 from vistrain.distributed import comm
 from vistrain.models import build_model
 from vistrain.runtime.logger import logger
+from vistrain.runtime.precision import amp_dtype
 from vistrain.runtime.sharding import shard_model
 
 # --------------------------------------------------------------------------------------------
@@ -72,7 +75,8 @@ def heads_model_config(model_cfg):
 def build_frozen_trunk(cfg, device: torch.device) -> Tuple[nn.Module, Dict[str, int]]:
     """The trunk of ``cfg.MODEL`` with ``MODEL.WEIGHTS_INIT`` loaded, frozen, on ``device``.
 
-    Returns (module, dims): the module maps images (N, 3, H, W) to ``{name: feature}`` for
+    ``BENCHMARK.TRUNK_BN_STATS: recompute`` first recomputes its BatchNorm statistics on DATA.TRAIN
+    (:mod:`vistrain.benchmarks.precise_bn`; collective). Returns (module, dims): the module maps images (N, 3, H, W) to ``{name: feature}`` for
     BENCHMARK.FEATURES (sharded by our engine with AUTO_SETUP_FSDP, else plain; call it only under
     ``no_grad``); dims gives each feature's width after :func:`pool_feature`.
     """
@@ -85,6 +89,11 @@ def build_frozen_trunk(cfg, device: torch.device) -> Tuple[nn.Module, Dict[str, 
     for param in model.parameters():
         param.requires_grad_(False)  # before sharding: the engine then builds gradient-free shards
     model = model.to(device)
+    if cfg.BENCHMARK.TRUNK_BN_STATS == "recompute":  # before sharding: a plain forward per pass
+        loader = ordered_loader(cfg.DATA, "TRAIN", cfg.SEED_VALUE, device)
+        images = (images for images, _ in one_view_batches(loader, device))
+        views, dtype = FEATURE_VIEWS[cfg.BENCHMARK.FEATURE_VIEWS], amp_dtype(cfg.MODEL)
+        model = recompute_bn_statistics(model, images, views, dtype)
     if model_cfg.FSDP_CONFIG.AUTO_SETUP_FSDP:
         # sharding only: in eval mode BatchNorm reads its running statistics (nothing to
         # synchronise) and no backward recomputes activations
@@ -194,6 +203,26 @@ def pooled_dims(
     return {name: sum(width(part, side) for part, side in feature_parts(name, pool_size)) for name in names}
 
 
+def ordered_loader(data_cfg, split: str, seed: int, device: torch.device):
+    """The loader of DATA.<split> in order, nothing dropped (padded to equal batches per rank)."""
+    ordered = data_cfg.clone()
+    ordered.defrost()
+    ordered[split].SHUFFLE = ordered[split].DROP_LAST = False
+    return build_loader(ordered, split, seed=seed, device=device)
+
+
+def one_view_batches(loader, device: torch.device):
+    """(images (N_r, 3, H, W) on ``device``, batch) of one pass of ``loader``; ValueError for a
+    transform that makes several views per image."""
+    set_epoch(loader, 0)
+    for batch in loader:
+        if len(batch["crops"]) != 1:
+            raise ValueError(
+                f"feature extraction takes one view per image, got {len(batch['crops'])}: use TRANSFORMS.NAME=eval"
+            )
+        yield batch["crops"][0].to(device), batch
+
+
 @torch.no_grad()
 def extract(
     trunk: nn.Module,
@@ -206,15 +235,10 @@ def extract(
 ) -> Tuple[Dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """This rank's pooled features ``{name: (N_r, D)}``, labels (N_r,) and indices (N_r,) of one
     pass (``views``: see :func:`trunk_features`)."""
-    set_epoch(loader, 0)
     feats = {name: [] for name in names}
     labels, indices = [], []
-    for batch in loader:
-        if len(batch["crops"]) != 1:
-            raise ValueError(
-                f"feature extraction takes one view per image, got {len(batch['crops'])}: use TRANSFORMS.NAME=eval"
-            )
-        out = trunk_features(trunk, batch["crops"][0].to(device), names, pool_size, dtype, views)
+    for images, batch in one_view_batches(loader, device):
+        out = trunk_features(trunk, images, names, pool_size, dtype, views)
         for name in names:
             feats[name].append(out[name])
         labels.append(batch["label"].to(device))

@@ -127,10 +127,7 @@ class CachedFeatures:
 def cache_features(source: FrozenFeatures, data_cfg, seed: int) -> CachedFeatures:
     """Collective: one pass of the trunk over all of DATA.TRAIN (in order, nothing dropped), every
     rank's features gathered so that each rank holds the whole bank."""
-    ordered = data_cfg.clone()
-    ordered.defrost()
-    ordered.TRAIN.SHUFFLE = ordered.TRAIN.DROP_LAST = False
-    loader = build_loader(ordered, "TRAIN", seed=seed, device=source.device)
+    loader = common.ordered_loader(data_cfg, "TRAIN", seed, source.device)
     feats, _, indices = common.extract(
         source.trunk, loader, source.names, source.pool_size, source.dtype, source.device, source.views
     )

@@ -186,6 +186,7 @@ RULES = {
     "CHECKPOINT.STOP_GRACE_SECONDS": [above(0)],
     "BENCHMARK.POOL_SIZE": [at_least(1)],
     "BENCHMARK.FEATURE_VIEWS": [one_of("feature views")],
+    "BENCHMARK.TRUNK_BN_STATS": [one_of("trunk BN statistics")],
     "BENCHMARK.LINEAR_LR_FOLDS": [at_least(1)],
     "BENCHMARK.KNN_K": [at_least(1)],
     "BENCHMARK.KNN_TEMPERATURE": [above(0)],

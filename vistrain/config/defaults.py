@@ -276,6 +276,10 @@ _C.BENCHMARK.POOL_SIZE = 2  # stage maps are average-pooled to POOL_SIZE x POOL_
 # features averaged over transformed copies of each image: identity | flip (left-right) | dihedral
 # (the 8 quarter turns and mirrors: for images with no "up", such as ELPV's cells)
 _C.BENCHMARK.FEATURE_VIEWS = "identity"
+# the frozen trunk's BatchNorm statistics: running (those it carries: the EMA of its training batches;
+# a random trunk's init) | recompute (averaged over a pass of DATA.TRAIN's images and feature views,
+# pretrained and random trunks alike: vistrain/benchmarks/precise_bn.py)
+_C.BENCHMARK.TRUNK_BN_STATS = "running"
 _C.BENCHMARK.LINEAR_LRS = []  # linear_eval: peak lrs tried per feature ([]: OPTIMIZER's lr only)
 _C.BENCHMARK.LINEAR_HOLDOUT_FRACTION = 0.1  # linear_eval: part of TRAIN that picks the lr from LINEAR_LRS
 _C.BENCHMARK.LINEAR_LR_FOLDS = 1  # linear_eval: > 1 picks the lr by stratified k-fold CV on TRAIN instead
