@@ -137,3 +137,37 @@ def test_an_unknown_trunk_bn_setting_is_refused_in_one_line():
         ConfigError, match="BENCHMARK.TRUNK_BN_STATS must be one of recompute, running; got 'precise'"
     ):
         check_values(_tiny("config.BENCHMARK.TRUNK_BN_STATS=precise"))
+
+
+def _extract_on_ranks(rank, world_size, argv):
+    from vistrain.benchmarks import extract_features
+
+    extract_features(load_config(argv))
+
+
+def test_sharded_ranks_extract_with_the_statistics_of_one_process(tmp_path):
+    """extract_features with recompute on 2 gloo ranks, the trunk sharded by our engine (4 TRAIN
+    images per rank and batch), writes the test features one unsharded process computes with the
+    same global batches of 8."""
+    plain = [
+        "config=test/benchmark_tiny",
+        "config.JOB=extract_features",
+        "config.BENCHMARK.FEATURE_VIEWS=flip",
+    ]
+    argv = [*plain, "config.BENCHMARK.TRUNK_BN_STATS=recompute"]
+    run_on_ranks(_extract_on_ranks, 2, [*argv, f"config.CHECKPOINT.DIR={tmp_path / '2'}"])
+    one = [
+        *argv,
+        f"config.CHECKPOINT.DIR={tmp_path / '1'}",
+        "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False",
+        "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
+    ]
+    run_on_ranks(_extract_on_ranks, 1, one)
+    run_on_ranks(_extract_on_ranks, 2, [*plain, f"config.CHECKPOINT.DIR={tmp_path / 'running'}"])
+    written = {
+        run: torch.load(tmp_path / run / "features" / "test.pt", weights_only=True)["features"]
+        for run in ("2", "1", "running")
+    }
+    for name, feature in written["1"].items():
+        torch.testing.assert_close(written["2"][name], feature, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(written["running"][name], feature, atol=1e-3)  # the statistics matter
