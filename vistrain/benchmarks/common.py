@@ -76,7 +76,9 @@ def build_frozen_trunk(cfg, device: torch.device) -> Tuple[nn.Module, Dict[str, 
     """The trunk of ``cfg.MODEL`` with ``MODEL.WEIGHTS_INIT`` loaded, frozen, on ``device``.
 
     ``BENCHMARK.TRUNK_BN_STATS: recompute`` first recomputes its BatchNorm statistics on DATA.TRAIN
-    (:mod:`vistrain.benchmarks.precise_bn`; collective). Returns (module, dims): the module maps images (N, 3, H, W) to ``{name: feature}`` for
+    (:mod:`vistrain.benchmarks.precise_bn`; collective).
+
+    Returns (module, dims): the module maps images (N, 3, H, W) to ``{name: feature}`` for
     BENCHMARK.FEATURES (sharded by our engine with AUTO_SETUP_FSDP, else plain; call it only under
     ``no_grad``); dims gives each feature's width after :func:`pool_feature`.
     """
@@ -91,9 +93,9 @@ def build_frozen_trunk(cfg, device: torch.device) -> Tuple[nn.Module, Dict[str, 
     model = model.to(device)
     if cfg.BENCHMARK.TRUNK_BN_STATS == "recompute":  # before sharding: a plain forward per pass
         loader = ordered_loader(cfg.DATA, "TRAIN", cfg.SEED_VALUE, device)
-        images = (images for images, _ in one_view_batches(loader, device))
-        views, dtype = FEATURE_VIEWS[cfg.BENCHMARK.FEATURE_VIEWS], amp_dtype(cfg.MODEL)
-        model = recompute_bn_statistics(model, images, views, dtype)
+        model = recompute_bn_statistics(
+            model, view_batches(loader, device, cfg.BENCHMARK.FEATURE_VIEWS), amp_dtype(cfg.MODEL)
+        )
     if model_cfg.FSDP_CONFIG.AUTO_SETUP_FSDP:
         # sharding only: in eval mode BatchNorm reads its running statistics (nothing to
         # synchronise) and no backward recomputes activations
@@ -221,6 +223,14 @@ def one_view_batches(loader, device: torch.device):
                 f"feature extraction takes one view per image, got {len(batch['crops'])}: use TRANSFORMS.NAME=eval"
             )
         yield batch["crops"][0].to(device), batch
+
+
+def view_batches(loader, device: torch.device, views: str):
+    """Each batch of one pass of ``loader`` under each transform of ``FEATURE_VIEWS[views]``:
+    images (N_r, 3, H, W) on ``device``, len(loader) * len(transforms) of them."""
+    for images, _ in one_view_batches(loader, device):
+        for turns, flip in FEATURE_VIEWS[views]:
+            yield view_of(images, turns, flip)
 
 
 @torch.no_grad()

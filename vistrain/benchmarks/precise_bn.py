@@ -37,18 +37,15 @@ def batch_norms(model: nn.Module):
 
 @torch.no_grad()
 def recompute_bn_statistics(
-    model: nn.Module,
-    batches: Iterable[torch.Tensor],
-    views=((0, False),),
-    dtype: Optional[torch.dtype] = None,
+    model: nn.Module, batches: Iterable[torch.Tensor], dtype: Optional[torch.dtype] = None
 ) -> nn.Module:
     """Set every BatchNorm's running mean and variance of ``model`` to the average over the
     forward passes of the global batch's statistics (module docstring); returns ``model`` (its
     BatchNorms synchronised: in eval mode they are plain BatchNorms), in eval mode.
 
-    ``batches``: images (N_r, C, H, W) on the model's device; ``views``: (quarter turns, mirror)
-    of each batch run as a pass of its own (``common.FEATURE_VIEWS``); ``dtype``: the autocast of
-    the feature extraction. Collective: every rank must give the same number of batches (the
+    ``batches``: images (N_r, C, H, W) on the model's device, one forward pass each (the caller
+    gives each view of a batch as a batch of its own); ``dtype``: the autocast of the feature
+    extraction. Collective: every rank must give the same number of batches (the
     DistributedSampler pads; a rank's batch may be empty).
     """
     model = convert_sync_batchnorm(model)  # synced copies sharing the buffers
@@ -61,14 +58,9 @@ def recompute_bn_statistics(
     passes = 0
     try:
         for images in batches:
-            for turns, flip in views:
-                view = torch.rot90(images, turns, dims=(2, 3)) if turns else images
-                view = view.flip(3) if flip else view
-                with torch.autocast(
-                    images.device.type, dtype=dtype or torch.float32, enabled=dtype is not None
-                ):
-                    model(view)
-                passes += 1
+            with torch.autocast(images.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                model(images)
+            passes += 1
     finally:
         for norm, momentum in zip(norms, momenta):
             norm.momentum = momentum
