@@ -48,9 +48,10 @@ def naive_nt_xent(z1, z2, temperature):
     return total / n2
 
 
-def naive_multicrop_nt_xent(views, temperature):
+def naive_multicrop_nt_xent(views, temperature, num_global_crops=0):
     """Loop over anchors and their positives: each of an image's other views scored against the
-    views of the other images only (VISSL's multi-crop SimCLR form)."""
+    views of the other images only (VISSL's multi-crop SimCLR form); with ``num_global_crops`` G
+    > 0 a pair of two views from G on is skipped (DINO's local-to-global pairs)."""
     num_views, n = len(views), views[0].shape[0]
     z = [F.normalize(v, dim=1) for v in views]
     total, count = 0.0, 0
@@ -60,7 +61,7 @@ def naive_multicrop_nt_xent(views, temperature):
                 z[c][i] @ z[d][k] / temperature for d in range(num_views) for k in range(n) if k != i
             ]
             for d in range(num_views):
-                if d != c:
+                if d != c and (num_global_crops == 0 or min(c, d) < num_global_crops):
                     positive = z[c][i] @ z[d][i] / temperature
                     total = total - (positive - torch.logsumexp(torch.stack([positive, *negatives]), 0))
                     count += 1
@@ -127,20 +128,43 @@ def test_simclr_multicrop_matches_the_loop_and_two_views_match_the_paper():
     torch.testing.assert_close(SimCLRLoss(TEMPERATURE)(*shuffled), SimCLRLoss(TEMPERATURE)(*views))
 
 
-def _simclr_multicrop_worker(rank, world, views):
+def test_simclr_global_crops_keep_the_pairs_with_a_global_crop():
+    views = [randn(4, 6, seed=40 + c) for c in range(5)]
+    for num_global in (1, 2, 3):
+        torch.testing.assert_close(
+            SimCLRLoss(TEMPERATURE, num_global)(*views),
+            naive_multicrop_nt_xent(views, TEMPERATURE, num_global),
+        )
+        assert not torch.allclose(
+            SimCLRLoss(TEMPERATURE, num_global)(*views), SimCLRLoss(TEMPERATURE)(*views)
+        )
+    # with C - 1 or more global crops no two local crops exist: every pair counts, bit for bit
+    for num_global in (4, 5):
+        assert torch.equal(SimCLRLoss(TEMPERATURE, num_global)(*views), SimCLRLoss(TEMPERATURE)(*views))
+    # and so are the gradients
+    local = [v.clone().requires_grad_(True) for v in views]
+    SimCLRLoss(TEMPERATURE, 2)(*local).backward()
+    alone = [v.clone().requires_grad_(True) for v in views]
+    naive_multicrop_nt_xent(alone, TEMPERATURE, 2).backward()
+    for got, want in zip(local, alone):
+        torch.testing.assert_close(got.grad, want.grad)
+
+
+def _simclr_multicrop_worker(rank, world, views, num_global):
     local = [rank_slice(v, rank, world).clone().requires_grad_(True) for v in views]
-    loss = SimCLRLoss(TEMPERATURE)(*local)
+    loss = SimCLRLoss(TEMPERATURE, num_global)(*local)
     loss.backward()
     return loss.detach(), [v.grad for v in local]
 
 
-def test_simclr_multicrop_distributed_equals_single_process():
+@pytest.mark.parametrize("num_views, num_global", [(3, 0), (4, 1)])
+def test_simclr_multicrop_distributed_equals_single_process(num_views, num_global):
     world = 2
-    views = [randn(3 * world, 5, seed=30 + c) for c in range(3)]
+    views = [randn(3 * world, 5, seed=30 + c) for c in range(num_views)]
     refs = [v.clone().requires_grad_(True) for v in views]
-    ref = SimCLRLoss(TEMPERATURE)(*refs)
+    ref = SimCLRLoss(TEMPERATURE, num_global)(*refs)
     ref.backward()
-    results = run_on_ranks(_simclr_multicrop_worker, world, views)
+    results = run_on_ranks(_simclr_multicrop_worker, world, views, num_global)
     torch.testing.assert_close(sum(r[0] for r in results) / world, ref.detach(), rtol=1e-12, atol=1e-12)
     for rank, (_, grads) in enumerate(results):
         for got, want in zip(grads, refs):
@@ -202,6 +226,8 @@ def test_simclr_errors():
         SimCLRLoss(0.1)(randn(4, 3), randn(5, 3))
     with pytest.raises(ValueError, match="two or more"):
         SimCLRLoss(0.1)(randn(4, 3))
+    with pytest.raises(ValueError, match="num_global_crops must be >= 0"):
+        SimCLRLoss(0.1, -1)
 
 
 # ---------------------------------------------------------------------------------------- Sinkhorn

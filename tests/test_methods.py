@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from vistrain.config import ConfigError, load_config
+from vistrain.config.checks import check_config
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.losses import (
     DINOLoss,
@@ -133,6 +134,28 @@ def test_a_method_refuses_crop_counts_it_cannot_take_before_the_first_step(name,
     with pytest.raises(ConfigError, match=problem) as error:
         build_method(cfg)
     assert "change NUM_CROPS" in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("name, loss", [("regnet_fsdp", "simclr_loss"), ("test/dino_tiny", "dino_loss")])
+def test_more_global_crops_than_crops_is_one_config_line(name, loss):
+    cfg = load_config(
+        [
+            f"config={name}",
+            "config.DATA.TRAIN.TRANSFORMS.NUM_CROPS=[2]",
+            f"config.LOSS.{loss}.num_global_crops=3",
+        ]
+    )
+    with pytest.raises(ConfigError, match=f"LOSS.{loss}.num_global_crops=3, .* makes 2 crops") as error:
+        build_method(cfg)
+    assert "at most 2" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_simclr_global_crops_reach_the_loss():
+    cfg = load_config(["config=regnet_fsdp", "config.LOSS.simclr_loss.num_global_crops=2"])
+    assert build_method(cfg).loss.num_global_crops == 2
+    bad = load_config(["config=regnet_fsdp", "config.LOSS.simclr_loss.num_global_crops=-1"])
+    with pytest.raises(ConfigError, match="LOSS.simclr_loss.num_global_crops must be >= 0; got -1"):
+        check_config(bad, lambda: None)
 
 
 @pytest.mark.parametrize("name", ["test/dino_tiny", "test/byol_tiny"])

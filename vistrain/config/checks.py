@@ -174,6 +174,7 @@ RULES = {
     "MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY": [one_of(("block", "stage"))],
     "MODEL.WEIGHTS_INIT.PARAMS_FILE": [loadable_weights],
     "LOSS.NAME": [one_of("losses")],
+    "LOSS.simclr_loss.num_global_crops": [at_least(0)],
     "OPTIMIZER.name": [one_of("optimizers")],
     "OPTIMIZER.num_epochs": [at_least(1)],
     "OPTIMIZER.update_freq": [at_least(1)],

@@ -203,6 +203,9 @@ _C.LOSS = CN()
 _C.LOSS.NAME = "simclr_loss"
 _C.LOSS.simclr_loss = CN()
 _C.LOSS.simclr_loss.temperature = 0.1
+# multi-crop positives: 0: every crop of an image a positive of every other (VISSL's form); G > 0:
+# only the pairs with one of the G first (global) crops, two local crops are not (DINO's form)
+_C.LOSS.simclr_loss.num_global_crops = 0
 _C.LOSS.swav_loss = CN()
 _C.LOSS.swav_loss.temperature = 0.1
 _C.LOSS.swav_loss.epsilon = 0.05  # entropic regularisation of Sinkhorn-Knopp

@@ -76,7 +76,7 @@ class SimCLRCriterion(SSLCriterion):
 
     def __init__(self, simclr_cfg):
         super().__init__()
-        self.loss = SimCLRLoss(simclr_cfg.temperature)
+        self.loss = SimCLRLoss(simclr_cfg.temperature, int(simclr_cfg.num_global_crops))
 
     def forward(self, model_output: torch.Tensor, num_crops: int, teacher_output=None) -> torch.Tensor:
         if num_crops < 2:
@@ -265,6 +265,7 @@ def build_method(cfg) -> SSLCriterion:
             f"MODEL.HEAD.NAME={method.heads[0]} (now {cfg.MODEL.HEAD.NAME})"
         )
     _check_crops(cfg, method)
+    _check_global_crops(cfg)
     return build_loss(cfg.LOSS, cfg.MODEL.HEAD)
 
 
@@ -281,6 +282,17 @@ def _check_crops(cfg, method: Optional[Method]) -> None:
         raise ConfigError(
             f"LOSS.NAME={cfg.LOSS.NAME} takes {wanted} crops per image, but DATA.TRAIN.TRANSFORMS.NUM_CROPS="
             f"{list(transforms.NUM_CROPS)} makes {crops}: change NUM_CROPS (and SIZE_CROPS, CROP_SCALES)"
+        )
+
+
+def _check_global_crops(cfg) -> None:
+    """A loss's ``num_global_crops`` (DINO's, SimCLR's) must be crops DATA.TRAIN makes."""
+    transforms, section = cfg.DATA.TRAIN.TRANSFORMS, cfg.LOSS.get(cfg.LOSS.NAME, {})
+    crops, wanted = sum(transforms.NUM_CROPS), section.get("num_global_crops", 0)
+    if transforms.NAME == "multicrop" and wanted > crops:
+        raise ConfigError(
+            f"LOSS.{cfg.LOSS.NAME}.num_global_crops={wanted}, but DATA.TRAIN.TRANSFORMS.NUM_CROPS="
+            f"{list(transforms.NUM_CROPS)} makes {crops} crops: set num_global_crops to at most {crops}"
         )
 
 

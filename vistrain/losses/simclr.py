@@ -20,6 +20,15 @@ class SimCLRLoss(nn.Module):
 
     each positive scored against the negatives only, not against the anchor's other positives.
     With C = 2 this is the paper's l_i = -log( exp(s(i, j(i))) / sum_{k != i} exp(s(i, k)) ).
+
+    ``num_global_crops`` = G > 0 keeps only the pairs with a global crop (crops 0..G-1):
+    P(a) = {(c', i): c' != c, min(c, c') < G}, DINO's local-to-global correspondences; two
+    local crops of an image (small, possibly disjoint parts of it) are then neither positives
+    nor negatives of each other, and the loss is the mean of the pair terms
+    -log( exp(s(a, p)) / (exp(s(a, p)) + sum_{k in K(a)} exp(s(a, k))) ) over all (anchor,
+    positive) pairs (a global anchor has C - 1 positives, a local one G), as DINO averages its
+    (global, other crop) terms. G = 0, or G >= C - 1 where no two local crops exist, is the form
+    above.
     Every rank scores its C * N local anchors against all C * B views (gathered with
     ``all_gather_with_grad``) and returns the mean of its l_a.
 
@@ -31,11 +40,14 @@ class SimCLRLoss(nn.Module):
     ``torch.distributed`` (then it is the plain single-process loss).
     """
 
-    def __init__(self, temperature: float):
+    def __init__(self, temperature: float, num_global_crops: int = 0):
         super().__init__()
         if temperature <= 0:
             raise ValueError(f"SimCLR temperature must be positive, got {temperature}")
+        if num_global_crops < 0:
+            raise ValueError(f"SimCLR num_global_crops must be >= 0, got {num_global_crops}")
         self.temperature = temperature
+        self.num_global_crops = num_global_crops
 
     def forward(self, *views: torch.Tensor) -> torch.Tensor:
         shapes = [tuple(z.shape) for z in views]
@@ -56,11 +68,17 @@ class SimCLRLoss(nn.Module):
         offset = comm.get_rank() * num_views * n  # this rank's block of columns
         image = rows % n
         same_image = image[:, None] == image[None, :]  # (C*N, C*N) within this rank's block
-        positive = torch.zeros_like(logits, dtype=torch.bool)
-        positive[:, offset : offset + num_views * n] = same_image
-        positive[rows, offset + rows] = False  # an anchor is not its own positive...
-        not_negative = positive.clone()
-        not_negative[rows, offset + rows] = True  # ...nor its own negative
+        not_negative = torch.zeros_like(logits, dtype=torch.bool)
+        not_negative[:, offset : offset + num_views * n] = same_image  # the anchor itself included
+        positive = not_negative.clone()
+        positive[rows, offset + rows] = False  # an anchor is not its own positive
+        global_pairs = 0 < self.num_global_crops < num_views - 1
+        if global_pairs:
+            is_global = rows // n < self.num_global_crops
+            positive[:, offset : offset + num_views * n] &= is_global[:, None] | is_global[None, :]
         negatives = torch.logsumexp(logits.masked_fill(not_negative, float("-inf")), dim=1, keepdim=True)
+        if global_pairs:  # rows hold G or C - 1 positives: the mean over the (anchor, positive) pairs
+            pair_losses = (torch.logaddexp(logits, negatives) - logits).masked_fill(~positive, 0.0)
+            return pair_losses.sum() / positive.sum()
         positives = logits[positive].view(num_views * n, num_views - 1)  # row order kept by masking
         return (torch.logaddexp(positives, negatives) - positives).mean()
