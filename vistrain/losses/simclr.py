@@ -30,7 +30,8 @@ class SimCLRLoss(nn.Module):
     (global, other crop) terms. G = 0, or G >= C - 1 where no two local crops exist, is the form
     above.
     Every rank scores its C * N local anchors against all C * B views (gathered with
-    ``all_gather_with_grad``) and returns the mean of its l_a.
+    ``all_gather_with_grad``) and returns the mean of its l_a (of its pair terms with G > 0:
+    every rank holds the same number of pairs, so the convention below holds for both).
 
     Scaling convention: with equal N per rank, the single-process loss over the concatenated
     batch equals the mean of the per-rank losses, and each rank's backward yields, for its own
