@@ -89,6 +89,11 @@ def _bad_values(tmp_path):
         (["config.OPTIMIZER.num_epochs=0"], "OPTIMIZER.num_epochs must be >= 1; got 0"),
         (["config.OPTIMIZER.num_epochs=-1"], "OPTIMIZER.num_epochs must be >= 1; got -1"),
         (
+            ["config.LOSS.simclr_loss.false_negative_prior=1.0"],
+            "LOSS.simclr_loss.false_negative_prior must be < 1; got 1.0",
+        ),
+        (["config.LOSS.simclr_loss.hardness=-0.5"], "LOSS.simclr_loss.hardness must be >= 0; got -0.5"),
+        (
             [
                 "config.DATA.TRAIN.DATA_SOURCES=[disk_folder]",
                 f"config.DATA.TRAIN.DATA_PATHS=[{tmp_path}/nope]",

@@ -48,22 +48,29 @@ def naive_nt_xent(z1, z2, temperature):
     return total / n2
 
 
-def naive_multicrop_nt_xent(views, temperature, num_global_crops=0):
+def naive_multicrop_nt_xent(views, temperature, num_global_crops=0, prior=0.0, beta=0.0):
     """Loop over anchors and their positives: each of an image's other views scored against the
     views of the other images only (VISSL's multi-crop SimCLR form); with ``num_global_crops`` G
-    > 0 a pair of two views from G on is skipped (DINO's local-to-global pairs)."""
+    > 0 a pair of two views from G on is skipped (DINO's local-to-global pairs). ``beta``: the
+    negatives weighted by exp(beta s) / mean exp(beta s) (Robinson et al.); ``prior``: their sum
+    debiased to max((S - prior M e^{s_p}) / (1 - prior), M e^{-1/t}) (Chuang et al.)."""
     num_views, n = len(views), views[0].shape[0]
     z = [F.normalize(v, dim=1) for v in views]
     total, count = 0.0, 0
     for c in range(num_views):
         for i in range(n):
-            negatives = [
-                z[c][i] @ z[d][k] / temperature for d in range(num_views) for k in range(n) if k != i
-            ]
+            negatives = torch.stack(
+                [z[c][i] @ z[d][k] / temperature for d in range(num_views) for k in range(n) if k != i]
+            )
+            weights = torch.exp(beta * negatives) / torch.exp(beta * negatives).mean()
+            weighted_sum = (weights * torch.exp(negatives)).sum()
             for d in range(num_views):
                 if d != c and (num_global_crops == 0 or min(c, d) < num_global_crops):
                     positive = z[c][i] @ z[d][i] / temperature
-                    total = total - (positive - torch.logsumexp(torch.stack([positive, *negatives]), 0))
+                    m = len(negatives)
+                    debiased = (weighted_sum - prior * m * torch.exp(positive)) / (1 - prior)
+                    negative_sum = torch.clamp(debiased, min=m * math.exp(-1 / temperature))
+                    total = total - (positive - torch.log(torch.exp(positive) + negative_sum))
                     count += 1
     return total / count
 
@@ -150,21 +157,55 @@ def test_simclr_global_crops_keep_the_pairs_with_a_global_crop():
         torch.testing.assert_close(got.grad, want.grad)
 
 
-def _simclr_multicrop_worker(rank, world, views, num_global):
+@pytest.mark.parametrize("num_global", [0, 2])
+@pytest.mark.parametrize("prior, beta", [(0.1, 0.0), (0.0, 0.5), (0.3, 1.0)])
+def test_simclr_negative_corrections_match_the_papers_formulas(num_global, prior, beta):
+    views = [randn(4, 6, seed=60 + c) for c in range(4)]
+    local = [v.clone().requires_grad_(True) for v in views]
+    loss = SimCLRLoss(TEMPERATURE, num_global, prior, beta)(*local)
+    alone = [v.clone().requires_grad_(True) for v in views]
+    want = naive_multicrop_nt_xent(alone, TEMPERATURE, num_global, prior, beta)
+    torch.testing.assert_close(loss, want)
+    assert not torch.allclose(loss, SimCLRLoss(TEMPERATURE, num_global)(*views))
+    loss.backward()
+    want.backward()
+    for got, expected in zip(local, alone):
+        torch.testing.assert_close(got.grad, expected.grad)
+
+
+def test_simclr_false_negative_prior_floor_keeps_loss_and_gradients_finite():
+    # a large prior with a low temperature pushes most pairs' corrected sum under the floor
+    # M e^{-1/t}, some by hundreds of orders of magnitude in float32
+    views = [randn(6, 3, seed=70 + c, dtype=torch.float32) for c in range(3)]
+    views[1] = views[0] + 0.01 * views[1]
+    for temperature in (0.5, 0.01):
+        local = [v.clone().requires_grad_(True) for v in views]
+        loss = SimCLRLoss(temperature, 0, 0.9)(*local)
+        loss.backward()
+        assert torch.isfinite(loss) and all(torch.isfinite(v.grad).all() for v in local)
+    doubles = [v.double() for v in views]
+    torch.testing.assert_close(
+        SimCLRLoss(0.5, 0, 0.9)(*doubles), naive_multicrop_nt_xent(doubles, 0.5, 0, 0.9)
+    )
+
+
+def _simclr_multicrop_worker(rank, world, views, num_global, prior, beta):
     local = [rank_slice(v, rank, world).clone().requires_grad_(True) for v in views]
-    loss = SimCLRLoss(TEMPERATURE, num_global)(*local)
+    loss = SimCLRLoss(TEMPERATURE, num_global, prior, beta)(*local)
     loss.backward()
     return loss.detach(), [v.grad for v in local]
 
 
-@pytest.mark.parametrize("num_views, num_global", [(3, 0), (4, 1)])
-def test_simclr_multicrop_distributed_equals_single_process(num_views, num_global):
+@pytest.mark.parametrize(
+    "num_views, num_global, prior, beta", [(3, 0, 0.0, 0.0), (4, 1, 0.0, 0.0), (3, 0, 0.2, 0.5)]
+)
+def test_simclr_multicrop_distributed_equals_single_process(num_views, num_global, prior, beta):
     world = 2
     views = [randn(3 * world, 5, seed=30 + c) for c in range(num_views)]
     refs = [v.clone().requires_grad_(True) for v in views]
-    ref = SimCLRLoss(TEMPERATURE, num_global)(*refs)
+    ref = SimCLRLoss(TEMPERATURE, num_global, prior, beta)(*refs)
     ref.backward()
-    results = run_on_ranks(_simclr_multicrop_worker, world, views, num_global)
+    results = run_on_ranks(_simclr_multicrop_worker, world, views, num_global, prior, beta)
     torch.testing.assert_close(sum(r[0] for r in results) / world, ref.detach(), rtol=1e-12, atol=1e-12)
     for rank, (_, grads) in enumerate(results):
         for got, want in zip(grads, refs):
@@ -228,6 +269,11 @@ def test_simclr_errors():
         SimCLRLoss(0.1)(randn(4, 3))
     with pytest.raises(ValueError, match="num_global_crops must be >= 0"):
         SimCLRLoss(0.1, -1)
+    for prior in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="false_negative_prior must lie in"):
+            SimCLRLoss(0.1, 0, prior)
+    with pytest.raises(ValueError, match="hardness must be >= 0"):
+        SimCLRLoss(0.1, 0, 0.0, -1.0)
 
 
 # ---------------------------------------------------------------------------------------- Sinkhorn

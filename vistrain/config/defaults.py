@@ -206,6 +206,11 @@ _C.LOSS.simclr_loss.temperature = 0.1
 # multi-crop positives: 0: every crop of an image a positive of every other (VISSL's form); G > 0:
 # only the pairs with one of the G first (global) crops, two local crops are not (DINO's form)
 _C.LOSS.simclr_loss.num_global_crops = 0
+# the negatives' term (losses/simclr.py): tau+, the share of negatives expected to be of the
+# anchor's class (debiased contrastive loss, Chuang et al. 2020; 0: off), and beta, the weight of
+# hard negatives (Robinson et al. 2021; 0: off)
+_C.LOSS.simclr_loss.false_negative_prior = 0.0
+_C.LOSS.simclr_loss.hardness = 0.0
 _C.LOSS.swav_loss = CN()
 _C.LOSS.swav_loss.temperature = 0.1
 _C.LOSS.swav_loss.epsilon = 0.05  # entropic regularisation of Sinkhorn-Knopp

@@ -76,7 +76,12 @@ class SimCLRCriterion(SSLCriterion):
 
     def __init__(self, simclr_cfg):
         super().__init__()
-        self.loss = SimCLRLoss(simclr_cfg.temperature, int(simclr_cfg.num_global_crops))
+        self.loss = SimCLRLoss(
+            simclr_cfg.temperature,
+            int(simclr_cfg.num_global_crops),
+            float(simclr_cfg.false_negative_prior),
+            float(simclr_cfg.hardness),
+        )
 
     def forward(self, model_output: torch.Tensor, num_crops: int, teacher_output=None) -> torch.Tensor:
         if num_crops < 2:

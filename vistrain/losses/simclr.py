@@ -1,6 +1,8 @@
 """NT-Xent (SimCLR, Chen et al., 2020) with negatives from the whole global batch, for two or
 more views per image (multi-crop)."""
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,6 +31,16 @@ class SimCLRLoss(nn.Module):
     positive) pairs (a global anchor has C - 1 positives, a local one G), as DINO averages its
     (global, other crop) terms. G = 0, or G >= C - 1 where no two local crops exist, is the form
     above.
+    Two corrections of the negatives' term sum_{k in K(a)} exp(s(a, k)) (M = |K(a)| terms), both off
+    by default, for data where many "negatives" share the anchor's class (ELPV: 58% of the cells
+    are functional):
+
+    * ``hardness`` = beta > 0 (Robinson et al., 2021, hard negatives): each term weighted by
+      w_k = exp(beta s(a, k)) / mean_j exp(beta s(a, j)), so similar negatives count more;
+    * ``false_negative_prior`` = tau+ in (0, 1) (Chuang et al., 2020, debiased contrastive
+      loss): the weighted sum S becomes max((S - tau+ M exp(s(a, p))) / (1 - tau+), M exp(-1/t)),
+      removing the share tau+ of the negatives expected to be positives.
+
     Every rank scores its C * N local anchors against all C * B views (gathered with
     ``all_gather_with_grad``) and returns the mean of its l_a (of its pair terms with G > 0:
     every rank holds the same number of pairs, so the convention below holds for both).
@@ -41,14 +53,26 @@ class SimCLRLoss(nn.Module):
     ``torch.distributed`` (then it is the plain single-process loss).
     """
 
-    def __init__(self, temperature: float, num_global_crops: int = 0):
+    def __init__(
+        self,
+        temperature: float,
+        num_global_crops: int = 0,
+        false_negative_prior: float = 0.0,
+        hardness: float = 0.0,
+    ):
         super().__init__()
         if temperature <= 0:
             raise ValueError(f"SimCLR temperature must be positive, got {temperature}")
         if num_global_crops < 0:
             raise ValueError(f"SimCLR num_global_crops must be >= 0, got {num_global_crops}")
+        if not 0.0 <= false_negative_prior < 1.0:
+            raise ValueError(f"SimCLR false_negative_prior must lie in [0, 1), got {false_negative_prior}")
+        if hardness < 0:
+            raise ValueError(f"SimCLR hardness must be >= 0, got {hardness}")
         self.temperature = temperature
         self.num_global_crops = num_global_crops
+        self.false_negative_prior = false_negative_prior
+        self.hardness = hardness
 
     def forward(self, *views: torch.Tensor) -> torch.Tensor:
         shapes = [tuple(z.shape) for z in views]
@@ -77,9 +101,36 @@ class SimCLRLoss(nn.Module):
         if global_pairs:
             is_global = rows // n < self.num_global_crops
             positive[:, offset : offset + num_views * n] &= is_global[:, None] | is_global[None, :]
-        negatives = torch.logsumexp(logits.masked_fill(not_negative, float("-inf")), dim=1, keepdim=True)
+        negatives = logits.masked_fill(not_negative, float("-inf"))
+        num_negatives = logits.shape[1] - num_views  # every view but the anchor image's own
         if global_pairs:  # rows hold G or C - 1 positives: the mean over the (anchor, positive) pairs
-            pair_losses = (torch.logaddexp(logits, negatives) - logits).masked_fill(~positive, 0.0)
+            log_negatives = self._log_negative_term(negatives, num_negatives, logits)
+            pair_losses = (torch.logaddexp(logits, log_negatives) - logits).masked_fill(~positive, 0.0)
             return pair_losses.sum() / positive.sum()
         positives = logits[positive].view(num_views * n, num_views - 1)  # row order kept by masking
-        return (torch.logaddexp(positives, negatives) - positives).mean()
+        log_negatives = self._log_negative_term(negatives, num_negatives, positives)
+        return (torch.logaddexp(positives, log_negatives) - positives).mean()
+
+    def _log_negative_term(self, negatives, num_negatives: int, positives) -> torch.Tensor:
+        """log of the negatives' term of each pair's denominator: (rows, 1), or shaped like
+        ``positives`` (rows, P) with a false-negative prior. ``negatives``: the logits with every
+        non-negative at -inf; ``positives``: s(a, p) of the pairs."""
+        beta, prior = self.hardness, self.false_negative_prior
+        if beta == 0.0:
+            log_sum = torch.logsumexp(negatives, dim=1, keepdim=True)
+        else:  # log sum_k w_k e^{s_k} = LSE((1 + beta) s) - LSE(beta s) + log M
+            log_sum = (
+                torch.logsumexp((1.0 + beta) * negatives, dim=1, keepdim=True)
+                - torch.logsumexp(beta * negatives, dim=1, keepdim=True)
+                + math.log(num_negatives)
+            )
+        if prior == 0.0:
+            return log_sum
+        floor = math.log(num_negatives) - 1.0 / self.temperature  # M e^{-1/t}: every negative at cos -1
+        log_ratio = math.log(prior * num_negatives) + positives - log_sum  # tau+ M e^{s_p} / S
+        below_sum = log_ratio < 0.0
+        # where the correction would remove the whole sum the floor applies; a safe operand there
+        # keeps log() and its gradient finite
+        safe = torch.where(below_sum, log_ratio, torch.full_like(log_ratio, -1.0))
+        debiased = log_sum + torch.log(-torch.expm1(safe)) - math.log1p(-prior)
+        return torch.where(below_sum, debiased, torch.full_like(debiased, floor)).clamp(min=floor)
