@@ -177,6 +177,7 @@ RULES = {
     "LOSS.simclr_loss.num_global_crops": [at_least(0)],
     "LOSS.simclr_loss.false_negative_prior": [at_least(0), below(1)],
     "LOSS.simclr_loss.hardness": [at_least(0)],
+    "LOSS.simclr_loss.mix_alpha": [at_least(0)],
     "OPTIMIZER.name": [one_of("optimizers")],
     "OPTIMIZER.num_epochs": [at_least(1)],
     "OPTIMIZER.update_freq": [at_least(1)],

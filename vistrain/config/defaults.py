@@ -211,6 +211,10 @@ _C.LOSS.simclr_loss.num_global_crops = 0
 # hard negatives (Robinson et al. 2021; 0: off)
 _C.LOSS.simclr_loss.false_negative_prior = 0.0
 _C.LOSS.simclr_loss.hardness = 0.0
+# i-Mix (Lee et al. 2021): alpha of the Beta(alpha, alpha) weights with which crop 0 of two images
+# is mixed, scored with the mixture's virtual labels (3 or more crops; not with the options above);
+# 0: off
+_C.LOSS.simclr_loss.mix_alpha = 0.0
 _C.LOSS.swav_loss = CN()
 _C.LOSS.swav_loss.temperature = 0.1
 _C.LOSS.swav_loss.epsilon = 0.05  # entropic regularisation of Sinkhorn-Knopp

@@ -28,7 +28,7 @@ from vistrain.config.errors import ConfigError
 from vistrain.fsdp import gathered, params_of
 from vistrain.losses.byol import byol_loss, symmetric_byol_loss
 from vistrain.losses.dino import DINOLoss, teacher_temperature
-from vistrain.losses.simclr import SimCLRLoss
+from vistrain.losses.simclr import SimCLRLoss, mix_crops
 from vistrain.losses.swav import SwAVLoss, sinkhorn_knopp
 from vistrain.losses.teacher import MomentumTeacher, cosine_momentum
 from vistrain.models.heads.dino import DINOLastLayer
@@ -72,7 +72,9 @@ class SSLCriterion(nn.Module):
 
 class SimCLRCriterion(SSLCriterion):
     """SimCLR on a (C*N, D) embedding tensor: rows [c*N, (c+1)*N) are crop c (C >= 2; with
-    multi-crop every crop of an image is a positive of every other, ``losses/simclr.py``)."""
+    multi-crop every crop of an image is a positive of every other, ``losses/simclr.py``).
+    With ``mix_alpha`` > 0 (i-Mix) ``student_crops`` mixes crop 0's images in pairs and the next
+    ``forward`` scores that mixture with its virtual labels."""
 
     def __init__(self, simclr_cfg):
         super().__init__()
@@ -82,13 +84,25 @@ class SimCLRCriterion(SSLCriterion):
             float(simclr_cfg.false_negative_prior),
             float(simclr_cfg.hardness),
         )
+        self.mix_alpha = float(simclr_cfg.get("mix_alpha", 0.0))
+        self._mix = None  # (lam, partner) of the crops student_crops mixed last
+
+    def student_crops(self, crops: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        if self.mix_alpha == 0.0:
+            return crops
+        mixed, lam, partner = mix_crops(crops[0], self.mix_alpha)
+        self._mix = (lam, partner)
+        return [mixed, *crops[1:]]
 
     def forward(self, model_output: torch.Tensor, num_crops: int, teacher_output=None) -> torch.Tensor:
         if num_crops < 2:
             raise ValueError(f"simclr_loss needs 2 or more crops per image, got {num_crops}")
         if not isinstance(model_output, torch.Tensor) or model_output.shape[0] % num_crops:
             raise ValueError(f"simclr_loss expects a ({num_crops}N, D) embedding tensor from a simclr head")
-        return self.loss(*model_output.chunk(num_crops))
+        mix, self._mix = self._mix, None
+        if self.mix_alpha > 0.0 and mix is None:
+            raise ValueError("simclr_loss with mix_alpha > 0 scores crops that student_crops mixed")
+        return self.loss(*model_output.chunk(num_crops), mix=mix)
 
 
 class SwAVCriterion(SSLCriterion):
@@ -271,6 +285,7 @@ def build_method(cfg) -> SSLCriterion:
         )
     _check_crops(cfg, method)
     _check_global_crops(cfg)
+    _check_simclr_mix(cfg)
     return build_loss(cfg.LOSS, cfg.MODEL.HEAD)
 
 
@@ -298,6 +313,26 @@ def _check_global_crops(cfg) -> None:
         raise ConfigError(
             f"LOSS.{cfg.LOSS.NAME}.num_global_crops={wanted}, but DATA.TRAIN.TRANSFORMS.NUM_CROPS="
             f"{list(transforms.NUM_CROPS)} makes {crops} crops: set num_global_crops to at most {crops}"
+        )
+
+
+def _check_simclr_mix(cfg) -> None:
+    """i-Mix mixes crop 0 and keys on the other crops; it is its own form of the loss."""
+    simclr = cfg.LOSS.simclr_loss
+    if cfg.LOSS.NAME != "simclr_loss" or simclr.get("mix_alpha", 0.0) == 0.0:
+        return
+    others = [key for key in ("num_global_crops", "false_negative_prior", "hardness") if simclr[key]]
+    if others:
+        raise ConfigError(
+            f"LOSS.simclr_loss.mix_alpha={simclr.mix_alpha} is not combined with {', '.join(others)}: "
+            "set them to 0 or mix_alpha to 0"
+        )
+    transforms = cfg.DATA.TRAIN.TRANSFORMS
+    if transforms.NAME == "multicrop" and sum(transforms.NUM_CROPS) < 3:
+        raise ConfigError(
+            f"LOSS.simclr_loss.mix_alpha={simclr.mix_alpha} needs 3 or more crops per image (crop 0 mixed, "
+            f"the others its keys), but DATA.TRAIN.TRANSFORMS.NUM_CROPS={list(transforms.NUM_CROPS)} makes "
+            f"{sum(transforms.NUM_CROPS)}: add crops or set mix_alpha to 0"
         )
 
 

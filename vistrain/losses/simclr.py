@@ -2,6 +2,7 @@
 more views per image (multi-crop)."""
 
 import math
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,18 @@ class SimCLRLoss(nn.Module):
       loss): the weighted sum S becomes max((S - tau+ M exp(s(a, p))) / (1 - tau+), M exp(-1/t)),
       removing the share tau+ of the negatives expected to be positives.
 
+    ``forward(*views, mix=(lam, partner))`` is i-Mix (Lee et al., ICLR 2021) for this loss: view 0 of
+    image i holds lam_i x_i + (1 - lam_i) x_partner(i) (``mix_crops``; partner: a permutation of
+    this rank's N images) and is only an anchor, never a key. Every anchor's keys are the clean
+    views (c >= 1) of the global batch. A clean anchor's positives are the other clean views of its
+    image; the mixed anchor a = (0, i) has the virtual label lam_i on image i and 1 - lam_i on image
+    partner(i):
+
+        l_a = sum_{m in (i, partner(i))} w_m 1/|P_m| sum_{p in P_m} -log( exp(s(a, p)) / (exp(s(a, p)) + sum_{k in K(a)} exp(s(a, k))) )
+
+    P_m the clean views of image m, K(a) the clean views of every other image. Not combined with
+    the options above.
+
     Every rank scores its C * N local anchors against all C * B views (gathered with
     ``all_gather_with_grad``) and returns the mean of its l_a (of its pair terms with G > 0:
     every rank holds the same number of pairs, so the convention below holds for both).
@@ -74,14 +87,62 @@ class SimCLRLoss(nn.Module):
         self.false_negative_prior = false_negative_prior
         self.hardness = hardness
 
-    def forward(self, *views: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, *views: torch.Tensor, mix: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    ) -> torch.Tensor:
         shapes = [tuple(z.shape) for z in views]
         if len(views) < 2 or views[0].dim() != 2 or len(set(shapes)) != 1:
             raise ValueError(f"SimCLRLoss expects two or more (N, D) tensors of equal shape, got {shapes}")
+        if mix is not None:
+            self._check_mix(mix, len(views), views[0].shape[0])
         # Softmax over thousands of logits divided by a small temperature: keep it in fp32.
         with torch.autocast(device_type=views[0].device.type, enabled=False):
             dtype = torch.promote_types(views[0].dtype, torch.float32)  # fp64 inputs stay fp64
-            return self._nt_xent([z.to(dtype) for z in views])
+            views = [z.to(dtype) for z in views]
+            return self._nt_xent(views) if mix is None else self._mixed_nt_xent(views, *mix)
+
+    def _check_mix(self, mix, num_views: int, n: int) -> None:
+        lam, partner = mix
+        if num_views < 3:
+            raise ValueError("i-Mix needs 3 or more views: view 0 is mixed, the others are the keys")
+        if self.num_global_crops or self.false_negative_prior or self.hardness:
+            raise ValueError("i-Mix is not combined with num_global_crops, false_negative_prior or hardness")
+        if lam.shape != (n,) or partner.shape != (n,):
+            raise ValueError(
+                f"i-Mix expects lam and partner of shape ({n},), got {tuple(lam.shape)}, {tuple(partner.shape)}"
+            )
+
+    def _mixed_nt_xent(self, views, lam: torch.Tensor, partner: torch.Tensor) -> torch.Tensor:
+        """The i-Mix form of the class docstring; view 0 mixed."""
+        num_views, n = len(views), views[0].shape[0]
+        local = F.normalize(torch.cat(views), dim=1)  # (C*N, D)
+        everyone = comm.all_gather_with_grad(local)  # (world*C*N, D), rank-major
+        logits = local @ everyone.t() / self.temperature  # (C*N, world*C*N)
+
+        device, block = local.device, num_views * n
+        columns = torch.arange(logits.shape[1], device=device)
+        column_image = (columns // block) * n + columns % n  # global image index
+        is_key = (columns % block) >= n  # clean views only
+        rows = torch.arange(block, device=device)
+        first = comm.get_rank() * n
+        row_image = first + rows % n
+        mixed_row = rows < n
+        row_partner = torch.where(mixed_row, first + partner.to(device)[rows % n], row_image)
+        row_lam = torch.where(
+            mixed_row, lam.to(device, logits.dtype)[rows % n], torch.ones_like(logits[:, 0])
+        )
+
+        same_image = row_image[:, None] == column_image[None, :]
+        same_partner = row_partner[:, None] == column_image[None, :]
+        itself = torch.zeros_like(same_image)
+        itself[rows, comm.get_rank() * block + rows] = True
+        own, other = same_image & is_key & ~itself, same_partner & is_key & ~itself
+        negatives = logits.masked_fill(~is_key | same_image | same_partner, float("-inf"))
+        log_negatives = torch.logsumexp(negatives, dim=1, keepdim=True)
+        weights = row_lam[:, None] * own / own.sum(1, keepdim=True)
+        weights = weights + (1 - row_lam)[:, None] * other / other.sum(1, keepdim=True)
+        pair_losses = torch.logaddexp(logits, log_negatives) - logits
+        return (weights * pair_losses).sum(1).mean()
 
     def _nt_xent(self, views) -> torch.Tensor:
         num_views, n = len(views), views[0].shape[0]
@@ -134,3 +195,19 @@ class SimCLRLoss(nn.Module):
         safe = torch.where(below_sum, log_ratio, torch.full_like(log_ratio, -1.0))
         debiased = log_sum + torch.log(-torch.expm1(safe)) - math.log1p(-prior)
         return torch.where(below_sum, debiased, torch.full_like(debiased, floor)).clamp(min=floor)
+
+
+def mix_crops(crops: torch.Tensor, alpha: float):
+    """i-Mix's input mixing of one crop batch (N, ...): lam_i ~ Beta(alpha, alpha) and a random
+    permutation ``partner`` of the N images -> (lam_i x_i + (1 - lam_i) x_partner(i), lam (N,),
+    partner (N,)); from torch's global generator (the run seeds it, checkpoints keep it); the
+    memory format of ``crops`` is kept."""
+    n = crops.shape[0]
+    beta = torch.distributions.Beta(torch.tensor(float(alpha)), torch.tensor(float(alpha)))
+    lam = beta.sample((n,))
+    partner = torch.randperm(n)
+    weight = lam.to(crops.device, crops.dtype).view(n, *([1] * (crops.dim() - 1)))
+    mixed = weight * crops + (1 - weight) * crops[partner.to(crops.device)]
+    if crops.dim() == 4 and crops.is_contiguous(memory_format=torch.channels_last):
+        mixed = mixed.contiguous(memory_format=torch.channels_last)
+    return mixed, lam, partner
