@@ -84,7 +84,7 @@ class SimCLRCriterion(SSLCriterion):
             float(simclr_cfg.false_negative_prior),
             float(simclr_cfg.hardness),
         )
-        self.mix_alpha = float(simclr_cfg.get("mix_alpha", 0.0))
+        self.mix_alpha = float(simclr_cfg.mix_alpha)
         self._mix = None  # (lam, partner) of the crops student_crops mixed last
 
     def student_crops(self, crops: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
@@ -319,7 +319,7 @@ def _check_global_crops(cfg) -> None:
 def _check_simclr_mix(cfg) -> None:
     """i-Mix mixes crop 0 and keys on the other crops; it is its own form of the loss."""
     simclr = cfg.LOSS.simclr_loss
-    if cfg.LOSS.NAME != "simclr_loss" or simclr.get("mix_alpha", 0.0) == 0.0:
+    if cfg.LOSS.NAME != "simclr_loss" or simclr.mix_alpha == 0.0:
         return
     others = [key for key in ("num_global_crops", "false_negative_prior", "hardness") if simclr[key]]
     if others:

@@ -115,11 +115,8 @@ class SimCLRLoss(nn.Module):
     def _mixed_nt_xent(self, views, lam: torch.Tensor, partner: torch.Tensor) -> torch.Tensor:
         """The i-Mix form of the class docstring; view 0 mixed."""
         num_views, n = len(views), views[0].shape[0]
-        local = F.normalize(torch.cat(views), dim=1)  # (C*N, D)
-        everyone = comm.all_gather_with_grad(local)  # (world*C*N, D), rank-major
-        logits = local @ everyone.t() / self.temperature  # (C*N, world*C*N)
-
-        device, block = local.device, num_views * n
+        logits = self._logits(views)
+        device, block = logits.device, num_views * n
         columns = torch.arange(logits.shape[1], device=device)
         column_image = (columns // block) * n + columns % n  # global image index
         is_key = (columns % block) >= n  # clean views only
@@ -144,13 +141,16 @@ class SimCLRLoss(nn.Module):
         pair_losses = torch.logaddexp(logits, log_negatives) - logits
         return (weights * pair_losses).sum(1).mean()
 
+    def _logits(self, views) -> torch.Tensor:
+        """s(a, k) of this rank's C * N anchors (view c's rows at [c*N, (c+1)*N)) against every
+        rank's views, rank-major: (C*N, world*C*N)."""
+        local = F.normalize(torch.cat(views), dim=1)
+        return local @ comm.all_gather_with_grad(local).t() / self.temperature
+
     def _nt_xent(self, views) -> torch.Tensor:
         num_views, n = len(views), views[0].shape[0]
-        local = F.normalize(torch.cat(views), dim=1)  # (C*N, D): view c's rows at [c*N, (c+1)*N)
-        everyone = comm.all_gather_with_grad(local)  # (world*C*N, D), rank-major
-        logits = local @ everyone.t() / self.temperature  # (C*N, world*C*N)
-
-        rows = torch.arange(num_views * n, device=local.device)
+        logits = self._logits(views)
+        rows = torch.arange(num_views * n, device=logits.device)
         offset = comm.get_rank() * num_views * n  # this rank's block of columns
         image = rows % n
         same_image = image[:, None] == image[None, :]  # (C*N, C*N) within this rank's block
