@@ -31,11 +31,16 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "dev"))
 
+from elpv_seeds import overrides  # noqa: E402
+
+from vistrain.benchmarks.common import FEATURE_VIEWS, view_of  # noqa: E402
 from vistrain.config.loader import load_config  # noqa: E402
 from vistrain.data.datasets import build_dataset  # noqa: E402
 from vistrain.models import build_model  # noqa: E402
 
+DIHEDRAL = FEATURE_VIEWS["dihedral"]  # (quarter turns, mirror) of the 8 symmetries
 ONE_VIEW = [  # the recipe's large crop, one per cell and epoch
     "config.DATA.TRAIN.TRANSFORMS.NUM_CROPS=[1]",
     "config.DATA.TRAIN.TRANSFORMS.SIZE_CROPS=[96]",
@@ -66,13 +71,6 @@ class Classifier(nn.Module):
         return self.fc(self.ssl_model.trunk(x)["avgpool"])
 
 
-def dihedral(x: torch.Tensor):
-    for flip in (False, True):
-        y = x.flip(-1) if flip else x
-        for turns in range(4):
-            yield torch.rot90(y, turns, dims=(-2, -1))
-
-
 @torch.no_grad()
 def test_top1(model: nn.Module, cfg) -> dict:
     """The supervised classifier's own top-1 on the split's test cells (4 and 2 classes)."""
@@ -82,7 +80,7 @@ def test_top1(model: nn.Module, cfg) -> dict:
     for start in range(0, len(data), 128):
         images, target = collate([data[i] for i in range(start, min(start + 128, len(data)))])
         center.append(model(images).softmax(1))
-        averaged.append(torch.stack([model(v).softmax(1) for v in dihedral(images)]).mean(0))
+        averaged.append(torch.stack([model(view_of(images, *v)).softmax(1) for v in DIHEDRAL]).mean(0))
         labels.append(target)
     labels = torch.cat(labels)
     out = {}
@@ -172,7 +170,7 @@ def main() -> int:
     out = Path(args.out).resolve() / f"seed_{args.seed}_split_{split_seed}"
     out.mkdir(parents=True, exist_ok=True)
     seeds = [f"config.SEED_VALUE={args.seed}", f"config.DATA.SPLIT_SEED={split_seed}"]
-    views = [v if v.startswith("config.") else f"config.{v}" for v in args.views]
+    views = overrides(args.views)
     cfg = load_config(["config=pretrain/simclr_regnet_elpv", *seeds, *ONE_VIEW, *views])
     trained = train(args, cfg)
     model = trained["model"]
