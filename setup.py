@@ -27,6 +27,15 @@ setup(
         # DATA_SOURCES: [elpv]: 2,624 solar-cell images (91 MB, CC BY-NC-SA 4.0), vistrain/data/elpv.py;
         # not in dev: the tests run on a generated folder of its layout and read the package if present
         "elpv": ["elpv-dataset>=1.0"],
-        "dev": ["pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3", "ruff==0.14.14", *LIGHTNING],
+        "dev": [
+            "pytest>=7",
+            "pytest-timeout>=2",
+            "pytest-xdist>=3",
+            "ruff==0.14.14",
+            *LIGHTNING,
+            # test-only oracle: the MoCo v3 / Barlow Twins / VICReg / LeJEPA losses are checked against
+            # lightly's on the same tensors (tests/test_joint_embedding_losses.py); vistrain never imports it
+            "lightly==1.6.0",
+        ],
     },
 )
