@@ -1,4 +1,4 @@
-"""dev/recipe_seeds.py's arithmetic: which feature a seed counts, its margins, the claim."""
+"""dev/recipes/recipe_seeds.py's arithmetic: which feature a seed counts, its margins, the claim."""
 
 import importlib.util
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-DEV = Path(__file__).resolve().parents[1] / "dev"
+DEV = Path(__file__).resolve().parents[1] / "dev" / "recipes"
 PIXELS = {"logistic regression": 96.67, "RBF-SVM": 98.89}
 
 
