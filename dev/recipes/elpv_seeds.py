@@ -15,8 +15,8 @@ the probe's folds; ``DATA.SPLIT_SEED`` = s too, or the matching ``--split-seeds`
 Prints one row per seed (the picked feature's cross-validated top-1 on the training cells, the
 score to choose a recipe by; its test top-1 on 4 and 2 classes; the random trunk's picked feature
 likewise and the 4-class gap to it; the pixel RBF-SVM of ``dev/recipes/elpv_baselines.py`` on the same
-split when ``--baselines`` names its ``--json``; the pretraining's wall time) and the mean +-
-sample std.
+split when ``--baselines`` names its ``--json``; the pretraining's wall time), the mean +- sample
+std and the mean +- standard error (std / sqrt(n)).
 A seed whose ``result.json`` exists is read, not run again; one whose ``pretrain.json`` exists
 keeps its pretraining (delete ``result.json`` and the ``eval_*`` folders to rerun the
 evaluations). ``--pretrain`` / ``--eval`` add overrides (``KEY=VALUE``).
@@ -164,14 +164,15 @@ def main() -> int:
             + " |"
         )
     stats = {c: [r[3][c] for r in rows] for c in columns}
-    print(
-        "| mean ± std | | "
-        + " | ".join(
-            f"{statistics.fmean(v):.2f} ± {statistics.stdev(v) if len(v) > 1 else 0.0:.2f}"
-            for v in stats.values()
+    for name, scale in (("std", 1.0), ("s.e.", len(rows) ** -0.5)):
+        print(
+            f"| mean ± {name} | | "
+            + " | ".join(
+                f"{statistics.fmean(v):.2f} ± {scale * (statistics.stdev(v) if len(v) > 1 else 0.0):.2f}"
+                for v in stats.values()
+            )
+            + " |"
         )
-        + " |"
-    )
     (args.out / "summary.json").write_text(json.dumps({"rows": rows}, indent=1))
     return 0
 

@@ -10,13 +10,14 @@ pretraining; the folds and head initialisation of the probe), through the normal
 2. ``config=benchmark/linear_eval_regnet`` on the result (linear heads on every
    ``BENCHMARK.FEATURES`` entry, each head's lr chosen by cross-validation on the TRAIN digits).
 
-Then prints one row per seed and the mean +- standard deviation over the seeds (sample std, n - 1):
+Then prints one row per seed, the mean +- standard deviation over the seeds (sample std, n - 1) and
+the mean +- standard error (that std / sqrt(n)):
 val top-1 of every evaluated feature, that of the feature a user would pick without looking at val
 (``chosen``: the highest top-1 of the probe's cross-validation on TRAIN; ties go to the first
 listed), the margin of the chosen feature over the raw-pixel
 logistic regression and over the RBF-SVM (``dev/recipes/demo_pretrain_then_eval.py``'s baselines, chosen by
 5-fold cross-validation on TRAIN), and the time taken (wall; CPU of all processes per rank in
-brackets). The claim of the README (issue 36): every seed's chosen feature above the pixel logistic
+brackets). The claim of the README: every seed's chosen feature above the pixel logistic
 regression, and the mean margin at least ``--min-mean-margin`` (SimCLR 1.0, SwAV 0.5 points);
 ``--check`` exits 1 when it does not hold.
 
@@ -238,7 +239,7 @@ def seed_row(record: dict, pixels: dict) -> dict:
 
 
 def print_table(args, records, pixels: dict) -> dict:
-    """Per-seed rows, then mean +- std; returns {column: (mean, std)}."""
+    """Per-seed rows, then mean +- std and mean +- standard error; returns {column: (mean, std)}."""
     rows = [seed_row(record, pixels) for record in records]
     columns = list(rows[0])
     # features and chosen are accuracies, then margins (and the random trunk's), then times
@@ -271,6 +272,12 @@ def print_table(args, records, pixels: dict) -> dict:
         values = [row[column] for row in rows]
         stats[column] = (statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0)
     print("| mean ± std | " + " | ".join(cell(c, *stats[c]) for c in columns) + " | |")
+    root_n = len(rows) ** 0.5
+    print(
+        "| mean ± s.e. | "
+        + " | ".join(cell(c, mean, std / root_n) for c, (mean, std) in stats.items())
+        + " | |"
+    )
     for name, value in pixels.items():
         print(f"raw pixels, {name}: {value:.2f}%")
     chosen_lrs = "; ".join(
