@@ -99,3 +99,18 @@ def test_dev_paths_named_anywhere_exist():
     named.update(DEV_PATH.findall((REPO / "README.md").read_text()))
     assert named
     assert not sorted(p for p in named if not (REPO / p).exists()), "named dev/ paths that do not exist"
+
+
+def _own_images_command(page: Path) -> str:
+    """The indented command block of a page that pretrains on a disk folder, joined into one line."""
+    for block in page.read_text().split("\n\n"):
+        lines = block.splitlines()
+        if lines and all(line.startswith("    ") for line in lines) and "DATA_SOURCES=[disk_folder]" in block:
+            return " ".join(line.strip().rstrip("\\").strip() for line in lines)
+    raise AssertionError(f"{page.name}: no own-images command")
+
+
+def test_readme_and_getting_started_give_one_own_images_command():
+    readme = _own_images_command(REPO / "README.md")
+    assert readme == _own_images_command(REPO / "docs" / "getting-started.md")
+    assert "config.CHECKPOINT.DIR=" in readme, "your own images get a run folder of their own"
