@@ -1,4 +1,4 @@
-"""dev/compare_runs.py: two runs agree only when every logged loss and every checkpoint tensor does."""
+"""dev/recipes/compare_runs.py: two runs agree only when every logged loss and every checkpoint tensor does."""
 
 import importlib.util
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "dev" / "compare_runs.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "dev" / "recipes" / "compare_runs.py"
 LOG = "[10:00:00 vistrain] epoch 1/1  it {it}/20  loss {loss} (avg {loss})  lr 0.1  10.0 img/s  eta 0:00:01\n"
 
 

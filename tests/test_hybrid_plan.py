@@ -66,7 +66,7 @@ def test_the_planner_refuses_groups_that_do_not_split_the_world(capsys):
 
 
 # --------------------------------------------------------------------------------------------
-# what gloo sends over the links (vistrain/planner/collectives.py; measured: dev/probe_gloo_link.py)
+# what gloo sends over the links (vistrain/planner/collectives.py; measured: dev/nodes/probe_gloo_link.py)
 
 SENT, RETURNED = collectives.MESSAGE_BYTES_SENT, collectives.MESSAGE_BYTES_RETURNED
 

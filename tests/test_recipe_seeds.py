@@ -1,4 +1,4 @@
-"""dev/recipe_seeds.py's arithmetic: which feature a seed counts, its margins, the claim."""
+"""dev/recipes/recipe_seeds.py's arithmetic: which feature a seed counts, its margins, the claim."""
 
 import importlib.util
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-DEV = Path(__file__).resolve().parents[1] / "dev"
+DEV = Path(__file__).resolve().parents[1] / "dev" / "recipes"
 PIXELS = {"logistic regression": 96.67, "RBF-SVM": 98.89}
 
 
@@ -91,3 +91,23 @@ def test_reusing_pretraining_takes_the_earlier_runs_trunk_and_times_and_refuses_
         recipe_seeds.reused_pretraining(args, 3, other, {}, {})
     with pytest.raises(SystemExit, match="needs a finished seed 4 there"):
         recipe_seeds.reused_pretraining(args, 4, recipe, {}, {})
+
+
+def test_the_table_prints_the_standard_error_beside_the_std(recipe_seeds, capsys):
+    from types import SimpleNamespace
+
+    records = [
+        {
+            **_record(s, [97.0 + s, 98.0, 99.0], [98.0, 97.0, 97.0]),
+            "seconds": {"pretrain": 10, "linear_eval": 2},
+            "cpu_per_rank": {"pretrain": 9, "linear_eval": 1},
+            "lr": {"s2": 0.1, "s3": 0.1, "avgpool": 0.1},
+        }
+        for s in range(4)
+    ]
+    stats = recipe_seeds.print_table(SimpleNamespace(method="SimCLR", pretrain=[], eval=[]), records, PIXELS)
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split(" | ")[0]: line for line in lines if line.startswith("| mean")}
+    # s2 (chosen) over the seeds: 97, 98, 99, 100: mean 98.5, sample std 1.29, standard error 1.29 / 2
+    assert stats["s2"] == (pytest.approx(98.5), pytest.approx(1.2910, abs=1e-4))
+    assert "| 98.50 ± 1.29 |" in rows["| mean ± std"] and "| 98.50 ± 0.65 |" in rows["| mean ± s.e."]

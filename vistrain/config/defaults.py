@@ -169,7 +169,7 @@ _C.MODEL.FSDP_CONFIG.prefetch_depth = 1  # next units whose gather starts early 
 _C.MODEL.FSDP_CONFIG.AUTO_TUNE = False
 
 # Image batches in channels_last (N, H, W, C) memory: the convolutions' native layout on CPU
-# (oneDNN) and on tensor cores; the ELPV recipe's step ran 1.2x faster (docs/benchmarks.md).
+# (oneDNN) and on tensor cores; the ELPV recipe's step ran 1.2x faster (docs/notes/elpv-recipe.md).
 # Values equal to rounding; the trunk's weights keep their layout (the engine shards them flat).
 _C.MODEL.CHANNELS_LAST = False
 _C.MODEL.AMP_PARAMS = CN()

@@ -1,6 +1,6 @@
 """Two hosts on one machine: network namespaces joined by a veth pair, optionally shaped.
 
-Benchmarks and tests of multi-node runs (``dev/bench_two_hosts.py``, ``tests/test_two_hosts.py``)
+Benchmarks and tests of multi-node runs (``dev/nodes/bench_two_hosts.py``, ``tests/test_two_hosts.py``)
 need ranks that talk over a real link with its own addresses, byte counters and bandwidth. As
 root, ``ip netns add`` makes two network stacks ("hosts" A and B); a veth pair joins them, each end
 gets an address of the benchmarking range 198.18.0.0/15 (RFC 2544, never routed), and ``tc qdisc

@@ -43,7 +43,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
     parameter); the two per-channel sums for dx are all-reduced in one call. The elementwise work
     runs in torch's native BatchNorm kernels (normalising with given statistics, and the local
     sums of the backward), and dx is one per-channel affine map of (dy, x): chains of separate
-    elementwise ops took 2.2x as long per step of the ELPV recipe (dev/bench_elpv_step.py).
+    elementwise ops took 2.2x as long per step of the ELPV recipe (dev/bench/bench_elpv_step.py).
     """
 
     @staticmethod

@@ -115,7 +115,7 @@ class ModelState:
         )
         # The gathers get groups of their own too: what the user runs on the shard group (sync
         # BatchNorm's all-reduces, a loss's all-gather) must not queue behind a prefetched
-        # unit's megabytes on the same connections (dev/diagnose_two_hosts.py measured it).
+        # unit's megabytes on the same connections (dev/nodes/diagnose_two_hosts.py measured it).
         shard_groups = [h.groups.shard for unit in units for h in unit.handles] or [groups.shard]
         self.gather_groups = create_reduction_groups(shard_groups)
         # id(handle.full) -> unit: the tensors whose views the modules compute with.

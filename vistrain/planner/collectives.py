@@ -19,7 +19,7 @@ them) at positions 0..P-1:
 An edge between ranks on different nodes crosses the link; a node's link carries the sum of its
 ranks' outgoing crossing edges. Each crossing message also costs ``MESSAGE_BYTES_SENT`` more
 from its sender (Ethernet, IP, TCP and gloo headers) and ``MESSAGE_BYTES_RETURNED`` from its
-receiver (gloo's ready-to-receive notice, TCP acknowledgements). ``dev/probe_gloo_link.py``
+receiver (gloo's ready-to-receive notice, TCP acknowledgements). ``dev/nodes/probe_gloo_link.py``
 measures every case on two network namespaces against this model.
 """
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Sequence, Tuple
 
 Ranks = Tuple[int, ...]
-# Measured by dev/probe_gloo_link.py (2 x 2 ranks, messages of 1-8 KiB): a broadcast's sender pays
+# Measured by dev/nodes/probe_gloo_link.py (2 x 2 ranks, messages of 1-8 KiB): a broadcast's sender pays
 # 236 bytes per message; a ring step (a message out, one in) 415 bytes from each side.
 MESSAGE_BYTES_SENT = 236
 MESSAGE_BYTES_RETURNED = 180

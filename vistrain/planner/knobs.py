@@ -7,7 +7,7 @@ offload, the glibc allocator setting. Result knobs do change them: mixed precisi
 rank, the number of ranks. The auto-tuner (``auto_tune.py``) chooses exact knobs only; the budget
 search of ``tools/plan_memory.py`` (:func:`search`) may also move the result knobs.
 
-Speed is measured side by side on this project's 2-core CPU machine (``dev/bench_fsdp.py``, 2
+Speed is measured side by side on this project's 2-core CPU machine (``dev/bench/bench_fsdp.py``, 2
 ranks, one thread each, RegNetY-400MF; docs/notes/memory.md has the runs): ``STEP_VS_DDP`` per (wrap
 granularity, reshard) as the step time over DDP's, times the cost of prefetch depth and the step
 in backward, plus the recomputation of checkpointing, times the allocator threshold's cost.
@@ -44,7 +44,7 @@ RESULT_KNOBS = {
 }
 KNOB_KEYS = {**EXACT_KNOBS, **RESULT_KNOBS}
 
-# Measured (dev/bench_fsdp.py, first run of 2026-12-01; docs/notes/memory.md): step time over DDP's per
+# Measured (dev/bench/bench_fsdp.py, first run of 2026-12-01; docs/notes/memory.md): step time over DDP's per
 # (wrap granularity, reshard_after_forward). "model" keeps the root gathered, so ZeRO-3 there
 # differs from ZeRO-2 only for the fp32 units.
 STEP_VS_DDP = {
@@ -57,7 +57,7 @@ STEP_VS_DDP = {
 }
 # shard_group_size=1: every rank holds the whole model and all-reduces each unit's gradient over the
 # world, as DDP does its buckets; per wrap granularity (ZeRO-3 only frees and copies local weights
-# again). Measured side by side with DDP and the sharded settings (dev/bench_fsdp.py --replicated,
+# again). Measured side by side with DDP and the sharded settings (dev/bench/bench_fsdp.py --replicated,
 # two runs of 2026-12-03, median; a loaded machine: load average 23, ratios within +-0.15): one
 # unit reduces everything after backward, overlapping nothing, where DDP's buckets overlap it.
 REPLICATED_VS_DDP = {"model": 1.55, "stage": 1.19, "block": 1.22}
@@ -72,7 +72,7 @@ PREFETCH_COST = {0: 1.02, 1: 1.0, 2: 1.0}
 # ordinary step so that it is used where it is needed to fit.
 IN_BACKWARD_COST = 1.01
 # glibc's fixed mmap threshold (MACHINE.CPU_MMAP_THRESHOLD_MIB): page faults on every large
-# allocation (dev/bench_host_memory.py, the quick start's model at 1 MiB)
+# allocation (dev/bench/bench_host_memory.py, the quick start's model at 1 MiB)
 CPU_THRESHOLD_COST = 1.27
 OFFLOAD_COST = 1.5  # CUDA: shards, gradients and optimizer state over PCIe (assumed, no GPU here)
 MIXED_PRECISION_COST = {"cuda": 0.6, "cpu": 1.05}  # bf16 compute (CUDA: common practice)

@@ -50,7 +50,7 @@ from vistrain.planner.shape import MIB, ModelShapes, RunShape, meta_crops, run_s
 # the import baseline and its model terms (docs/notes/memory.md)
 CPU_ALLOWANCE_MIB = 75
 # A forked rank starts without the file-backed pages its imports mapped (see forked_ranks) and
-# faults in the library code it runs: 15-60 MiB over the cases of dev/bench_planner.py that run
+# faults in the library code it runs: 15-60 MiB over the cases of dev/bench/bench_planner.py that run
 # here (2 and 4 ranks) and the 2-rank test; 42 keeps them within 10%, but for RegNetY-3.2GF with
 # AdamW and checkpointing, 11% under (6% with spawned ranks; docs/notes/memory.md)
 FORKED_LIBRARY_MIB = 42

@@ -2,8 +2,8 @@
 backend's algorithms send them; and the step time that follows at a given link speed.
 
 The communication side of the planner (``memory.py`` is the memory side). ``tools/plan_memory.py``
-prints :func:`traffic` for every recipe, ``dev/plan_hybrid.py`` the SEER RegNetY-10B case of
-docs/memory-and-planner.md, ``dev/bench_two_hosts.py`` it next to link bytes measured between
+prints :func:`traffic` for every recipe, ``dev/nodes/plan_hybrid.py`` the SEER RegNetY-10B case of
+docs/memory-and-planner.md, ``dev/nodes/bench_two_hosts.py`` it next to link bytes measured between
 two hosts.
 
 Every collective of one step (:func:`step_collectives`), for the sharded engine per unit u of
@@ -91,7 +91,7 @@ def predicted_step_seconds(
     ``compute_seconds`` (one step's forward and backward, ``compute.compute_seconds``) times the
     setting's measured cost over DDP's (``knobs.speed_cost``, on one node), plus the bytes the
     busiest node's link carries per step at that speed (the link is not overlapped with compute:
-    dev/bench_two_hosts.py measures how far a setting is from this)."""
+    dev/nodes/bench_two_hosts.py measures how far a setting is from this)."""
     shapes = shapes_for(cfg, shapes)
     engine = cfg.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP and cfg.MODEL.FSDP_CONFIG.BACKEND == "builtin"
     knobs = current_knobs(cfg, EXACT_KNOBS) if engine else {}

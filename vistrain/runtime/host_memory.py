@@ -7,8 +7,8 @@ first few freed layers, every tensor of up to 32 MiB lives in the heaps, and a h
 pages of freed blocks it cannot trim (any later block above them pins them). A sharded run frees
 and re-allocates full weights and gradients unit after unit, so the process grows by memory that
 no tensor holds. Fixing the threshold costs page faults (each large tensor is zero-filled by the
-kernel again). Both sides are measured by ``dev/bench_big_model.py`` (peak RSS) and
-``dev/bench_host_memory.py`` (step time); their numbers: docs/notes/memory.md.
+kernel again). Both sides are measured by ``dev/bench/bench_big_model.py`` (peak RSS) and
+``dev/bench/bench_host_memory.py`` (step time); their numbers: docs/notes/memory.md.
 """
 
 import ctypes

@@ -59,7 +59,7 @@ def _wrap_ddp(model: nn.Module, device: torch.device, sync_bn: bool) -> DDP:
     sync_buffers = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGS else "broadcast_buffers"
     # its own group (collective: every rank creates it): the default group's small collectives
     # (sync BatchNorm's all-reduces, the loss's) must not queue behind a bucket's megabytes on the
-    # same connections (dev/diagnose_two_hosts.py)
+    # same connections (dev/nodes/diagnose_two_hosts.py)
     group = dist.new_group(list(range(dist.get_world_size()))) if dist.get_world_size() > 1 else None
     return DDP(
         model,

@@ -3,7 +3,7 @@
 The loop asks :meth:`BoundaryStop.requested` at every boundary where a checkpoint could be saved
 (after an optimizer step). The ranks agree there in one all-reduce (MAX) of one integer: the stop
 signal any rank received (0: none). It runs on a gloo group on the CPU, so under NCCL it never
-waits for the GPU's queue; measured with ``dev/bench_stop_check.py``. A signal that reaches only
+waits for the GPU's queue; measured with ``dev/bench/bench_stop_check.py``. A signal that reaches only
 one rank (or only the launcher, which forwards it) therefore stops every rank at the same
 iteration. :meth:`BoundaryStop.save_and_stop` then saves ``checkpoint_<iteration>`` (unless that
 iteration is already saved), optionally requeues the SLURM job, and raises StopRequested on every
