@@ -16,6 +16,7 @@ import torch  # noqa: E402
 from lightning_models import (  # noqa: E402
     ConvNet,
     Critic,
+    MaskedClient,
     OwnStorageDDP,
     Recorder,
     Regressor,
@@ -264,6 +265,21 @@ def test_sync_batchnorm_on_cpu_equals_one_process_on_the_global_batch(ssl_client
     synced, single = ssl_clients["synced"], ssl_clients["one_process"]
     assert rel_diff(synced, single) < TOL_DEVICES
     assert rel_diff(synced["student.1.running_mean"], single["student.1.running_mean"]) < TOL_DEVICES
+
+
+def test_a_masked_client_calling_its_encoder_by_name_equals_ddp():
+    """lightly's SimMIM example calls ``self.backbone.encode(...)``: with the one registration
+    line it equals DDP (which needs ``find_unused_parameters`` for the example's unused mask
+    token); without it the first step stops on one line naming that registration."""
+    _, reference = fit(ddp(find_unused_parameters=True), MaskedClient, max_epochs=2)
+    _, ours = fit(sharded(), MaskedClient, max_epochs=2)
+    assert rel_diff(state(ours), state(reference)) < TOL
+    assert rel_diff(state(ours), state(MaskedClient())) > 1e-2
+    with pytest.raises(
+        Exception,
+        match='MaskedVisionTransformerTorchvision.encode\\(\\) computed with this rank.s shard.*register_forward_method\\(module, "encode"\\)',
+    ):
+        fit(sharded(), lambda: MaskedClient(register=False), max_epochs=1)
 
 
 def test_engine_knobs():

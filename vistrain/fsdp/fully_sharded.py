@@ -16,12 +16,14 @@ the ``nn.Module`` shell: a unit's handles, phase and transitions live in its ``U
 """
 
 import contextlib
-from typing import Callable, List, Optional
+import inspect
+from typing import Callable, List, Optional, Sequence
 
 import torch
 from torch import nn
 
 from vistrain.fsdp.collectives import ShardGroups
+from vistrain.fsdp.forward_methods import gathered_call, guarded_call, register_forward_method
 from vistrain.fsdp.grads import OptimizerInBackward, clip_grad_norm_
 from vistrain.fsdp.model_state import ModelState, RootOptions, release_free_pages
 from vistrain.fsdp.ownership import (
@@ -29,6 +31,7 @@ from vistrain.fsdp.ownership import (
     check_wrappable,
     clean_name,
     compute_device,
+    forward_methods_of,
     owned_modules,
     owned_params,
     set_owner,
@@ -69,6 +72,9 @@ class FullyShardedDataParallel(nn.Module):
             never flattened together (optimizer param groups need none of this: they hold the
             original parameters, ``docs/engine.md``).
         root: the whole model's options (:class:`RootOptions`); only the outermost unit may take them.
+        forward_methods: names of the module's methods that gather the weights as ``forward``
+            does (``unit.encode(...)``; ``forward_methods.py``). Any other method reached
+            through the unit runs on the shards and may not mix them with other tensors.
     """
 
     is_sharded_unit = True
@@ -84,6 +90,7 @@ class FullyShardedDataParallel(nn.Module):
         sync_module_states: bool = True,
         param_group_fn: Optional[Callable] = None,
         root: Optional[RootOptions] = None,
+        forward_methods: Sequence[str] = (),
     ):
         check_wrappable(module)
         super().__init__()
@@ -99,6 +106,9 @@ class FullyShardedDataParallel(nn.Module):
         )  # fmt: skip
         self._unit = UnitState(handles, reshard_after_forward)
         prepare_buffers(module, self._device, self._groups, sync_module_states)
+        register_forward_method(
+            module, *((forward_methods,) if isinstance(forward_methods, str) else forward_methods)
+        )
         for sub in owned_modules(module):
             set_owner(sub, self)
         nested = [
@@ -114,13 +124,21 @@ class FullyShardedDataParallel(nn.Module):
         return self._modules[WRAPPED_NAME]
 
     def __getattr__(self, name: str):
-        """Attributes the wrapper lacks come from the wrapped module, as with FairScale."""
+        """Attributes the wrapper lacks come from the wrapped module, as with FairScale; its
+        methods gather the weights when registered as forward methods, else run guarded
+        (``forward_methods.py``)."""
         try:
             return super().__getattr__(name)
         except AttributeError:
             if name == WRAPPED_NAME or WRAPPED_NAME not in self._modules:
                 raise
-            return getattr(self._modules[WRAPPED_NAME], name)
+            wrapped = self._modules[WRAPPED_NAME]
+            found = getattr(wrapped, name)
+            if not (inspect.ismethod(found) and found.__self__ is wrapped):
+                return found
+            if name in forward_methods_of(wrapped):
+                return gathered_call(self, name, found)
+            return guarded_call(self, name, found)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """The original parameters (this rank's part of each) under the unwrapped module's names."""
@@ -169,12 +187,17 @@ class FullyShardedDataParallel(nn.Module):
         return self._unit.model
 
     def forward(self, *args, **kwargs):
+        return self.run_as_forward(self.module, args, kwargs)
+
+    def run_as_forward(self, function: Callable, args: tuple, kwargs: dict):
+        """``function(*args, **kwargs)`` (the wrapped module, or one of its registered forward
+        methods) between the unit's gather and its release, outputs hooked for backward."""
         self._lazy_init()
         training = self._unit.begin_forward()
-        outputs = self._run_module(args, kwargs)
+        outputs = self._run_module(function, args, kwargs)
         return self._unit.end_forward(outputs, training)
 
-    def _run_module(self, args, kwargs):
+    def _run_module(self, function: Callable, args, kwargs):
         precision = self._precision
         if precision.mixed:
             args, kwargs = cast_floating((args, kwargs), precision.compute_dtype)
@@ -186,7 +209,7 @@ class FullyShardedDataParallel(nn.Module):
                 stack.enter_context(torch.autocast(device_type=self._device.type, enabled=False))
             if torch.is_grad_enabled():
                 stack.enter_context(self._unit.model.saved_weight_hooks())
-            outputs = self.module(*args, **kwargs)
+            outputs = function(*args, **kwargs)
         if incoming is not None:  # hand the parent back the precision it computes in
             outputs = cast_floating(outputs, incoming, only_full_precision=True)
         return outputs

@@ -47,6 +47,7 @@ class _Registry:
         self.init_recipe = WeakIdKeyDictionary()  # meta tensor -> how to create its values
         # local parameter -> (weakref(FlatParamHandle), origin index)
         self.origin_of_local = WeakIdKeyDictionary()
+        self.forward_methods = WeakIdKeyDictionary()  # module -> names gathered like its forward
         self.optimizer_hook = None
 
 
@@ -118,6 +119,16 @@ def _check_optimizer(optimizer, args, kwargs) -> None:
                     "shards: build the optimizer on model.parameters() after wrapping"
                 )
     _REGISTRY.checked_optimizers[optimizer] = counts
+
+
+def set_forward_methods(module: nn.Module, names) -> None:
+    """``module``'s methods ``names`` gather its unit's weights as its forward does."""
+    _REGISTRY.forward_methods[module] = frozenset(names)
+
+
+def forward_methods_of(module: nn.Module) -> frozenset:
+    """The names :func:`set_forward_methods` registered for ``module`` (empty: none)."""
+    return _REGISTRY.forward_methods.get(module, frozenset())
 
 
 def set_init_recipe(tensor, recipe) -> None:
