@@ -116,14 +116,15 @@ def test_vit_export_loads_into_torchvision_and_gives_its_class_token():
 
 
 def test_vit_features_and_other_input_sizes():
-    names = ["cls", "avgpool", "tokens", "block1", "block2", "block3"]
+    names = ["cls", "avgpool", "tokens", "sequence", "block1", "block2", "block3"]
     cfg = vit_cfg(out_features=names)
     trunk = build_trunk(cfg).eval()
     assert trunk_feature_names(cfg) == names == list(trunk.feature_dims)
     x = torch.randn(2, 3, 16, 16)
     out = trunk(x)
     assert out["tokens"].shape == (2, 32, 4, 4)
-    assert all(out[n].shape == (2, 32) for n in names if n != "tokens")
+    assert out["sequence"].shape == (2, 17, 32)
+    assert all(out[n].shape == (2, 32) for n in names if n not in ("tokens", "sequence"))
     torch.testing.assert_close(out["avgpool"], out["tokens"].mean((2, 3)))
     torch.testing.assert_close(out["block3"], out["cls"])  # the last block, final LayerNorm
     # blocks after the last requested one are skipped; the earlier ones give the same numbers
@@ -157,7 +158,7 @@ def test_vit_layer_norm_computes_in_float32():
         (["config.MODEL.TRUNK.NAME=vit", "config.MODEL.TRUNK.VIT.NAME=custom"], "invalid ViT dims"),
         (["config.MODEL.TRUNK.NAME=vit", "config.MODEL.TRUNK.VIT.PATCH_SIZE=5"], "IMAGE_SIZE (224) must be a positive multiple of PATCH_SIZE (5)"),
         (["config.MODEL.TRUNK.NAME=resnet", "config.MODEL.TRUNK.OUT_FEATURES=[s4]"], "OUT_FEATURES must be a non-empty list of conv1, res2"),
-        (["config.MODEL.TRUNK.NAME=vit", "config.MODEL.TRUNK.VIT.CLASS_TOKEN=False", "config.MODEL.TRUNK.OUT_FEATURES=[cls]"], "avgpool, tokens, block1"),
+        (["config.MODEL.TRUNK.NAME=vit", "config.MODEL.TRUNK.VIT.CLASS_TOKEN=False", "config.MODEL.TRUNK.OUT_FEATURES=[cls]"], "avgpool, tokens, sequence, block1"),
         (["config.MODEL.TRUNK.NAME=resnet"], "MODEL.HEAD.DIMS[0] is 16 but the trunk's 'avgpool' feature has 2048 channels"),
         (["config.MODEL.TRUNK.NAME=vit", "config.MODEL.HEAD.DIMS=[384,32,16]", "config.DATA.TRAIN.TRANSFORMS.SIZE_CROPS=[24]"],
          "MODEL.TRUNK.VIT.PATCH_SIZE (16) must divide the crop sides, got 24x24"),

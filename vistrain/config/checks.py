@@ -159,6 +159,7 @@ RULES = {
     "MODEL.TRUNK.RESNET.NAME": [one_of("resnets")],
     "MODEL.TRUNK.RESNET.WIDTH_MULTIPLIER": [above(0)],
     "MODEL.TRUNK.VIT.NAME": [one_of("vits")],
+    "MODEL.TRUNK.VIT.POSITION_EMBEDDING": [one_of("vit_position_embeddings")],
     "MODEL.HEAD.NAME": [one_of("heads")],
     "MODEL.FSDP_CONFIG.BACKEND": [one_of("sharding backends")],
     "MODEL.FSDP_CONFIG.compute_dtype": [one_of("compute dtypes")],

@@ -132,6 +132,9 @@ _C.MODEL.TRUNK.VIT.WIDTH = 0  # custom: token width, a multiple of HEADS
 _C.MODEL.TRUNK.VIT.HEADS = 0  # custom: attention heads
 _C.MODEL.TRUNK.VIT.MLP_RATIO = 4.0  # custom: MLP hidden width / WIDTH
 _C.MODEL.TRUNK.VIT.CLASS_TOKEN = True  # prepend a learned class token (feature "cls")
+_C.MODEL.TRUNK.VIT.POSITION_EMBEDDING = "learned"  # learned | sincos (fixed 2-D sin-cos: MAE, MoCo v3)
+_C.MODEL.TRUNK.VIT.MASK_TOKEN = False  # a learned mask token for masked patches (iBOT, DINOv2)
+_C.MODEL.TRUNK.VIT.FROZEN_PATCH_PROJECTION = False  # never train the random patch projection (MoCo v3)
 # features returned. RegNet: stem, s1..sK, avgpool; ResNet: conv1, res2..res5, avgpool; ViT: cls,
 # avgpool (mean patch token), tokens (patch-token map), block1..blockD
 _C.MODEL.TRUNK.OUT_FEATURES = ["avgpool"]

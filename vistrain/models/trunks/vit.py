@@ -20,7 +20,7 @@ precision the statistics of a bf16/fp16 residual stream would otherwise lose dig
 
 import functools
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ from torch import nn
 from torchvision.models.vision_transformer import Encoder, EncoderBlock
 
 from vistrain.config.errors import ConfigError
+from vistrain.models.masking import sincos_position_embedding
 from vistrain.models.trunks.family import TrunkFamily, check_out_features, torchvision_keys, unknown_name
 
 # name -> (depth, width, heads, mlp_ratio): ViT-Ti/S/B (DeiT, DINO), ViT-L/H (Dosovitskiy et al.),
@@ -42,7 +43,8 @@ VIT_SIZES = {
 }
 LAYER_NORM_EPS = 1e-6  # torchvision's and DINO's
 TORCHVISION_PREFIXES = ("conv_proj", "class_token", "encoder")
-POOLED = ("cls", "avgpool", "tokens")  # features read after the last block's final LayerNorm
+POOLED = ("cls", "avgpool", "tokens", "sequence")  # features read after the last block's final LayerNorm
+POSITION_EMBEDDINGS = ("learned", "sincos")
 
 
 class LayerNorm32(nn.LayerNorm):
@@ -111,11 +113,21 @@ class ViTTrunk(nn.Module):
     * ``"avgpool"`` (N, D): the mean of the patch tokens;
     * ``"tokens"`` (N, D, H/P, W/P): the patch tokens as a map (pooled like a CNN stage by the
       benchmarks);
+    * ``"sequence"`` (N, prefix + L, D): every token of the sequence, class token first (L: the
+      patches, or the kept ones);
     * ``"block<i>"`` (N, D): block i's output (1-based), its class token (else its mean patch
       token); DINO's linear evaluation concatenates the last four (``block9+...+block12``).
 
     ``feature_dims`` maps every available feature name to D, ``vector_features`` names the (N, D)
     ones (the benchmarks pool only maps). Blocks after the last requested feature are skipped.
+
+    Masked-image modelling (``models/masking.py`` draws the masks): ``forward(x, keep=...)`` with
+    ``keep`` (N, K) patch indices runs the encoder on those patches only, each with its own
+    position embedding (MAE); ``forward(x, mask=...)`` with a boolean (N, L) replaces the masked
+    patch embeddings by the learned ``mask_token`` before the position embeddings are added
+    (iBOT, DINOv2; ``mask_token=True``). ``position_embedding="sincos"``: fixed 2-D sin-cos
+    embeddings (MAE, MoCo v3), a buffer under torchvision's name; ``frozen_patch_projection``:
+    the random patch projection is never trained (MoCo v3's stabiliser for ViTs).
     """
 
     def __init__(
@@ -128,6 +140,9 @@ class ViTTrunk(nn.Module):
         image_size: int,
         class_token: bool,
         out_features: Sequence[str],
+        mask_token: bool = False,
+        position_embedding: str = "learned",
+        frozen_patch_projection: bool = False,
     ):
         super().__init__()
         self.patch_size, self.grid = patch_size, image_size // patch_size
@@ -142,27 +157,40 @@ class ViTTrunk(nn.Module):
         # torchvision's patchify init (its VisionTransformer.__init__)
         trunc_normal_(self.conv_proj.weight, std=math.sqrt(1 / (3 * patch_size * patch_size)))
         nn.init.zeros_(self.conv_proj.bias)
+        self.conv_proj.requires_grad_(not frozen_patch_projection)
+        if position_embedding == "sincos":
+            self._fixed_position_embedding(width)
+        elif position_embedding != "learned":
+            raise ValueError(f"MODEL.TRUNK.VIT.POSITION_EMBEDDING must be one of {POSITION_EMBEDDINGS}")
+        if mask_token:  # iBOT's and dinov2's: zeros
+            self.mask_token = nn.Parameter(torch.zeros(1, 1, width))
+        else:
+            self.register_parameter("mask_token", None)
 
         names = _names(depth, class_token)
         self.feature_dims: Dict[str, int] = dict.fromkeys(names, width)
-        self.vector_features = [name for name in names if name != "tokens"]  # (N, D); "tokens" is a map
+        # (N, D); "tokens" is a map, "sequence" the (N, L, D) tokens of masked-image modelling
+        self.vector_features = [name for name in names if name not in ("tokens", "sequence")]
         self.out_features = check_out_features(out_features, names)
         wanted = set(self.out_features)
         self.blocks_needed = depth if wanted & set(POOLED) else max(int(n[5:]) for n in wanted)
 
-    def forward(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
-        n, _, h, w = x.shape
-        if h % self.patch_size or w % self.patch_size:
-            raise ConfigError(
-                f"MODEL.TRUNK.VIT.PATCH_SIZE ({self.patch_size}) must divide the crop sides, got {h}x{w}: "
-                "change PATCH_SIZE or the crop sizes"
-            )
-        x = self.conv_proj(x)  # (N, D, h, w) with h = H / P, w = W / P
-        grid = tuple(x.shape[-2:])
-        x = x.flatten(2).transpose(1, 2)  # (N, h * w, D)
-        if self.class_token is not None:
-            x = torch.cat([self.class_token.expand(n, -1, -1), x], dim=1)
-        x = x + self._position_embedding(grid)
+    def _fixed_position_embedding(self, width: int) -> None:
+        """The learned position embeddings replaced by a buffer of the same name holding the
+        sin-cos table (zeros for the class token). Built from a Python list: a factory call the
+        sharded engine's meta-device build replays as it is."""
+        table = sincos_position_embedding((self.grid, self.grid), width)
+        rows = [[0.0] * width] * self.num_prefix + table.tolist()
+        del self.encoder.pos_embedding
+        self.encoder.register_buffer("pos_embedding", torch.tensor([rows]))
+
+    def forward(
+        self, x: torch.Tensor, keep: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None
+    ) -> Dict[str, torch.Tensor]:
+        """x (N, 3, H, W); ``keep`` (N, K) indices of the patches to encode, or ``mask`` (N, L)
+        True where the patch embedding becomes the mask token."""
+        x, grid = self._embed(x, keep, mask)
+        n = x.shape[0]
         wanted, out = set(self.out_features), {}
         for i, block in enumerate(self.encoder.layers, start=1):
             if i > self.blocks_needed:
@@ -178,8 +206,36 @@ class ViTTrunk(nn.Module):
             if "avgpool" in wanted:
                 out["avgpool"] = patches.mean(1)
             if "tokens" in wanted:
+                if keep is not None:
+                    raise ValueError('the "tokens" map needs every patch: read "sequence" with keep=')
                 out["tokens"] = patches.transpose(1, 2).reshape(n, -1, *grid)
+            if "sequence" in wanted:
+                out["sequence"] = x
         return out
+
+    def _embed(self, x: torch.Tensor, keep: Optional[torch.Tensor], mask: Optional[torch.Tensor]):
+        """Patch embeddings (masked or only the kept ones), position embeddings, class token:
+        (N, prefix + L', D) and the patch grid (h, w)."""
+        n, _, h, w = x.shape
+        if h % self.patch_size or w % self.patch_size:
+            raise ConfigError(
+                f"MODEL.TRUNK.VIT.PATCH_SIZE ({self.patch_size}) must divide the crop sides, got {h}x{w}: "
+                "change PATCH_SIZE or the crop sizes"
+            )
+        x = self.conv_proj(x)  # (N, D, h, w) with h = H / P, w = W / P
+        grid = tuple(x.shape[-2:])
+        x = x.flatten(2).transpose(1, 2)  # (N, h * w, D)
+        if mask is not None:
+            if self.mask_token is None:
+                raise ValueError("a mask needs the trunk's mask token: set MODEL.TRUNK.VIT.MASK_TOKEN=True")
+            x = torch.where(mask.unsqueeze(-1), self.mask_token.to(x.dtype), x)
+        pos = self._position_embedding(grid)
+        x = x + pos[:, self.num_prefix :]
+        if keep is not None:
+            x = x.gather(1, keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        if self.class_token is not None:
+            x = torch.cat([(self.class_token + pos[:, : self.num_prefix]).expand(n, -1, -1), x], dim=1)
+        return x, grid
 
     def _summary(self, x: torch.Tensor) -> torch.Tensor:
         return x[:, 0] if self.class_token is not None else x[:, self.num_prefix :].mean(1)
@@ -204,7 +260,8 @@ def build_vit(trunk_cfg) -> ViTTrunk:
     depth, width, heads, mlp_dim = vit_dims(vit_cfg)
     return ViTTrunk(
         depth, width, heads, mlp_dim, vit_cfg.PATCH_SIZE, vit_cfg.IMAGE_SIZE, vit_cfg.CLASS_TOKEN,
-        trunk_cfg.OUT_FEATURES,
+        trunk_cfg.OUT_FEATURES, vit_cfg.MASK_TOKEN, vit_cfg.POSITION_EMBEDDING,
+        vit_cfg.FROZEN_PATCH_PROJECTION,
     )  # fmt: skip
 
 
@@ -214,7 +271,9 @@ def to_torchvision_state_dict(trunk_state_dict: Dict[str, torch.Tensor], prefix:
     224 px). Keys are already torchvision's; ``prefix`` is stripped as for RegNet. Load with
     ``tv.heads = nn.Identity()``; then ``tv(x)`` is our ``"cls"`` feature. torchvision's ViT always
     has a class token: a trunk without one has no torchvision counterpart (ValueError)."""
-    out = torchvision_keys(trunk_state_dict, prefix, TORCHVISION_PREFIXES, "ViT")
+    # torchvision's ViT has no mask token: masked-image pretraining's is not needed to fine-tune
+    kept = {k: v for k, v in trunk_state_dict.items() if k != f"{prefix}mask_token"}
+    out = torchvision_keys(kept, prefix, TORCHVISION_PREFIXES, "ViT")
     if "class_token" not in out:
         raise ValueError(
             "a ViT without class token (MODEL.TRUNK.VIT.CLASS_TOKEN=False) has no torchvision counterpart"
@@ -230,5 +289,5 @@ VIT = TrunkFamily(
     checkpointed={"block": (EncoderBlock,), "stage": (EncoderBlock,)},
     torchvision_prefixes=TORCHVISION_PREFIXES,
     to_torchvision=to_torchvision_state_dict,
-    names={"vits": ["custom", *VIT_SIZES]},
+    names={"vits": ["custom", *VIT_SIZES], "vit_position_embeddings": list(POSITION_EMBEDDINGS)},
 )
