@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from vistrain import cli
-from vistrain.config import load_config
+from vistrain.methods import load_config
 
 
 def collectives_forever(cfg):

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from vistrain import cli
-from vistrain.config import load_config
+from vistrain.methods import load_config
 
 
 def hooked_train(cfg, notes=()):

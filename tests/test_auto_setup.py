@@ -8,13 +8,11 @@ from fsdp_models import max_rel_diff
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from vistrain.config import load_config
 from vistrain.distributed.sync_batchnorm import convert_sync_batchnorm
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import KEEP_FP32
 from vistrain.fsdp import FullyShardedDataParallel as FSDP
-from vistrain.losses import build_loss
-from vistrain.models import build_model
+from vistrain.methods import build_loss, build_model, load_config
 from vistrain.optim import build_optimizer, param_group_key
 from vistrain.runtime.sharding import apply_activation_checkpointing, shard_model
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 import yaml
 
-from vistrain.config import ConfigError, explicit_keys, load_config
+from vistrain.config import ConfigError, explicit_keys
 from vistrain.distributed.testing import run_on_ranks
+from vistrain.methods import load_config
 from vistrain.planner import auto_tune
 from vistrain.planner import knobs as planner_knobs
 from vistrain.planner import memory as planner_memory

@@ -29,11 +29,11 @@ from vistrain.benchmarks import (
 from vistrain.benchmarks.knn import build_bank, knn_counts
 from vistrain.benchmarks.linear_eval import FrozenFeatures, cache_features, train_heads
 from vistrain.checkpoint import CheckpointError
-from vistrain.config import ConfigError, load_config
+from vistrain.config import ConfigError
 from vistrain.data import build_loader, rank_indices
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.jobs import check_values
-from vistrain.models import build_model
+from vistrain.methods import build_model, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")

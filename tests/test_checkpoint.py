@@ -34,10 +34,10 @@ from vistrain.checkpoint import (
     to_torchvision,
 )
 from vistrain.checkpoint import save as save_module
-from vistrain.config import load_config
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import FullyShardedDataParallel as FSDP
 from vistrain.fsdp import auto_wrap, by_class, local_part
+from vistrain.methods import load_config
 from vistrain.training.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -269,7 +269,7 @@ def _sharded_recipe_worker(rank, world, run_dir):
 def test_conversion_to_torchvision_and_consolidated(tmp_path, capsys):
     import torchvision
 
-    from vistrain.models import build_model
+    from vistrain.methods import build_model
     from vistrain.models.trunks.regnet import block_params_from_config
 
     run_on_ranks(_sharded_recipe_worker, 2, str(tmp_path))

@@ -21,9 +21,9 @@ from vistrain.checkpoint import (
     save_sharded_checkpoint,
     to_torchvision,
 )
-from vistrain.config import load_config
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import auto_wrap, by_class, hybrid_groups
+from vistrain.methods import load_config
 from vistrain.training.trainer import train
 
 
@@ -103,7 +103,7 @@ def _hybrid_recipe_worker(rank, world, run_dir):
 def test_hybrid_recipe_checkpoint_converts_to_consolidated_and_torchvision(tmp_path, ranks):
     import torchvision
 
-    from vistrain.models import build_model
+    from vistrain.methods import build_model
     from vistrain.models.trunks.regnet import block_params_from_config
 
     run_on_ranks(_hybrid_recipe_worker, ranks, str(tmp_path))

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from vistrain.config import ConfigError, available_configs, get_defaults, load_config, save_config
+from vistrain.config import ConfigError, available_configs, save_config
 from vistrain.config.loader import CONFIGS_DIR
+from vistrain.methods import get_defaults, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 ALL_CONFIGS = sorted(CONFIGS_DIR.rglob("*.yaml"))

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from vistrain import cli
-from vistrain.config import ConfigError, available_configs, load_config
-from vistrain.config.checks import RULES, check_config
+from vistrain.config import ConfigError, available_configs
+from vistrain.config.checks import RULES
 from vistrain.jobs import catalog, check_values
+from vistrain.methods import check_config, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,6 @@ from PIL import Image
 
 import vistrain.data.demo_digits as demo
 from vistrain.config import DataError
-from vistrain.config.defaults import get_defaults
 from vistrain.data import (
     CorruptImageError,
     DistributedSampler,
@@ -27,6 +26,7 @@ from vistrain.data import (
 from vistrain.data.datasets import count_samples
 from vistrain.data.transforms import MultiCropTransform, geometric_ops
 from vistrain.distributed.testing import run_on_ranks
+from vistrain.methods import get_defaults
 
 CPU = torch.device("cpu")
 

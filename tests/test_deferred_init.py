@@ -8,11 +8,10 @@ import torch
 from torch import nn
 
 from vistrain.checkpoint.pretrained import load_pretrained
-from vistrain.config import load_config
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp.deferred_init import build_on_meta, materialize
 from vistrain.fsdp.memory import storage_bytes
-from vistrain.models import build_model
+from vistrain.methods import build_model, load_config
 from vistrain.optim import param_group_key
 from vistrain.runtime.sharding import build_for_run, shard_model
 

@@ -19,7 +19,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from vistrain import fsdp
-from vistrain.config.defaults import get_defaults
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import (
     RootOptions,
@@ -28,6 +27,7 @@ from vistrain.fsdp import (
     by_class,
     hybrid_groups,
 )
+from vistrain.methods import get_defaults
 from vistrain.optim import LARS
 from vistrain.runtime.sharding import unit_precision
 

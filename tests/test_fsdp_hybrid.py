@@ -318,7 +318,7 @@ def test_step_in_backward_on_hybrid_shards_equals_the_ordinary_step():
 
 
 def _trainer_worker(rank, world, run_dir, overrides):
-    from vistrain.config import load_config
+    from vistrain.methods import load_config
     from vistrain.training.trainer import train
 
     argv = [

@@ -4,8 +4,7 @@ algorithms, collective by collective)."""
 
 import pytest
 
-from vistrain.config import load_config
-from vistrain.models import build_meta_model
+from vistrain.methods import build_meta_model, load_config
 from vistrain.planner import collectives
 from vistrain.planner.collectives import Collective
 from vistrain.planner.memory import plan

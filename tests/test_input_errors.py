@@ -17,9 +17,10 @@ from PIL import Image
 
 from vistrain import cli
 from vistrain.checkpoint import find_latest_checkpoint
-from vistrain.config import ConfigError, load_config
+from vistrain.config import ConfigError
 from vistrain.distributed.supervise import lock_run_folder
 from vistrain.distributed.testing import run_on_ranks
+from vistrain.methods import load_config
 from vistrain.training.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,8 +11,8 @@ from job_processes import RUN, Job, job_env, slurm_env
 from PIL import Image
 
 from vistrain.checkpoint import find_latest_checkpoint
-from vistrain.config import load_config
 from vistrain.distributed.testing import run_on_ranks
+from vistrain.methods import load_config
 from vistrain.training import train
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]

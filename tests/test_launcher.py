@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from vistrain import cli
-from vistrain.config import ConfigError, DataError, load_config
+from vistrain.config import ConfigError, DataError
 from vistrain.distributed.join import attempt_store, slurm_tasks_on_node
 from vistrain.distributed.launch import first_slurm_host, launch, plan_launch
 from vistrain.distributed.network import check_gloo_interface
+from vistrain.methods import load_config
 
 HERE = Path(__file__).resolve()
 

@@ -17,6 +17,7 @@ LAYERS: List[Set[str]] = [
     {"fsdp"},
     {"models", "data"},
     {"losses", "optim"},
+    {"methods"},  # each method's criterion, head and config section; a run's config with their keys
     {"checkpoint"},
     {"runtime"},
     {"planner"},

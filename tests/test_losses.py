@@ -16,10 +16,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import vistrain.fsdp
-from vistrain.config.defaults import get_defaults
 from vistrain.distributed.testing import run_on_ranks
-from vistrain.losses import SimCLRLoss, SwAVLoss, build_loss, sinkhorn_knopp
-from vistrain.models.heads.swav import SwAVHead
+from vistrain.losses import SimCLRLoss, SwAVLoss, sinkhorn_knopp
+from vistrain.methods import build_loss, get_defaults
+from vistrain.methods.swav import SwAVHead
 
 TEMPERATURE = 0.1
 
@@ -554,7 +554,7 @@ def _swav_setup(seed=0):
 def _sharded_swav_worker(rank, world, batches):
     from vistrain.fsdp import auto_wrap, by_class
     from vistrain.fsdp.ownership import clean_name
-    from vistrain.models.heads.swav import SwAVPrototypes
+    from vistrain.methods.swav import SwAVPrototypes
 
     head, criterion = _swav_setup()
     model = auto_wrap(head, by_class({SwAVPrototypes: {}}))  # each prototype layer its own unit

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from vistrain.config import load_config
+from vistrain.methods import load_config
 from vistrain.planner import knobs as planner_knobs
 from vistrain.planner import memory as planner_memory
 from vistrain.planner.knobs import search

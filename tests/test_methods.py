@@ -6,18 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vistrain.config import ConfigError, load_config
-from vistrain.config.checks import check_config
+from vistrain.config import ConfigError
 from vistrain.distributed.testing import run_on_ranks
-from vistrain.losses import (
-    DINOLoss,
-    build_method,
-    byol_loss,
-    cosine_momentum,
-    symmetric_byol_loss,
-    teacher_temperature,
-)
-from vistrain.models import build_model
+from vistrain.losses import DINOLoss, byol_loss, cosine_momentum, symmetric_byol_loss, teacher_temperature
+from vistrain.methods import build_method, build_model, check_config, load_config
 
 
 # -- reference code (DINO's main_dino.py / utils.py, BYOL's paper), written out ---------------------

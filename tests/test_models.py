@@ -7,9 +7,10 @@ import torchvision.models.regnet as tv_regnet
 from torch import nn
 from torchvision.models.regnet import ResBottleneckBlock, SimpleStemIN
 
-from vistrain.config.defaults import get_defaults
-from vistrain.models import SSLModel, SwAVHead, SwAVPrototypes, build_model
-from vistrain.models.heads import MLP, build_head
+from vistrain.methods import build_head, build_model, get_defaults
+from vistrain.methods.swav import SwAVHead, SwAVPrototypes
+from vistrain.models import SSLModel
+from vistrain.models.heads import MLP
 from vistrain.models.trunks import build_trunk
 from vistrain.models.trunks.regnet import (
     PUBLISHED_REGNETS,

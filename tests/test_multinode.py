@@ -89,7 +89,7 @@ def _free_port_between(low: int, high: int) -> int:
 
 
 def _train(rank, world_size, argv):
-    from vistrain.config import load_config
+    from vistrain.methods import load_config
     from vistrain.training import train
 
     train(load_config(argv))
@@ -313,7 +313,7 @@ def test_demo_data_is_written_by_local_rank_0_of_each_node(tmp_path):
 
 
 def _start_run_in(rank, world_size, run_dirs):
-    from vistrain.config import load_config
+    from vistrain.methods import load_config
     from vistrain.runtime.run_setup import start_run
 
     try:

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from vistrain.config.defaults import get_defaults
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import SegmentValues
+from vistrain.methods import get_defaults
 from vistrain.optim import LARS, build_lr_schedule, build_optimizer, param_group_key, set_lr
 from vistrain.optim import lars as lars_module
 

@@ -13,11 +13,10 @@ import torch
 from torch import nn
 
 from vistrain.checkpoint import consolidated_state_dict
-from vistrain.config import load_config
-from vistrain.config.defaults import get_defaults
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import apply_optimizer_in_backward, auto_wrap, by_class
 from vistrain.fsdp.memory import storage_bytes
+from vistrain.methods import get_defaults, load_config
 from vistrain.optim import build_lr_schedule, build_optimizer, param_group_key, set_lr
 from vistrain.training.trainer import train
 

@@ -12,9 +12,10 @@ from torch import nn
 
 from vistrain.benchmarks import common
 from vistrain.benchmarks.precise_bn import batch_norms, recompute_bn_statistics
-from vistrain.config import ConfigError, load_config
+from vistrain.config import ConfigError
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.jobs import check_values
+from vistrain.methods import load_config
 
 CPU = torch.device("cpu")
 

@@ -35,7 +35,7 @@ def _job(run_dir: Path, *overrides, step_seconds=0.0, **env) -> Job:
 
 
 def _train(rank, world_size, argv):
-    from vistrain.config import load_config
+    from vistrain.methods import load_config
     from vistrain.training import train
 
     train(load_config(argv))
@@ -221,7 +221,7 @@ def test_the_stop_line_says_how_to_resume(tmp_path):
 
     from vistrain.checkpoint.files import FORMAT
     from vistrain.cli import stop_line
-    from vistrain.config import load_config
+    from vistrain.methods import load_config
 
     checkpoint = tmp_path / "checkpoint_4"
     checkpoint.mkdir()
@@ -333,7 +333,7 @@ def test_a_stop_signal_while_the_job_starts_is_one_line(tmp_path):
 _SIGNAL_WHILE_LAUNCHING = """
 import os, signal, sys, time
 from vistrain import cli
-from vistrain.config import load_config
+from vistrain.methods import load_config
 from vistrain.distributed import launch
 
 def launch_hit_by_sigterm(job, cfg, announce=None, may_fork=False):  # before the launcher installs its handlers

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vistrain.config import ConfigError, load_config
+from vistrain.config import ConfigError
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.jobs import check_values
+from vistrain.methods import load_config
 from vistrain.models.trunks.regnet import block_params_from_config
 from vistrain.training.trainer import train
 

@@ -13,13 +13,13 @@ import torch
 from PIL import Image
 
 from vistrain.benchmarks import common
-from vistrain.config import ConfigError, DataError, load_config
-from vistrain.config.defaults import get_defaults
+from vistrain.config import ConfigError, DataError
 from vistrain.data import build_dataset, build_loader
 from vistrain.data.datasets import count_samples
 from vistrain.data.elpv import ElpvSource, package_folder, read_labels, split_side, stratified_split
 from vistrain.data.loader import auto_workers
 from vistrain.distributed.testing import run_on_ranks
+from vistrain.methods import get_defaults, load_config
 from vistrain.training.trainer import train
 
 CPU = torch.device("cpu")

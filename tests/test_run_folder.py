@@ -20,9 +20,9 @@ from torch import nn
 from vistrain import cli
 from vistrain.checkpoint import find_latest_checkpoint, read_metadata, save_sharded_checkpoint
 from vistrain.checkpoint.files import prune
-from vistrain.config import load_config
 from vistrain.distributed.supervise import LOCK_NAME, RunFolderBusyError, lock_run_folder
 from vistrain.distributed.testing import run_on_ranks
+from vistrain.methods import load_config
 from vistrain.training.resume import pick_checkpoint
 from vistrain.training.trainer import train
 

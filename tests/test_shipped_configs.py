@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vistrain.config import load_config
 from vistrain.distributed.testing import run_on_ranks
+from vistrain.methods import load_config
 from vistrain.training.trainer import train
 
 TRAINING_RECIPES = [

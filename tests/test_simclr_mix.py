@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vistrain.config import ConfigError, load_config
-from vistrain.config.checks import check_config
+from vistrain.config import ConfigError
 from vistrain.distributed.testing import run_on_ranks
-from vistrain.losses import SimCLRLoss, build_method
+from vistrain.losses import SimCLRLoss
 from vistrain.losses.simclr import mix_crops
+from vistrain.methods import build_method, check_config, load_config
 
 TEMPERATURE = 0.5
 

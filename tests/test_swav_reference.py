@@ -18,9 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vistrain.config.defaults import get_defaults
-from vistrain.losses import build_loss
-from vistrain.models.heads.swav import SwAVHead
+from vistrain.methods import build_loss, get_defaults
+from vistrain.methods.swav import SwAVHead
 
 TEMPERATURE, EPSILON, ITERS = 0.1, 0.05, 3
 BATCH, NUM_CROPS, ASSIGN = 4, 4, [0, 1]

@@ -13,10 +13,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from vistrain.checkpoint import consolidated_state_dict
-from vistrain.config import load_config
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import LayoutMismatchError, ema_update_
 from vistrain.losses import cosine_momentum
+from vistrain.methods import load_config
 from vistrain.training.resume import resume
 from vistrain.training.trainer import _build, train
 

@@ -23,11 +23,9 @@ from vistrain.checkpoint import (
     read_metadata,
     save_sharded_checkpoint,
 )
-from vistrain.config import load_config
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed.testing import run_on_ranks
-from vistrain.losses import build_loss
-from vistrain.models import build_model
+from vistrain.methods import build_loss, build_model, load_config
 from vistrain.optim import build_optimizer
 from vistrain.training.trainer import StepSettings, _accumulation_group, _forward_backward, _Group, train
 

@@ -15,8 +15,9 @@ from torch import nn
 
 import vistrain.runtime.precision as precision_module
 import vistrain.training.trainer as trainer_module
-from vistrain.config import InputError, load_config
+from vistrain.config import InputError
 from vistrain.distributed.testing import run_on_ranks
+from vistrain.methods import load_config
 
 FP16 = ["config.MODEL.AMP_PARAMS.USE_AMP=True", "config.MODEL.AMP_PARAMS.AMP_DTYPE=float16"]
 DDP = ["config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False"]

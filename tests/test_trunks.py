@@ -10,13 +10,12 @@ from test_auto_setup import _amp_worker, _parity_worker, build, recipe
 from torch import nn
 
 from vistrain.benchmarks import linear_eval
-from vistrain.config import ConfigError, load_config
-from vistrain.config.defaults import get_defaults
+from vistrain.config import ConfigError
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import KEEP_FP32
 from vistrain.fsdp.deferred_init import build_on_meta, materialize
 from vistrain.jobs import check_values
-from vistrain.models import build_meta_model, build_model
+from vistrain.methods import build_meta_model, build_model, get_defaults, load_config
 from vistrain.models.trunks import build_trunk, to_torchvision_state_dict, trunk_feature_names
 from vistrain.models.trunks.resnet import PUBLISHED_RESNETS
 from vistrain.models.trunks.vit import VIT_SIZES, LayerNorm32

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vistrain.config import load_config
 from vistrain.distributed.netns import two_hosts, unavailable_reason
+from vistrain.methods import load_config
 from vistrain.planner.traffic import traffic
 
 REPO = Path(__file__).resolve().parents[1]

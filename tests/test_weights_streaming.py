@@ -34,11 +34,11 @@ from vistrain.checkpoint import (
     save_sharded_checkpoint,
 )
 from vistrain.checkpoint.tensor_file import TensorFile, save_streamed
-from vistrain.config import load_config
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import auto_wrap, by_class
 from vistrain.fsdp.deferred_init import build_on_meta
 from vistrain.fsdp.memory import current_rss_mib, peak_rss_since_reset_mib, reset_peak_rss
+from vistrain.methods import load_config
 from vistrain.runtime.host_memory import set_mmap_threshold
 
 TESTS = Path(__file__).resolve().parent

@@ -39,11 +39,11 @@ def main(argv) -> int:
     )
     args, config_args = parser.parse_known_args(argv)
     try:
-        cfg = load_config(config_args)
+        cfg = load_config(config_args)  # the methods' sections held open: typos answered before torch
         check_world_size(cfg, cfg.DISTRIBUTED.NUM_NODES * cfg.DISTRIBUTED.NUM_PROC_PER_NODE)
-        from vistrain.jobs import check_values
+        from vistrain.jobs import checked_config
 
-        check_values(cfg)  # the launcher's checks: the same one line for the same mistake
+        cfg = checked_config(config_args)  # the launcher's checks: the same one line for the same mistake
         return _plan(cfg, config_args, args)
     except OneLineExit as e:
         print(e.line(), file=sys.stderr)

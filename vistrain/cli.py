@@ -14,7 +14,10 @@ job (by the launcher, or by global rank 0 of a torchrun / srun job):
               boundary and saved it; names the checkpoint the same command resumes from
 
 While it works it says what it is doing (checking, planning, starting the ranks) on stdout.
-Importing this module does not load torch: a typo is answered at once.
+Importing this module does not load torch: a typo is answered at once. The config is checked in
+two steps: every key and value that needs neither the registries nor the methods' sections
+(``vistrain.config``, no torch), then the whole config with every method's keys, rules and checks,
+the registries and the probes of data, model and run folder (``vistrain.jobs.checked_config``).
 """
 
 import contextlib
@@ -27,7 +30,7 @@ import time
 from typing import Iterator, List, Sequence
 
 from vistrain.config import OneLineExit, StopRequested, available_configs, load_config
-from vistrain.config.checks import check_config
+from vistrain.config.checks import check_plain_values
 from vistrain.config.job_env import job_rank
 
 COMMAND = "python tools/run_distributed.py"
@@ -44,8 +47,9 @@ def usage() -> str:
             "  config.A.B=VALUE      override any key; VALUE is a YAML literal, checked against the default",
             "",
             "shipped configs: " + ", ".join(available_configs()),
-            "every key, its default and meaning: vistrain/config/defaults.py; allowed values: "
-            "vistrain/config/checks.py; docs/getting-started.md, section Configs",
+            "every key, its default and meaning: vistrain/config/defaults.py and a method's file in "
+            "vistrain/methods/; allowed values: vistrain/config/checks.py; docs/getting-started.md, "
+            "section Configs",
             f"example: {COMMAND} config=regnet_fsdp config.OPTIMIZER.num_epochs=2",
         ]
     )
@@ -66,10 +70,12 @@ def _main(argv: Sequence[str]) -> int:
     cfg = None
     try:
         with _stop_signals_before_start():
-            cfg = load_config(argv)
-            check_config(cfg, functools.partial(_catalog, cfg))
-            from vistrain.jobs import get_job
+            cfg = load_config(argv)  # the methods' sections held open: no torch yet
+            check_plain_values(cfg)
+            say(f"checking the config, its data and CHECKPOINT.DIR {cfg.CHECKPOINT.DIR} (loading torch)")
+            from vistrain.jobs import checked_config, get_job
 
+            cfg = checked_config(argv)
             job = get_job(cfg.JOB)
             if cfg.JOB == "train" and cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:
                 say(
@@ -128,15 +134,6 @@ def _auto_tuned(cfg, job, argv):
         return tuned.cfg, functools.partial(job, notes=(tuned.line,), across_nodes=choices)
     say(summary_line(cfg, tuned.cfg, tuned.line))
     return tuned.cfg, functools.partial(job, notes=(tuned.line,))
-
-
-def _catalog(cfg):
-    """The registries config values are checked against; imported only when a check needs them
-    (typos and plain values are answered before, in a fraction of a second)."""
-    say(f"checking the config, its data and CHECKPOINT.DIR {cfg.CHECKPOINT.DIR} (loading torch)")
-    from vistrain.jobs import catalog
-
-    return catalog()
 
 
 def run(job, cfg) -> int:

@@ -6,9 +6,10 @@ that values are checked against (:func:`catalog`).
 """
 
 import os
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
+from fvcore.common.config import CfgNode
 
 from vistrain.benchmarks import extract_features, knn, linear_eval
 from vistrain.benchmarks.common import FEATURE_VIEWS
@@ -16,13 +17,11 @@ from vistrain.benchmarks.precise_bn import TRUNK_BN_STATS
 from vistrain.checkpoint.files import CheckpointError
 from vistrain.checkpoint.pretrained import check_weights_file
 from vistrain.config import ConfigError, InputError
-from vistrain.config.checks import Catalog, check_config
+from vistrain.config.checks import Catalog
 from vistrain.data.datasets import SOURCES, count_samples
 from vistrain.data.transforms import TRANSFORMS
 from vistrain.distributed.launch import planned_world_size
-from vistrain.losses import LOSSES
-from vistrain.models import build_meta_model
-from vistrain.models.heads import HEADS
+from vistrain.methods import HEADS, METHODS, build_meta_model, check_config, load_config
 from vistrain.models.trunks import TRUNKS, trunk_feature_names
 from vistrain.optim import OPTIMIZERS
 from vistrain.optim.schedulers import SCHEDULES
@@ -52,7 +51,7 @@ def catalog() -> Catalog:
         "jobs": JOBS,
         "optimizers": OPTIMIZERS,
         "lr schedules": SCHEDULES,
-        "losses": LOSSES,
+        "losses": METHODS,
         "trunks": TRUNKS,
         **{key: names for fam in TRUNKS.values() for key, names in fam.names.items()},  # "regnets"...
         "heads": HEADS,
@@ -75,8 +74,17 @@ def catalog() -> Catalog:
 
 
 def check_values(cfg) -> None:
-    """Every value of ``cfg`` against the config's table of allowed values; ConfigError (one line)."""
+    """Every value of ``cfg`` against the config's table of allowed values, the methods' rules and
+    the run's method's checks; ConfigError (one line)."""
     check_config(cfg, catalog())
+
+
+def checked_config(argv: Sequence[str]) -> CfgNode:
+    """The run's config of ``argv`` (every method's keys too: ``vistrain.methods.load_config``),
+    every value checked (:func:`check_values`): ConfigError (one line) for the first problem."""
+    cfg = load_config(argv)
+    check_values(cfg)
+    return cfg
 
 
 def _weights_problem(path: str) -> Optional[str]:
@@ -98,4 +106,4 @@ def _model_problem(cfg) -> Optional[str]:
     return None
 
 
-__all__ = ["JOBS", "catalog", "check_values", "get_job"]
+__all__ = ["JOBS", "catalog", "check_values", "checked_config", "get_job"]

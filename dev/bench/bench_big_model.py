@@ -66,7 +66,7 @@ def config_args(backend: str, args) -> list:
 def planned_mib(cfg_args: list, backend: str) -> float:
     """The planner's peak per rank; for fully_shard at least the whole fp32 model it builds on
     every rank before sharding (the planner models our engine's unit-by-unit build)."""
-    from vistrain.config import load_config
+    from vistrain.methods import load_config
     from vistrain.planner.memory import plan
 
     cfg = load_config(cfg_args)
@@ -178,8 +178,7 @@ def whole_model_bytes(cfg_args: list) -> float:
     """fp32 bytes of the whole model (trunk and head)."""
     import torch
 
-    from vistrain.config import load_config
-    from vistrain.models import build_model
+    from vistrain.methods import build_model, load_config
 
     with torch.device("meta"):
         model = build_model(load_config(cfg_args).MODEL)

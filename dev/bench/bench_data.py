@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from vistrain.config.defaults import get_defaults
 from vistrain.data import build_loader, set_epoch
+from vistrain.methods import get_defaults
 
 
 def parse_args():

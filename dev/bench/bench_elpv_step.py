@@ -40,9 +40,8 @@ sys.path.insert(0, str(REPO))
 
 from demo_pretrain_then_eval import run  # noqa: E402
 
-from vistrain.config import load_config  # noqa: E402
 from vistrain.distributed.sync_batchnorm import _SyncBatchNormFn  # noqa: E402
-from vistrain.models import build_model  # noqa: E402
+from vistrain.methods import build_model, load_config  # noqa: E402
 
 VARIANTS = {
     "recipe": [],

@@ -28,11 +28,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from vistrain.config import load_config
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import ema_update_, foreach_ema_, paired_tensors
-from vistrain.losses import MomentumTeacher, build_method
-from vistrain.models import build_model
+from vistrain.losses import MomentumTeacher
+from vistrain.methods import build_method, build_model, load_config
 from vistrain.optim import build_optimizer
 from vistrain.planner.shape import meta_crops
 from vistrain.runtime.parallel import parallelize

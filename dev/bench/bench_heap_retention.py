@@ -91,7 +91,7 @@ def arenas(xml: str):
 
 
 def run_case(name: str, args, show_arenas: bool) -> None:
-    from vistrain.config import load_config
+    from vistrain.methods import load_config
     from vistrain.planner.memory import plan
     from vistrain.planner.shape import MIB
 

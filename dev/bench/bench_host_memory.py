@@ -30,9 +30,8 @@ def one_run(case: str, threshold: float, steps: int) -> dict:
     import torch
     import torchvision
 
-    from vistrain.config import load_config
     from vistrain.fsdp.memory import peak_rss_mib
-    from vistrain.models import build_model
+    from vistrain.methods import build_model, load_config
 
     torch.manual_seed(0)
     torch.set_num_threads(1)

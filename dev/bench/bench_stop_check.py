@@ -19,10 +19,8 @@ import time
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from vistrain.config import load_config
 from vistrain.distributed.testing import run_on_ranks
-from vistrain.losses import build_loss
-from vistrain.models import build_model
+from vistrain.methods import build_loss, build_model, load_config
 from vistrain.optim import build_optimizer
 from vistrain.training.preemption import BoundaryStop
 

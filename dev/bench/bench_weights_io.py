@@ -43,7 +43,7 @@ def _status_mib(key: str) -> float:
 
 
 def _cfg(model: str, weights: str = ""):
-    from vistrain.config import load_config
+    from vistrain.methods import load_config
 
     return load_config(
         [
@@ -63,7 +63,7 @@ def _sharded(cfg, weights: bool):
     import torch
 
     from vistrain.checkpoint import load_pretrained
-    from vistrain.models import build_model
+    from vistrain.methods import build_model
     from vistrain.optim import param_group_key
     from vistrain.runtime.sharding import build_for_run, shard_model
 
@@ -170,7 +170,7 @@ def _setup(args, work: Path) -> float:
     import torch
 
     from vistrain.distributed.testing import run_on_ranks
-    from vistrain.models import build_model
+    from vistrain.methods import build_model
 
     run_on_ranks(_setup_worker, args.ranks, args.model, str(work / "run"))
     torch.manual_seed(0)

@@ -30,12 +30,10 @@ from pytorch_lightning.strategies import DDPStrategy
 from torch.optim.lr_scheduler import LambdaLR
 from torchvision.models.regnet import ResBottleneckBlock, SimpleStemIN
 
-from vistrain.config import load_config
 from vistrain.data import build_loader
 from vistrain.distributed.sync_batchnorm import convert_sync_batchnorm
 from vistrain.integrations.lightning import VistrainFSDPStrategy
-from vistrain.losses import build_loss
-from vistrain.models import build_model
+from vistrain.methods import build_loss, build_model, load_config
 from vistrain.models.heads.mlp import MLP
 from vistrain.optim import build_lr_schedule, build_optimizer
 

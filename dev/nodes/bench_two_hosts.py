@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-from vistrain.config import load_config
 from vistrain.distributed.netns import two_hosts, unavailable_reason
+from vistrain.methods import load_config
 from vistrain.planner.auto_tune import available_memory_mib
 from vistrain.planner.compute import compute_seconds
 from vistrain.planner.traffic import predicted_step_seconds, traffic

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from vistrain.config import load_config
 from vistrain.distributed.netns import two_hosts
+from vistrain.methods import load_config
 
 SETTINGS = {
     "ddp": ["config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False"],
@@ -95,8 +95,7 @@ def install(waits: Waits):
 
 
 def worker(rank: int, port: int, setting: str, steps: int, batch: int, extra):
-    from vistrain.losses import build_loss
-    from vistrain.models import build_model
+    from vistrain.methods import build_loss, build_model
     from vistrain.optim import build_optimizer, param_group_key
     from vistrain.runtime.parallel import parallelize
     from vistrain.runtime.sharding import build_for_run

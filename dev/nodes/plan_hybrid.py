@@ -18,7 +18,7 @@ import argparse
 
 from plan_seer_10b import SEER_10B
 
-from vistrain.config import load_config
+from vistrain.methods import load_config
 from vistrain.planner.memory import plan
 from vistrain.planner.shape import ModelShapes
 from vistrain.planner.traffic import traffic

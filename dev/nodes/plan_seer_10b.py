@@ -10,7 +10,7 @@ ranks: the fastest knob setting whose plan fits 95% of the GPU (``search --devic
 Planner numbers only: not run on GPUs.
 """
 
-from vistrain.config import load_config
+from vistrain.methods import load_config
 from vistrain.planner.knobs import search
 from vistrain.planner.memory import MIB
 

@@ -127,7 +127,7 @@ def print_head_diagnostics(run_dir: Path) -> None:
     sys.path.insert(0, str(REPO / "dev" / "recipes"))
     from swav_diagnostics import diagnose, format_line
 
-    from vistrain.config import load_config
+    from vistrain.methods import load_config
 
     cfg = load_config([f"config={run_dir / 'config.yaml'}"])
     print(format_line("SwAV head", diagnose(cfg, str(run_dir), probe=False)), flush=True)

@@ -35,9 +35,8 @@ if str(REPO) not in sys.path:
 
 from vistrain.benchmarks.common import pool_feature  # noqa: E402
 from vistrain.checkpoint import load_pretrained  # noqa: E402
-from vistrain.config import load_config  # noqa: E402
 from vistrain.data import build_loader, set_epoch  # noqa: E402
-from vistrain.models import build_model  # noqa: E402
+from vistrain.methods import build_model, load_config  # noqa: E402
 
 FEATURES = ["s2", "s3", "avgpool"]
 POOL_SIZE = 2  # as configs/benchmark/linear_eval_regnet.yaml

@@ -38,9 +38,8 @@ sys.path.insert(0, str(REPO / "dev" / "recipes"))
 from elpv_seeds import overrides  # noqa: E402
 
 from vistrain.benchmarks.common import FEATURE_VIEWS, view_of  # noqa: E402
-from vistrain.config.loader import load_config  # noqa: E402
 from vistrain.data.datasets import build_dataset  # noqa: E402
-from vistrain.models import build_model  # noqa: E402
+from vistrain.methods import build_model, load_config  # noqa: E402
 
 DIHEDRAL = FEATURE_VIEWS["dihedral"]  # (quarter turns, mirror) of the 8 symmetries
 ONE_VIEW = [  # the recipe's large crop, one per cell and epoch

@@ -30,8 +30,8 @@ sys.path.insert(0, str(REPO / "dev" / "recipes"))
 
 import swav_diagnostics  # noqa: E402
 
-from vistrain.config import load_config  # noqa: E402
 from vistrain.data import build_loader, set_epoch  # noqa: E402
+from vistrain.methods import load_config  # noqa: E402
 
 STAGES = ["stem", "s1", "s2", "s3", "avgpool"]
 DEFAULT_SPECS = [

@@ -26,7 +26,7 @@ from vistrain.config.errors import DataError
 from vistrain.config.words import plural
 from vistrain.data import build_loader, set_epoch
 from vistrain.distributed import comm
-from vistrain.models import build_model
+from vistrain.methods import build_model
 from vistrain.runtime.logger import logger
 from vistrain.runtime.precision import amp_dtype
 from vistrain.runtime.sharding import shard_model

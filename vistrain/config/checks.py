@@ -5,7 +5,9 @@ checks every value against :data:`RULES` (one entry per key with limits) and
 :data:`CROSS_RULES` (limits that involve several keys, the engine, or the file system): names,
 dtypes, ranges, data paths that must exist and hold at least one global batch, the run folder
 that must be writable, the weights file that must load, a head whose input matches the trunk.
-The first problem is a one-line :class:`ConfigError`; nothing is written.
+The first problem is a one-line :class:`ConfigError`; nothing is written. The methods' sections
+have their rules and checks in their files (``vistrain/methods/``), which
+``vistrain.methods.check_config`` passes to :func:`check_config` beside these.
 
 Registry names (optimizers, heads, data sources...) and the probes of files and models live in
 higher layers, which this lowest layer must not import (tests/test_layering.py). The table names
@@ -174,11 +176,7 @@ RULES = {
     "MODEL.SYNC_BN_CONFIG.GROUP_SIZE": [at_least(0)],
     "MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY": [one_of(("block", "stage"))],
     "MODEL.WEIGHTS_INIT.PARAMS_FILE": [loadable_weights],
-    "LOSS.NAME": [one_of("losses")],
-    "LOSS.simclr_loss.num_global_crops": [at_least(0)],
-    "LOSS.simclr_loss.false_negative_prior": [at_least(0), below(1)],
-    "LOSS.simclr_loss.hardness": [at_least(0)],
-    "LOSS.simclr_loss.mix_alpha": [at_least(0)],
+    "LOSS.NAME": [one_of("losses")],  # each method's section: its own rules (vistrain/methods)
     "OPTIMIZER.name": [one_of("optimizers")],
     "OPTIMIZER.num_epochs": [at_least(1)],
     "OPTIMIZER.update_freq": [at_least(1)],
@@ -209,22 +207,45 @@ SPLITS_READ = {"train": ("TRAIN",), "linear_eval": ("TRAIN", "TEST"), "knn": ("T
 # public API
 
 
-def check_config(cfg: CfgNode, catalog: Union[Catalog, Callable[[], Catalog]]) -> None:
+Rules = Mapping[str, Sequence[Callable]]  # dotted key -> rules, as RULES
+CrossRule = Callable[[CfgNode, Catalog], Problem]
+
+
+def check_config(
+    cfg: CfgNode,
+    catalog: Union[Catalog, Callable[[], Catalog]],
+    rules: Optional[Rules] = None,
+    cross_rules: Sequence[CrossRule] = (),
+) -> None:
     """Raise ConfigError (one line: key, problem, allowed values) for the first bad value.
 
     ``catalog`` may be a function building it: rules that need no registry run first, so most bad
-    values are answered before the registries (and torch) are imported.
+    values are answered before the registries (and torch) are imported. ``rules`` and
+    ``cross_rules`` are checked after :data:`RULES` and :data:`CROSS_RULES`: the methods' own
+    (``vistrain.methods.check_config`` passes them).
     """
-    deferred = []
-    for check in _checks(cfg):
-        try:
-            _raise_problem(check(_NoCatalog()))
-        except _NeedsCatalog:
-            deferred.append(check)
+    deferred = _first_pass(cfg, rules or {}, cross_rules)
     if deferred:
         catalog = catalog() if callable(catalog) else catalog
         for check in deferred:
             _raise_problem(check(catalog))
+
+
+def check_plain_values(cfg: CfgNode) -> None:
+    """The rules of :data:`RULES` and :data:`CROSS_RULES` that need no registry (nothing imports
+    torch): what the command line checks first, on the config loaded without the methods' keys."""
+    _first_pass(cfg, {}, ())
+
+
+def _first_pass(cfg: CfgNode, rules: Rules, cross_rules: Sequence[CrossRule]) -> list:
+    """Apply every check that needs no catalog; return those that do."""
+    deferred = []
+    for check in _checks(cfg, rules, cross_rules):
+        try:
+            _raise_problem(check(_NoCatalog()))
+        except _NeedsCatalog:
+            deferred.append(check)
+    return deferred
 
 
 def check_world_size(cfg: CfgNode, world_size: int) -> None:
@@ -247,13 +268,15 @@ class _NoCatalog:
         raise _NeedsCatalog(name)
 
 
-def _checks(cfg: CfgNode) -> Iterable[Callable[[Catalog], Problem]]:
+def _checks(
+    cfg: CfgNode, rules: Rules, cross_rules: Sequence[CrossRule]
+) -> Iterable[Callable[[Catalog], Problem]]:
     """Every rule applied to ``cfg``, in table order: functions of the catalog."""
-    for pattern, rules in RULES.items():
+    for pattern, key_rules in (*RULES.items(), *rules.items()):
         for key in _expand(pattern):
-            for rule in rules:
+            for rule in key_rules:
                 yield functools.partial(_keyed, rule, key, get_key(cfg, key))
-    for cross_rule in CROSS_RULES:
+    for cross_rule in (*CROSS_RULES, *cross_rules):
         yield functools.partial(cross_rule, cfg)
 
 

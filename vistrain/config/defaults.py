@@ -4,6 +4,9 @@ Key names follow VISSL where an equivalent exists so that VISSL users feel at ho
 Each component receives only its own section (e.g. the optimizer builder gets ``cfg.OPTIMIZER``).
 """
 
+import copy
+from typing import Optional
+
 from fvcore.common.config import CfgNode as CN
 
 _C = CN()
@@ -139,14 +142,13 @@ _C.MODEL.TRUNK.VIT.FROZEN_PATCH_PROJECTION = False  # never train the random pat
 # avgpool (mean patch token), tokens (patch-token map), block1..blockD
 _C.MODEL.TRUNK.OUT_FEATURES = ["avgpool"]
 
+# The head: "identity" (the benchmarks' frozen trunk) or a method's (vistrain/methods/registry.py
+# HEADS). Its default and the keys a head reads besides DIMS and USE_BN are declared with the
+# methods (MODEL.HEAD.NMB_PROTOTYPES, OUT_DIM...: see get_defaults)
 _C.MODEL.HEAD = CN()
-_C.MODEL.HEAD.NAME = "simclr"  # simclr | swav | dino | byol | identity
+_C.MODEL.HEAD.NAME = ""
 _C.MODEL.HEAD.DIMS = [440, 512, 128]  # MLP dims: trunk output, hidden..., embedding
 _C.MODEL.HEAD.USE_BN = True  # BatchNorm between MLP layers
-_C.MODEL.HEAD.NMB_PROTOTYPES = [30]  # swav: prototypes per prototype layer (e.g. [3000])
-_C.MODEL.HEAD.OUT_DIM = 1024  # dino: width K of the weight-normalised last layer (DINO: 65536)
-_C.MODEL.HEAD.NORM_LAST_LAYER = True  # dino: the last layer's row norms fixed at 1 (False: learnt)
-_C.MODEL.HEAD.PREDICTOR_DIMS = [128, 512, 128]  # byol: predictor MLP dims (first = DIMS[-1])
 
 _C.MODEL.FSDP_CONFIG = CN()
 _C.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP = False  # shard the model with the engine instead of DDP
@@ -201,42 +203,10 @@ _C.MODEL.WEIGHTS_INIT.SKIP_LAYERS = []  # key substrings not loaded (e.g. ["head
 
 # ---------------------------------------------------------------------------------------------
 _C.LOSS = CN()
-# the method: simclr_loss | swav_loss | dino_loss | byol_loss (vistrain/losses/__init__.py METHODS);
-# dino_loss and byol_loss train a momentum teacher (same builder, same wrap policy as the student)
-_C.LOSS.NAME = "simclr_loss"
-_C.LOSS.simclr_loss = CN()
-_C.LOSS.simclr_loss.temperature = 0.1
-# multi-crop positives: 0: every crop of an image a positive of every other (VISSL's form); G > 0:
-# only the pairs with one of the G first (global) crops, two local crops are not (DINO's form)
-_C.LOSS.simclr_loss.num_global_crops = 0
-# the negatives' term (losses/simclr.py): tau+, the share of negatives expected to be of the
-# anchor's class (debiased contrastive loss, Chuang et al. 2020; 0: off), and beta, the weight of
-# hard negatives (Robinson et al. 2021; 0: off)
-_C.LOSS.simclr_loss.false_negative_prior = 0.0
-_C.LOSS.simclr_loss.hardness = 0.0
-# i-Mix (Lee et al. 2021): alpha of the Beta(alpha, alpha) weights with which crop 0 of two images
-# is mixed, scored with the mixture's virtual labels (3 or more crops; not with the options above);
-# 0: off
-_C.LOSS.simclr_loss.mix_alpha = 0.0
-_C.LOSS.swav_loss = CN()
-_C.LOSS.swav_loss.temperature = 0.1
-_C.LOSS.swav_loss.epsilon = 0.05  # entropic regularisation of Sinkhorn-Knopp
-_C.LOSS.swav_loss.sinkhorn_iterations = 3
-_C.LOSS.swav_loss.crops_for_assign = [0, 1]  # crops whose codes are targets
-_C.LOSS.swav_loss.freeze_prototypes_niters = 0  # prototypes get no update for this many iterations
-_C.LOSS.swav_loss.queue_length = 0  # per-rank feature queue length (0: no queue)
-_C.LOSS.swav_loss.start_queue_at_epoch = 0
-_C.LOSS.dino_loss = CN()
-_C.LOSS.dino_loss.num_global_crops = 2  # the first crops: the teacher sees only these
-_C.LOSS.dino_loss.student_temp = 0.1
-_C.LOSS.dino_loss.teacher_temp = 0.04  # after the warm-up
-_C.LOSS.dino_loss.warmup_teacher_temp = 0.04  # linear from this over the warm-up epochs
-_C.LOSS.dino_loss.warmup_teacher_temp_epochs = 0
-_C.LOSS.dino_loss.center_momentum = 0.9  # the centre's EMA over the global batch's teacher outputs
-_C.LOSS.dino_loss.freeze_last_layer_epochs = 1  # the head's last layer gets no update this long
-_C.LOSS.dino_loss.momentum_teacher = 0.996  # m0: cosine from m0 to 1 over the run
-_C.LOSS.byol_loss = CN()
-_C.LOSS.byol_loss.momentum_teacher = 0.996  # m0: cosine from m0 to 1 over the run
+# the method: a name of vistrain/methods/registry.py METHODS; each method declares its section
+# LOSS.<name> (every key, its default and meaning) and LOSS.NAME's default in its own file
+# (vistrain/methods/<method>.py: see get_defaults)
+_C.LOSS.NAME = ""
 
 # ---------------------------------------------------------------------------------------------
 _C.OPTIMIZER = CN()
@@ -308,6 +278,36 @@ _C.BENCHMARK.OUTPUT_DIR = ""  # extract_features: where features go ("" -> CHECK
 _C.BENCHMARK.EXTRACT_SPLITS = ["TRAIN", "TEST"]  # extract_features: DATA splits written (TRAIN and/or TEST)
 
 
-def get_defaults() -> CN:
-    """A fresh, mutable copy of the default config."""
-    return _C.clone()
+# The sections whose keys the methods declare (vistrain/methods, a layer above this one): LOSS.NAME's
+# default and a LOSS.<name> section per method, MODEL.HEAD.NAME's default and the MODEL.HEAD keys of
+# the methods' heads
+METHOD_SECTIONS = ("LOSS", "MODEL.HEAD")
+
+
+def get_defaults(methods: Optional[CN] = None) -> CN:
+    """A fresh, mutable copy of the default config.
+
+    ``methods``: the keys the methods declare (``vistrain.methods.method_keys()``), a tree of the
+    ``METHOD_SECTIONS``: its new keys are added, its NAMEs set the defaults. With them this is
+    every key of a run (``vistrain.methods.get_defaults()``). Without them those two sections are
+    held open: any key is accepted there as given, unchecked, and LOSS.NAME and MODEL.HEAD.NAME are
+    empty: what the command line checks before it imports torch (vistrain/cli.py), never a run's
+    config.
+    """
+    cfg = _C.clone()
+    for path in METHOD_SECTIONS:
+        section = _section(cfg, path)
+        if methods is None:
+            section.set_new_allowed(True)
+            continue
+        for key, value in _section(methods, path).items():
+            if key in section and key != "NAME":
+                raise ValueError(f"the methods declare {path}.{key}, a key of vistrain/config/defaults.py")
+            section[key] = value.clone() if isinstance(value, CN) else copy.deepcopy(value)
+    return cfg
+
+
+def _section(cfg: CN, path: str) -> CN:
+    for part in path.split("."):
+        cfg = cfg[part]
+    return cfg

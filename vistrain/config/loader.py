@@ -5,10 +5,12 @@ Command line grammar (the same as VISSL's, without Hydra)::
     config=pretrain/simclr_regnet          # configs/pretrain/simclr_regnet.yaml, or a path to a .yaml
     config.OPTIMIZER.num_epochs=2          # any existing key; the value is a YAML literal
 
-Every key must already exist in ``vistrain/config/defaults.py`` (except below nodes created with
-``new_allowed``), and every value must have the default's type (an int is accepted for a float).
-Anything else is a :class:`ConfigError` whose one-line message names the key, and for a misspelled
-key the closest valid one, so a typo never silently trains the wrong model.
+Every key must already exist in the defaults (``vistrain/config/defaults.py`` and, for the methods'
+sections LOSS and MODEL.HEAD, the method files: ``vistrain.methods.load_config`` passes their keys
+here), and every value must have the default's type (an int is accepted for a float). Anything else
+is a :class:`ConfigError` whose one-line message names the key, and for a misspelled key the closest
+valid one, so a typo never silently trains the wrong model. Without the methods' keys those two
+sections take any key as given (``new_allowed``): the command line's first look, before torch.
 """
 
 import difflib
@@ -66,14 +68,16 @@ _NO_RAW = object()  # marks values that did not come from command-line text
 # public API
 
 
-def load_config(argv: Sequence[str]) -> CfgNode:
+def load_config(argv: Sequence[str], methods: Optional[CfgNode] = None) -> CfgNode:
     """Resolve ``argv`` (``config=NAME`` and ``config.A.B=VALUE`` items) into a frozen CfgNode.
 
     The recipe is applied first, then the overrides in order, whatever their position in argv.
-    Raises ConfigError for any bad item.
+    Raises ConfigError for any bad item. ``methods``: the keys the methods declare (see
+    :func:`vistrain.config.defaults.get_defaults`); a run's config comes from
+    ``vistrain.methods.load_config(argv)``, which passes them.
     """
     name, overrides = _parse_argv(argv)
-    cfg = get_defaults()
+    cfg = get_defaults(methods)
     if name is not None:
         _merge_file(cfg, resolve_config_path(name), chain=())
     for key, text in overrides:
@@ -265,11 +269,11 @@ def _set_key(cfg: CfgNode, key: str, value: Any, raw: Any, where: str) -> None:
             _insert_new(node, parts[depth:], value)
             return
         if not isinstance(child, CfgNode):
-            raise ConfigError(f"{_where(where)}{_unknown_key_message(key, value)}")
+            raise ConfigError(f"{_where(where)}{_unknown_key_message(cfg, key, value)}")
         node = child
     if parts[-1] not in node:
         if not node.is_new_allowed():
-            raise ConfigError(f"{_where(where)}{_unknown_key_message(key, value)}")
+            raise ConfigError(f"{_where(where)}{_unknown_key_message(cfg, key, value)}")
         _insert_new(node, parts[-1:], value)
         return
     old = node[parts[-1]]
@@ -357,7 +361,8 @@ def _where(where: str) -> str:
 RENAMED_KEYS = {"ENGINE_NAME": "JOB"}
 
 
-def _unknown_key_message(key: str, value: Any = None) -> str:
+def _unknown_key_message(root: CfgNode, key: str, value: Any = None) -> str:
+    """``root``: the config being loaded (its defaults' keys are the candidates)."""
     if key in RENAMED_KEYS:
         return f"config key {key} is called {RENAMED_KEYS[key]} here (what a run does); set {RENAMED_KEYS[key]}={value}"
     while isinstance(value, dict) and value:  # name a full leaf path: "MODEL.HAED.NAME", not "MODEL.HAED"
@@ -367,14 +372,14 @@ def _unknown_key_message(key: str, value: Any = None) -> str:
     # should not suggest "OPTIMIZER.name". Among look-alikes, those in the key's own section come
     # first: "DATA.TRAIN.BATCHSIZE" means DATA.TRAIN.BATCHSIZE_PER_REPLICA, not a PATCH_SIZE.
     scored = []
-    for candidate in _all_key_paths(get_defaults()):
+    for candidate in _all_key_paths(root):
         full = difflib.SequenceMatcher(None, key, candidate).ratio()
         leaf = difflib.SequenceMatcher(None, key.rsplit(".", 1)[-1], candidate.rsplit(".", 1)[-1]).ratio()
         if full >= 0.6 and leaf >= 0.5:
             scored.append((_shared_sections(key, candidate), full + leaf, candidate))
     if scored:
         return f"unknown config key {key}; did you mean {max(scored)[2]}?"
-    section = _deepest_section(get_defaults(), key)
+    section = _deepest_section(root, key)
     where = f" in {section[0]}" if section[0] else ""
     return f"unknown config key {key}; valid keys{where}: {', '.join(sorted(section[1].keys()))}"
 

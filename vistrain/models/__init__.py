@@ -1,16 +1,19 @@
-"""Models: ``build_model(cfg.MODEL)`` -> SSLModel (trunk from ``TRUNKS``, head from ``HEADS``)."""
+"""Models: ``build_ssl_model(cfg.MODEL, build_head)`` -> SSLModel (trunk from ``TRUNKS``, then the
+head ``build_head`` makes of ``MODEL.HEAD``). The heads' registry belongs to the methods
+(``vistrain.methods.HEADS``), whose ``build_model(cfg.MODEL)`` passes the right builder."""
 
-import torch
+from typing import Callable
+
+from torch import nn
 
 from vistrain.config.errors import ConfigError
-from vistrain.models.heads import HEADS, SwAVHead, SwAVPrototypes, build_head
 from vistrain.models.ssl_model import SSLModel
 from vistrain.models.trunks import TRUNKS, build_trunk
 
 
-def build_model(model_cfg) -> SSLModel:
-    """Plain (unsharded, undistributed) model for ``cfg.MODEL``; reads its TRUNK and HEAD.
-    ConfigError (one line) for a head whose input does not fit the trunk."""
+def build_ssl_model(model_cfg, build_head: Callable[..., nn.Module]) -> SSLModel:
+    """Plain (unsharded, undistributed) model for ``cfg.MODEL``: its TRUNK, then
+    ``build_head(MODEL.HEAD)``. ConfigError (one line) for a head whose input does not fit the trunk."""
     trunk = build_trunk(model_cfg.TRUNK)
     head = build_head(model_cfg.HEAD)
     in_feature = getattr(head, "in_feature", None)
@@ -24,19 +27,4 @@ def build_model(model_cfg) -> SSLModel:
     return SSLModel(trunk, head)
 
 
-def build_meta_model(model_cfg) -> SSLModel:
-    """:func:`build_model` on the meta device: shapes and widths without memory or initialisation
-    (the config check, the memory planner)."""
-    with torch.device("meta"):
-        return build_model(model_cfg)
-
-
-__all__ = [
-    "HEADS",
-    "TRUNKS",
-    "SSLModel",
-    "SwAVHead",
-    "SwAVPrototypes",
-    "build_meta_model",
-    "build_model",
-]
+__all__ = ["TRUNKS", "SSLModel", "build_ssl_model"]

@@ -3,16 +3,15 @@
 Plain tables of module classes (the models hold no distributed code): the sharding transform
 (``vistrain.runtime.sharding``) turns them into the engine's wrap policy and the planner
 (``vistrain.planner``) counts the same units. The trunks' classes come from the trunk registry
-(each family declares its own; a class occurs only in its family's models), the heads' are here.
+(each family declares its own; a class occurs only in its family's models), the head MLPs' are
+here, and a head's full-precision units come from its method (``vistrain.methods.fp32_units``).
 """
 
-from typing import Dict, Tuple, Type
+from typing import Dict, Sequence, Tuple, Type
 
 from torch import nn
 
-from vistrain.models.heads.dino import DINOLastLayer
 from vistrain.models.heads.mlp import MLP
-from vistrain.models.heads.swav import SwAVPrototypes
 from vistrain.models.trunks import TRUNKS
 from vistrain.torch_compat import BatchNormBase
 
@@ -34,7 +33,9 @@ CHECKPOINTED = {g: _trunk_classes("checkpointed", g) for g in ("block", "stage")
 LARGE_LAYER_PARAMS = 2**24
 
 
-def unit_classes(fp32_batchnorm: bool, granularity: str = "block") -> Dict[Type[nn.Module], dict]:
+def unit_classes(
+    fp32_batchnorm: bool, granularity: str = "block", fp32_units: Sequence[Type[nn.Module]] = ()
+) -> Dict[Type[nn.Module], dict]:
     """Module class -> unit options (``keep_fp32``) of the SSL wrap policy.
 
     ``granularity`` (``MODEL.FSDP_CONFIG.wrap_granularity``): "block" makes every trunk block
@@ -42,9 +43,9 @@ def unit_classes(fp32_batchnorm: bool, granularity: str = "block") -> Dict[Type[
     instead of its blocks (a ViT has none: its blocks); "model" none of
     them (the root holds them: one gather and one reduction per step). Fewer, larger units mean
     fewer collectives and more weights gathered at once; the numbers are the same. The fp32 units
-    (SwAV prototypes: re-normalised after every step, they feed Sinkhorn's exp(score / eps);
-    BatchNorm under low precision; DINO's weight-normalised last layer, frozen during the first
-    epoch) stay units at every granularity.
+    stay units at every granularity: ``fp32_units``, the classes the run's head names (e.g. SwAV's
+    prototypes, re-normalised after every step, which feed Sinkhorn's exp(score / eps); DINO's
+    weight-normalised last layer, frozen during the first epoch), and BatchNorm under low precision.
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"wrap granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -52,8 +53,8 @@ def unit_classes(fp32_batchnorm: bool, granularity: str = "block") -> Dict[Type[
         g: (*_trunk_classes("units", g), MLP) for g in ("block", "stage")
     }
     classes = {cls: {} for cls in structure.get(granularity, ())}
-    classes[SwAVPrototypes] = {"keep_fp32": True}
-    classes[DINOLastLayer] = {"keep_fp32": True}  # frozen in the first epoch: its own shards
+    for cls in fp32_units:
+        classes[cls] = {"keep_fp32": True}
     if fp32_batchnorm:
         classes[BatchNormBase] = {"keep_fp32": True}
     return classes

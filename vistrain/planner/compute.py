@@ -3,7 +3,7 @@
 The step time the planner predicts (``traffic.predicted_step_seconds``) adds the link's time to
 the compute's, so the compute must be known in seconds. The model of the config is never built
 whole: a forward on the meta device records the input shape of every unit of the block-level
-wrap policy (every trunk block, a RegNet's stem, each head MLP, SwAV's prototypes: what holds nearly all
+wrap policy (every trunk block, a RegNet's stem, each head MLP, the head's fp32 units: what holds nearly all
 of the arithmetic) at every call; then each unit alone is created for real (random weights),
 run forward and backward twice on a random input of that shape, and the second run is timed.
 The sum is a step's forward and backward without communication; at most one unit's weights and
@@ -12,7 +12,7 @@ activations exist at a time, so it runs for models that do not fit a rank whole.
 
 import copy
 import time
-from typing import List, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -22,9 +22,12 @@ from vistrain.planner.shape import ModelShapes, meta_crops
 from vistrain.torch_compat import BatchNormBase
 
 
-def unit_calls(model: nn.Module, crops: List[torch.Tensor]) -> List[Tuple[nn.Module, torch.Size]]:
-    """``(unit, input shape)`` of every outermost unit call of one forward of ``model`` (meta)."""
-    classes = tuple(unit_classes(False, "block"))
+def unit_calls(
+    model: nn.Module, crops: List[torch.Tensor], head_units: Sequence[type] = ()
+) -> List[Tuple[nn.Module, torch.Size]]:
+    """``(unit, input shape)`` of every outermost unit call of one forward of ``model`` (meta);
+    ``head_units``: the head's fp32 unit classes (``ModelShapes.head_units``)."""
+    classes = tuple(unit_classes(False, "block", head_units))
     calls, depth = [], [0]
 
     def enter(module, args):
@@ -78,5 +81,5 @@ def compute_seconds(cfg, device: torch.device, shapes: ModelShapes = None) -> fl
     crops) on ``device`` with this process's threads, measured unit by unit."""
     shapes = shapes if shapes is not None else ModelShapes(cfg.MODEL)
     crops = meta_crops(cfg.DATA.TRAIN, cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA)
-    calls = unit_calls(shapes.model, crops)
+    calls = unit_calls(shapes.model, crops, shapes.head_units)
     return sum(time_unit(unit, shape, device, first=i == 0) for i, (unit, shape) in enumerate(calls))

@@ -16,7 +16,7 @@ ceil(n / W) elements, p = fp32 master bytes 4, c = compute bytes: 2 under mixed 
     activations     bytes autograd saves in one forward, measured on the meta device (scaled to
                     2 bytes under mixed precision / AMP); with activation checkpointing the
                     inputs of the checkpointed modules plus the largest one's own activations
-    teacher params  a method with a momentum teacher (DINO, BYOL): the teacher is built and wrapped
+    teacher params  a method with a momentum teacher (``Method.teacher``): the teacher is built and wrapped
                     like the student, so its shards are another ``params`` (no gradients, no
                     optimizer state); its forward runs under no_grad, resharding each unit after it
                     and saving no activations, before the student's, so it adds nothing at the peak
@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
 from vistrain.fsdp.flat_param import shard_size
-from vistrain.losses import has_teacher
+from vistrain.methods import method_of
 from vistrain.planner.shape import MIB, ModelShapes, RunShape, meta_crops, run_shape, shapes_for
 
 # gloo threads and buffers, data loader, glibc arenas: what the quick start's peak RSS holds beyond
@@ -158,7 +158,7 @@ def plan(cfg, device: str = "cpu", shapes: Optional[ModelShapes] = None) -> Memo
     states = optimizer_states(cfg.OPTIMIZER)
     state = sharded_state_bytes(shape.unit_sizes, shape.groups.shard_ranks, states, shape.sharded)
     all_grads = state["grads"]
-    state["teacher_params"] = state["params"] if has_teacher(cfg.LOSS) else 0
+    state["teacher_params"] = state["params"] if method_of(cfg.LOSS).teacher else 0
     if device == "cuda" and shape.sharded and cfg.MODEL.FSDP_CONFIG.move_params_to_cpu:
         state = dict.fromkeys(state, 0)
     gathered = 0
@@ -236,7 +236,7 @@ def gather_arena_bytes(cfg, shape: RunShape, device: str) -> int:
     world = shape.groups.shard_ranks
     buffers = [world * shard_size(n, world) * shape.precision.compute_bytes for n in shape.unit_sizes]
     largest = max((b for b in buffers if b < GLIBC_MMAP_THRESHOLD_MAX), default=0)
-    groups = 2 if has_teacher(cfg.LOSS) else 1
+    groups = 2 if method_of(cfg.LOSS).teacher else 1
     return groups * GLOO_WORKER_THREADS * largest
 
 

@@ -11,7 +11,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from vistrain.models import build_meta_model
+from vistrain.methods import build_meta_model, fp32_units
 from vistrain.models.units import CHECKPOINTED
 from vistrain.runtime.sharding import wrap_policy
 from vistrain.torch_compat import storage_id
@@ -85,6 +85,7 @@ class ModelShapes:
 
     def __init__(self, model_cfg, baseline_mib: Optional[float] = None):
         self.model = build_meta_model(model_cfg)
+        self.head_units = fp32_units(model_cfg)  # the head's fp32 units of the wrap policy
         self.baseline_mib = baseline_mib
         self._units: Dict[Tuple[bool, str], Tuple[int, ...]] = {}
         self._activations: Dict[tuple, Tuple[int, List[int], List[int]]] = {}
@@ -93,7 +94,7 @@ class ModelShapes:
         """:func:`unit_sizes` under the SSL wrap policy."""
         key = (low, granularity)
         if key not in self._units:
-            policy = wrap_policy(low, granularity)
+            policy = wrap_policy(low, granularity, self.head_units)
             self._units[key] = tuple(unit_sizes(self.model, lambda m: policy(m) is not None))
         return self._units[key]
 

@@ -14,8 +14,8 @@ shard group (on gloo an all-reduce of the whole P_u: gloo has no reduce-scatter;
 reduce-scatter) and with replicas the all-reduce of its P_u / k shard over the replica group; for
 DDP the all-reduce of its gradient buckets over the world. Both: synchronised BatchNorm's two
 all-reduces per layer (forward statistics, backward sums), the buffer broadcasts without it, and
-the loss's collectives (SimCLR's all-gather of the embeddings and the all-reduce of their
-gradient). ``collectives.py`` turns each into what every node sends over its link.
+the loss's collectives (the method's own: ``Method.collectives``, e.g. SimCLR's all-gather of the
+embeddings and the all-reduce of their gradient). ``collectives.py`` turns each into what every node sends over its link.
 """
 
 from dataclasses import asdict, dataclass
@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Sequence
 from vistrain.distributed.sync_batchnorm import sync_bn_group_ranks
 from vistrain.fsdp.collectives import replica_group_ranks, shard_group_ranks
 from vistrain.fsdp.flat_param import shard_size
+from vistrain.methods import method_of
 from vistrain.planner.collectives import Collective, busiest_link_bytes, node_link_bytes
 from vistrain.planner.knobs import EXACT_KNOBS, current_knobs, speed_cost
 from vistrain.planner.shape import MIB, ModelShapes, RunShape, run_shape, shapes_for
@@ -177,20 +178,9 @@ def _buffer_broadcasts(shapes: ModelShapes, shape: RunShape) -> List[Collective]
 
 
 def _loss(cfg, world: int) -> List[Collective]:
-    """SimCLR: the all-gather of every crop's embeddings and the all-reduce of their gradient;
-    SwAV: Sinkhorn's all-reduces (a max, the total mass, the row sums of every iteration)."""
+    """The method's own collectives over every rank (``Method.collectives``)."""
     everyone = (tuple(range(world)),)
-    batch = cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA
-    if cfg.LOSS.NAME == "simclr_loss":
-        gathered = world * 2 * batch * cfg.MODEL.HEAD.DIMS[-1] * 4
-        return [Collective(op, gathered, everyone, 1, "loss") for op in ("all_gather", "all_reduce")]
-    swav = cfg.LOSS.swav_loss
-    out = []
-    for prototypes in cfg.MODEL.HEAD.NMB_PROTOTYPES:
-        calls = len(swav.crops_for_assign)
-        out.append(Collective("all_reduce", 4, everyone, calls, "loss"))
-        out.append(Collective("all_reduce", 8, everyone, calls, "loss"))
-        out.append(
-            Collective("all_reduce", prototypes * 4, everyone, calls * swav.sinkhorn_iterations, "loss")
-        )
-    return out
+    return [
+        Collective(c.op, c.nbytes, everyone, c.calls, "loss")
+        for c in method_of(cfg.LOSS).collectives(cfg, world)
+    ]

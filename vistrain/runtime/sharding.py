@@ -1,14 +1,14 @@
 """AUTO_SETUP_FSDP: turn a built SSL model into a sharded one (a transform; models stay plain).
 
-Units: the SSL table of ``vistrain.models.units`` (trunk blocks or stages, head MLPs, SwAV
-prototypes in full precision) plus every large layer, and the whole model as root. Under AMP or
+Units: the SSL table of ``vistrain.models.units`` (trunk blocks or stages, head MLPs, the fp32
+units the run's head names: ``vistrain.methods.fp32_units``) plus every large layer, and the whole model as root. Under AMP or
 the engine's mixed precision every BatchNorm also becomes its own fp32 unit (parameters, buffers
 and arithmetic), so statistics never see bf16/fp16.
 """
 
 import contextlib
 import functools
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from vistrain.fsdp import (
     hybrid_groups,
 )
 from vistrain.fsdp.deferred_init import build_on_meta
+from vistrain.methods import fp32_units
 from vistrain.models.units import CHECKPOINTED, is_large_layer, unit_classes
 from vistrain.runtime.precision import compute_dtype
 from vistrain.torch_compat import BatchNormBase
@@ -32,10 +33,12 @@ from vistrain.torch_compat import BatchNormBase
 BACKENDS = ("builtin", "torch")
 
 
-def wrap_policy(fp32_batchnorm: bool, granularity: str = "block") -> Callable[[nn.Module], Optional[dict]]:
-    """The builtin backend's units: :func:`unit_classes` plus every large layer; the fp32 units
-    run in full precision with autocast off (``KEEP_FP32``)."""
-    table = unit_classes(fp32_batchnorm, granularity)
+def wrap_policy(
+    fp32_batchnorm: bool, granularity: str = "block", head_units: Sequence[type] = ()
+) -> Callable[[nn.Module], Optional[dict]]:
+    """The builtin backend's units: :func:`unit_classes` (``head_units``: the head's fp32 units)
+    plus every large layer; the fp32 units run in full precision with autocast off (``KEEP_FP32``)."""
+    table = unit_classes(fp32_batchnorm, granularity, head_units)
     by_type = by_class(
         {cls: {"precision": KEEP_FP32} if opts.get("keep_fp32") else {} for cls, opts in table.items()}
     )
@@ -118,7 +121,8 @@ def shard_model(model: nn.Module, model_cfg, param_group_fn: Optional[Callable] 
     fsdp_cfg = model_cfg.FSDP_CONFIG
     # BACKEND and compute_dtype were checked before launch (vistrain.config.checks)
     low_precision = fsdp_cfg.mixed_precision or model_cfg.AMP_PARAMS.USE_AMP
-    classes = unit_classes(low_precision, fsdp_cfg.wrap_granularity)
+    head_units = fp32_units(model_cfg)
+    classes = unit_classes(low_precision, fsdp_cfg.wrap_granularity, head_units)
     if fsdp_cfg.BACKEND == "torch":
         sharded = torch_fully_shard(
             model, classes, fsdp_cfg.reshard_after_forward, fsdp_cfg.shard_group_size,
@@ -127,7 +131,7 @@ def shard_model(model: nn.Module, model_cfg, param_group_fn: Optional[Callable] 
         return TorchShardedModel(sharded)
     return auto_wrap(
         model,
-        wrap_policy(low_precision, fsdp_cfg.wrap_granularity),
+        wrap_policy(low_precision, fsdp_cfg.wrap_granularity, head_units),
         # hybrid sharding: shards within groups of shard_group_size ranks, replicas across them
         groups=hybrid_groups(fsdp_cfg.shard_group_size),
         reshard_after_forward=fsdp_cfg.reshard_after_forward,

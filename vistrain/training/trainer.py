@@ -3,9 +3,10 @@
 The loop reads top to bottom: build (data, model, loss, optimizer, schedule), resume, then for
 every batch: forward under autocast -> loss -> backward (accumulating over ``update_freq``
 micro-batches without gradient sync) -> clip -> step -> log -> checkpoint. Method state (SwAV
-queue, prototype freezing and normalisation, DINO's centre) lives on the criterion and is called
-explicitly; the criterion says which crops go to the student and which to the momentum teacher,
-when the method has one (DINO, BYOL), whose EMA follows every optimizer step.
+queue, prototype freezing and normalisation, DINO's centre) lives on the criterion
+(``vistrain/methods/``) and is called explicitly; the criterion says which crops go to the student
+and which to the momentum teacher, when the method has one (DINO, BYOL), whose EMA follows every
+optimizer step. Nothing here names a method.
 With ``OPTIMIZER.step_in_backward`` the sharded engine runs the step inside the last micro-batch's
 backward, shard by shard (``vistrain.fsdp.grads``); the loop then only tells it which
 parameters are frozen this step.
@@ -40,8 +41,8 @@ from vistrain.fsdp import (
     apply_optimizer_in_backward,
     backend_of,
 )
-from vistrain.losses import MomentumTeacher, build_method
-from vistrain.models import build_model
+from vistrain.losses import MomentumTeacher
+from vistrain.methods import build_method, build_model
 from vistrain.optim import build_lr_schedule, build_optimizer, set_lr
 from vistrain.planner.across_nodes import choose_across_nodes
 from vistrain.planner.auto_tune import check_same_knobs, exact_knobs_of

@@ -1,4 +1,4 @@
-"""Projection MLP (SimCLR's g(.), also the first part of the SwAV head)."""
+"""Projection MLP (SimCLR's g(.), also the first part of the SwAV, DINO and BYOL heads)."""
 
 from typing import List, Sequence
 
@@ -40,7 +40,3 @@ def _check_dims(dims: Sequence[int]) -> List[int]:
     if len(dims) < 2 or min(dims) <= 0:
         raise ValueError(f"MODEL.HEAD.DIMS needs at least two positive sizes (input, output), got {dims}")
     return dims
-
-
-def build_simclr_head(head_cfg) -> MLP:
-    return MLP(head_cfg.DIMS, head_cfg.USE_BN)
