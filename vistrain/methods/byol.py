@@ -8,6 +8,7 @@ import torch
 from fvcore.common.config import CfgNode
 from torch import nn
 
+from vistrain.config.errors import ConfigError
 from vistrain.losses.byol import symmetric_byol_loss
 from vistrain.methods.base import Criterion, Head, Method
 from vistrain.models.heads.mlp import MLP
@@ -42,7 +43,7 @@ class BYOLHead(nn.Module):
         super().__init__()
         self.projection = MLP(dims, use_bn)
         if int(predictor_dims[0]) != self.projection.dims[-1]:
-            raise ValueError(
+            raise ConfigError(
                 f"MODEL.HEAD.PREDICTOR_DIMS[0] must equal MODEL.HEAD.DIMS[-1] ({self.projection.dims[-1]}), "
                 f"got {predictor_dims[0]}"
             )

@@ -50,9 +50,9 @@ def load_config(argv: Sequence[str]) -> CfgNode:
 
 
 def check_config(cfg: CfgNode, catalog: Union[Catalog, Callable[[], Catalog]]) -> None:
-    """``vistrain.config.checks.check_config`` with every method's rules; ConfigError (one line)
-    for the first bad value."""
-    config_checks.check_config(cfg, catalog, method_rules())
+    """``vistrain.config.checks.check_config`` with every method's rules and the run's method's
+    checks (:func:`method_problem`); ConfigError (one line) for the first bad value."""
+    config_checks.check_config(cfg, catalog, method_rules(), (_method_fits,))
 
 
 def method_rules() -> config_checks.Rules:
@@ -93,3 +93,7 @@ def _crops_problem(cfg: CfgNode, least: int, most) -> Problem:
         f"LOSS.NAME={cfg.LOSS.NAME} takes {wanted} crops per image, but DATA.TRAIN.TRANSFORMS.NUM_CROPS="
         f"{list(transforms.NUM_CROPS)} makes {crops}: change NUM_CROPS (and SIZE_CROPS, CROP_SCALES)"
     )
+
+
+def _method_fits(cfg: CfgNode, _: Catalog) -> Problem:
+    return method_problem(cfg) if cfg.JOB == "train" else None

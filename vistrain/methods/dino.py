@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from fvcore.common.config import CfgNode
 from torch import nn
 
+from vistrain.config.errors import ConfigError
 from vistrain.fsdp import params_of
 from vistrain.losses.dino import DINOLoss, teacher_temperature
 from vistrain.methods.base import Criterion, Head, LossCollective, Method, global_crops_fit, modules_of
@@ -77,7 +78,7 @@ class DINOHead(nn.Module):
     def __init__(self, dims: Sequence[int], use_bn: bool, out_dim: int, norm_last_layer: bool = True):
         super().__init__()
         if out_dim <= 0:
-            raise ValueError(f"MODEL.HEAD.OUT_DIM must be positive, got {out_dim}")
+            raise ConfigError(f"MODEL.HEAD.OUT_DIM must be positive, got {out_dim}")
         self.projection = MLP(dims, use_bn, activation="gelu")
         self.last_layer = DINOLastLayer(self.projection.dims[-1], out_dim, norm_last_layer)
 

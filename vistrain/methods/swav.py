@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from fvcore.common.config import CfgNode
 from torch import nn
 
+from vistrain.config.errors import ConfigError
 from vistrain.fsdp import gathered, params_of
 from vistrain.losses.swav import SwAVLoss
 from vistrain.methods.base import Criterion, Head, LossCollective, Method
@@ -78,7 +79,7 @@ class SwAVHead(nn.Module):
         super().__init__()
         nmb_prototypes = [int(k) for k in nmb_prototypes]
         if not nmb_prototypes or min(nmb_prototypes) <= 0:
-            raise ValueError(f"MODEL.HEAD.NMB_PROTOTYPES needs positive sizes, got {nmb_prototypes}")
+            raise ConfigError(f"MODEL.HEAD.NMB_PROTOTYPES needs positive sizes, got {nmb_prototypes}")
         self.projection = MLP(dims, use_bn)
         self.prototypes = nn.ModuleList(SwAVPrototypes(self.projection.dims[-1], k) for k in nmb_prototypes)
 

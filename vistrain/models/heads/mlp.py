@@ -5,6 +5,8 @@ from typing import List, Sequence
 import torch
 from torch import nn
 
+from vistrain.config.errors import ConfigError
+
 
 class MLP(nn.Module):
     """``Linear -> [BatchNorm1d] -> ReLU`` (or GELU) for every hidden layer, then a plain ``Linear``.
@@ -38,5 +40,5 @@ class MLP(nn.Module):
 def _check_dims(dims: Sequence[int]) -> List[int]:
     dims = [int(d) for d in dims]
     if len(dims) < 2 or min(dims) <= 0:
-        raise ValueError(f"MODEL.HEAD.DIMS needs at least two positive sizes (input, output), got {dims}")
+        raise ConfigError(f"MODEL.HEAD.DIMS needs at least two positive sizes (input, output), got {dims}")
     return dims
