@@ -1,6 +1,7 @@
 """The method layer (vistrain/methods/): one record per method, its keys in the config like any
-other key, its checks before the ranks start."""
+other key, its checks before the ranks start, and no method named anywhere else in the code."""
 
+import ast
 import pathlib
 import re
 import subprocess
@@ -38,6 +39,80 @@ from vistrain.planner.traffic import step_collectives
 
 ROOT = pathlib.Path(vistrain.__file__).parent
 REPO = ROOT.parent
+METHOD_NAMES = re.compile(r"simclr|swav|dino|byol", re.IGNORECASE)
+# where methods may be named: their own files, and the pure loss math they call
+METHOD_PACKAGES = {"methods", "losses"}
+
+
+# --------------------------------------------------------------------------------------------
+# nothing outside the method layer names a method
+
+
+def _docstrings(tree: ast.AST) -> set:
+    """ids of the docstring constants of a module and its classes and functions."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def _words(node: ast.AST):
+    """The identifiers a node defines or uses, and its string (or f-string part) constant."""
+    if isinstance(node, ast.Name):
+        yield node.id
+    elif isinstance(node, ast.Attribute):
+        yield node.attr
+    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        yield node.name
+    elif isinstance(node, ast.arg) or isinstance(node, ast.keyword) and node.arg:
+        yield node.arg
+    elif isinstance(node, ast.alias):
+        yield node.name
+        yield node.asname or ""
+    elif isinstance(node, ast.ImportFrom):
+        yield node.module or ""
+    elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+        yield node.value
+
+
+def method_names_in(source: str) -> list:
+    """(line, word) of every method name in the code of ``source`` (comments and docstrings are
+    not code)."""
+    tree = ast.parse(source)
+    docstrings = _docstrings(tree)
+    return [
+        (node.lineno, word)
+        for node in ast.walk(tree)
+        if id(node) not in docstrings
+        for word in _words(node)
+        if METHOD_NAMES.search(word)
+    ]
+
+
+def test_no_code_outside_the_method_layer_names_a_method():
+    """The trainer, the planner, the checkpoint, runtime, models and config code (every package
+    but the methods and their loss math) ask the method records instead."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        relative = path.relative_to(ROOT)
+        if relative.parts[0] in METHOD_PACKAGES or "configs" in relative.parts:
+            continue
+        found += [f"{relative}:{line}: {word!r}" for line, word in method_names_in(path.read_text())]
+    assert found == []
+
+
+def test_the_name_finder_reads_code_not_prose():
+    source = (
+        '"""SwAV in a docstring."""\n'
+        "# DINO in a comment\n"
+        "def f(x):\n"
+        '    """BYOL here too."""\n'
+        '    return x.LOSS.swav_loss, f"{x}_Dino", byol_head(simclr=1)\n'
+    )
+    assert [word for _, word in method_names_in(source)] == ["swav_loss", "_Dino", "byol_head", "simclr"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ def resume(run_dir: str, run) -> Tuple[int, int]:
         run.criterion.load_shared_state(extra["loss"])  # rank 0's: equal on every rank (DINO's centre)
         logger.info(
             f"{path} was saved by {plural(meta['world_size'], 'rank')}: per-rank loss state "
-            "(e.g. the SwAV queue) and RNG streams start afresh"
+            "(such as a queue) and RNG streams start afresh"
         )
     if run.settings.scaling is not None:
         run.settings.scaling.load_state_dict(extra)
