@@ -1,7 +1,9 @@
 """Loss math on plain tensors, in one process or under torch.distributed: NT-Xent (``simclr.py``),
 SwAV's swapped prediction and Sinkhorn-Knopp (``swav.py``), DINO's centred cross-entropy
-(``dino.py``), BYOL's normalised regression (``byol.py``), and the momentum teacher with its cosine
-schedule (``teacher.py``). The methods (``vistrain/methods/``) call them from their criteria."""
+(``dino.py``), BYOL's normalised regression (``byol.py``), MoCo v3 (``moco.py``), Barlow Twins,
+VICReg and LeJEPA (``barlow_twins.py``, ``vicreg.py``, ``lejepa.py``, on ``global_batch.py``), and
+the momentum teacher with its cosine schedule (``teacher.py``). The methods (``vistrain/methods/``)
+call them from their criteria."""
 
 from vistrain.losses.byol import byol_loss, symmetric_byol_loss
 from vistrain.losses.dino import DINOLoss, teacher_temperature
