@@ -6,7 +6,7 @@ Nothing here names a method; ``vistrain/methods/registry.py`` registers the reco
 """
 
 import dataclasses
-from typing import Callable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Type
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Type
 
 import torch
 from fvcore.common.config import CfgNode
@@ -23,7 +23,8 @@ class Criterion(nn.Module):
     where. The training loop calls it explicitly and never branches on a method::
 
         targets = teacher(criterion.teacher_crops(crops)) if criterion.teacher_momentum else None
-        loss = criterion(model(criterion.student_crops(crops)), len(crops), targets)
+        student = criterion.student_crops(crops)
+        loss = criterion(model(student, **criterion.masking(student)), len(crops), targets)
         loss.backward()
         criterion.before_optimizer_step(model, iteration)   # drops frozen_params' gradients
         optimizer.step()
@@ -41,6 +42,11 @@ class Criterion(nn.Module):
     def student_crops(self, crops: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """The crops the student sees (all of them by default)."""
         return crops
+
+    def masking(self, crops: Sequence[torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Masks for the student's ``crops`` (``model(crops, **masking)``: the trunk's ``keep=`` or
+        ``mask=``, drawn from the run's RNG); none by default."""
+        return {}
 
     def teacher_crops(self, crops: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """The crops the teacher sees, when there is one (all of them by default)."""
@@ -80,12 +86,14 @@ class Head:
     cannot take. ``keys()``: the MODEL.HEAD keys it reads besides NAME, DIMS and USE_BN, with their
     defaults (a comment per key); a key several heads read has one default. ``fp32_units``: module
     classes the wrap policy makes separate units kept in full precision (``vistrain.models.units``).
+    ``sized_by_trunk``: ``build(MODEL.HEAD, trunk)`` instead (MAE's decoder reads the patch grid).
     """
 
     name: str
-    build: Callable[[CfgNode], nn.Module]
+    build: Callable[..., nn.Module]
     keys: Callable[[], CfgNode] = no_keys
     fp32_units: Tuple[Type[nn.Module], ...] = ()
+    sized_by_trunk: bool = False
 
 
 class LossCollective(NamedTuple):
@@ -108,8 +116,8 @@ Rule = Callable[..., Problem]  # vistrain.config.checks' rules: (value, catalog)
 class Method:
     """A method, registered under its ``LOSS.NAME``.
 
-    ``criterion(LOSS.<name>, MODEL.HEAD) -> Criterion`` (the class itself, usually; MODEL.HEAD may
-    be None when it reads none). ``head``: the head it reads (MODEL.HEAD.NAME must name it).
+    ``criterion(LOSS.<name>, MODEL) -> Criterion`` (the class itself, usually; MODEL may be None
+    when it reads none: DINO reads its head's width, MAE its trunk's patches). ``head``: the head it reads (MODEL.HEAD.NAME must name it).
     ``section()``: LOSS.<name>, every key with its default and a comment. ``rules``: key of the
     section -> the rules of ``vistrain.config.checks`` its value must pass (checked for every
     method's section, as every other key). ``checks``: functions of the whole config -> a one-line

@@ -1,7 +1,7 @@
 """Building what a run's method names: the model with its head, the criterion, and what the
 layers above ask about it (the head's fp32 units for the wrap policy)."""
 
-from typing import Tuple, Type
+from typing import Optional, Tuple, Type
 
 import torch
 from torch import nn
@@ -13,9 +13,15 @@ from vistrain.methods.registry import head_of, method_of
 from vistrain.models import SSLModel, build_ssl_model
 
 
-def build_head(head_cfg) -> nn.Module:
-    """The head of ``MODEL.HEAD`` (``HEADS[NAME]``); ValueError listing the names for another."""
-    return head_of(head_cfg).build(head_cfg)
+def build_head(head_cfg, trunk: Optional[nn.Module] = None) -> nn.Module:
+    """The head of ``MODEL.HEAD`` (``HEADS[NAME]``), given the trunk when it is sized by it;
+    ValueError listing the names for another."""
+    head = head_of(head_cfg)
+    if head.sized_by_trunk:
+        if trunk is None:
+            raise ValueError(f"the {head.name} head is sized by its trunk: build it with build_model")
+        return head.build(head_cfg, trunk)
+    return head.build(head_cfg)
 
 
 def build_model(model_cfg) -> SSLModel:
@@ -37,10 +43,10 @@ def fp32_units(model_cfg) -> Tuple[Type[nn.Module], ...]:
     return head_of(model_cfg.HEAD).fp32_units
 
 
-def build_loss(loss_cfg, head_cfg=None) -> Criterion:
-    """Criterion for ``cfg.LOSS``: NAME picks the method, whose criterion reads only
-    ``cfg.LOSS[NAME]`` (and ``cfg.MODEL.HEAD`` where it needs the head's sizes)."""
-    return method_of(loss_cfg).criterion(loss_cfg[loss_cfg.NAME], head_cfg)
+def build_loss(loss_cfg, model_cfg=None) -> Criterion:
+    """Criterion for ``cfg.LOSS``: NAME picks the method, whose criterion reads ``cfg.LOSS[NAME]``
+    (and ``cfg.MODEL`` where it needs the model's sizes: DINO's head width, MAE's patches)."""
+    return method_of(loss_cfg).criterion(loss_cfg[loss_cfg.NAME], model_cfg)
 
 
 def build_method(cfg) -> Criterion:
@@ -49,4 +55,4 @@ def build_method(cfg) -> Criterion:
     problem = method_problem(cfg)
     if problem:
         raise ConfigError(problem)
-    return build_loss(cfg.LOSS, cfg.MODEL.HEAD)
+    return build_loss(cfg.LOSS, cfg.MODEL)

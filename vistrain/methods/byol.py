@@ -62,7 +62,7 @@ class BYOLCriterion(Criterion):
     """BYOL on ``(projections (2N, D), predictions (2N, D))`` of the student and the teacher's
     projections of the same two views: the symmetric loss L + L~ (``losses/byol.py``)."""
 
-    def __init__(self, byol_cfg, head_cfg=None):
+    def __init__(self, byol_cfg, model_cfg=None):
         super().__init__()
         self.teacher_momentum = float(byol_cfg.momentum_teacher)
 

@@ -102,14 +102,14 @@ class DINOCriterion(Criterion):
     ``freeze_last_layer_epochs`` epochs (DINO's ``cancel_gradients_last_layer``).
     """
 
-    def __init__(self, dino_cfg, head_cfg=None):
+    def __init__(self, dino_cfg, model_cfg=None):
         super().__init__()
-        if head_cfg is None:
-            raise ValueError("dino_loss needs MODEL.HEAD (build it with build_method(cfg))")
+        if model_cfg is None:
+            raise ValueError("dino_loss needs MODEL (build it with build_method(cfg))")
         self.cfg = dino_cfg
         self.num_global_crops = int(dino_cfg.num_global_crops)
         self.teacher_momentum = float(dino_cfg.momentum_teacher)
-        self.loss = DINOLoss(int(head_cfg.OUT_DIM), dino_cfg.student_temp, dino_cfg.center_momentum)
+        self.loss = DINOLoss(int(model_cfg.HEAD.OUT_DIM), dino_cfg.student_temp, dino_cfg.center_momentum)
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:

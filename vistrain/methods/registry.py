@@ -4,7 +4,7 @@ trunk, and every method's head)."""
 
 from typing import Dict
 
-from vistrain.methods import byol, dino, simclr, swav
+from vistrain.methods import byol, dino, mae, simclr, swav
 from vistrain.methods.base import Head, Method
 from vistrain.models.heads import build_identity_head
 
@@ -13,6 +13,7 @@ METHODS: Dict[str, Method] = {
     "swav_loss": swav.METHOD,
     "dino_loss": dino.METHOD,
     "byol_loss": byol.METHOD,
+    "mae_loss": mae.METHOD,
 }
 DEFAULT_METHOD = "simclr_loss"  # LOSS.NAME's default; its head is MODEL.HEAD.NAME's
 

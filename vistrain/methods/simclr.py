@@ -38,7 +38,7 @@ class SimCLRCriterion(Criterion):
     With ``mix_alpha`` > 0 (i-Mix) ``student_crops`` mixes crop 0's images in pairs and the next
     ``forward`` scores that mixture with its virtual labels."""
 
-    def __init__(self, simclr_cfg, head_cfg=None):
+    def __init__(self, simclr_cfg, model_cfg=None):
         super().__init__()
         self.loss = SimCLRLoss(
             simclr_cfg.temperature,

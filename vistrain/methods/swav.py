@@ -110,7 +110,7 @@ class SwAVCriterion(Criterion):
     The queue itself is per rank and part of ``state_dict()`` (``loss._extra_state``).
     """
 
-    def __init__(self, swav_cfg, head_cfg=None):
+    def __init__(self, swav_cfg, model_cfg=None):
         super().__init__()
         self.loss = SwAVLoss(
             temperature=swav_cfg.temperature,

@@ -13,9 +13,9 @@ from vistrain.models.trunks import TRUNKS, build_trunk
 
 def build_ssl_model(model_cfg, build_head: Callable[..., nn.Module]) -> SSLModel:
     """Plain (unsharded, undistributed) model for ``cfg.MODEL``: its TRUNK, then
-    ``build_head(MODEL.HEAD)``. ConfigError (one line) for a head whose input does not fit the trunk."""
+    ``build_head(MODEL.HEAD, trunk)`` (a head sized by its trunk, MAE's decoder, reads it). ConfigError (one line) for a head whose input does not fit the trunk."""
     trunk = build_trunk(model_cfg.TRUNK)
-    head = build_head(model_cfg.HEAD)
+    head = build_head(model_cfg.HEAD, trunk)
     in_feature = getattr(head, "in_feature", None)
     if in_feature is not None:
         width = trunk.feature_dims[in_feature]

@@ -21,6 +21,11 @@ class SSLModel(nn.Module):
     * MLP ("simclr"): embeddings (C*N, D);
     * SwAVHead ("swav"): (embeddings (C*N, D) L2-normalised, [scores (C*N, K_j) per layer]);
     * IdentityHead ("identity"): the trunk's feature dict of a single tensor input.
+
+    ``forward(crops, **masking)``: masked-image modelling. The method's masks (``keep=`` or
+    ``mask=``, ``vistrain.models.masking``) go to the trunk and to the head (MAE's decoder puts the
+    kept tokens back in place), for crops of one resolution; ``head(trunk(x, **masking)[in_feature],
+    **masking)``.
     """
 
     def __init__(self, trunk: nn.Module, head: nn.Module):
@@ -34,9 +39,15 @@ class SSLModel(nn.Module):
                 f"(now {trunk.out_features})"
             )
 
-    def forward(self, crops: Crops):
+    def forward(self, crops: Crops, **masking):
         crops = _as_crop_list(crops)
         in_feature = getattr(self.head, "in_feature", None)
+        if masking:
+            if in_feature is None or len(_same_resolution_runs(crops)) != 1:
+                raise ValueError(
+                    "masked crops go through a head that reads one trunk feature, one resolution"
+                )
+            return self.head(self.trunk(torch.cat(crops), **masking)[in_feature], **masking)
         if in_feature is None:
             if len(crops) != 1:
                 raise ValueError(f"a feature-dict head takes one tensor, got {len(crops)} crops")

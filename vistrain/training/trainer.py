@@ -266,7 +266,8 @@ def _forward_backward(
             s.device.type, dtype=s.amp_dtype or torch.float32, enabled=s.amp_dtype is not None
         ):
             targets = teacher(criterion.teacher_crops(crops)) if teacher is not None else None
-            loss = criterion(model(criterion.student_crops(crops)), len(crops), targets)
+            student = criterion.student_crops(crops)
+            loss = criterion(model(student, **criterion.masking(student)), len(crops), targets)
         # dividing by the group size makes the accumulated gradient the mean over its micro-batches
         scaled = loss / group.size
         try:
