@@ -43,7 +43,10 @@ def _bad_values(tmp_path):
     knn = ["config.JOB=knn", "config.DATA.TRAIN.DROP_LAST=False"]
     return [
         (["config.OPTIMIZER.name=adam"], "OPTIMIZER.name must be one of adamw, lars, sgd; got 'adam'"),
-        (["config.MODEL.HEAD.NAME=mlp"], "MODEL.HEAD.NAME must be one of byol, dino, identity, mae_decoder, simclr, swav"),
+        (
+            ["config.MODEL.HEAD.NAME=mlp"],
+            "MODEL.HEAD.NAME must be one of byol, dino, identity, mae_decoder, simclr, swav",
+        ),
         (["config.MODEL.TRUNK.REGNET.NAME=regnet_y_401mf"], "MODEL.TRUNK.REGNET.NAME must be one of"),
         (["config.DATA.TRAIN.DATA_SOURCES=[disk]"], "DATA.TRAIN.DATA_SOURCES must be a non-empty list of"),
         (

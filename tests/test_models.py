@@ -210,7 +210,9 @@ def test_head_config_errors():
         build_model(cfg)
     cfg = model_cfg()
     cfg.HEAD.NAME = "moco"
-    with pytest.raises(ValueError, match=r"valid names: \['byol', 'dino', 'identity', 'mae_decoder', 'simclr', 'swav'\]"):
+    with pytest.raises(
+        ValueError, match=r"valid names: \['byol', 'dino', 'identity', 'mae_decoder', 'simclr', 'swav'\]"
+    ):
         build_model(cfg)
     with pytest.raises(ValueError, match="at least two positive sizes"):
         MLP([128], use_bn=True)
