@@ -11,9 +11,10 @@ from typing import Callable, Dict, Optional, Sequence
 import torch
 from fvcore.common.config import CfgNode
 
-from vistrain.benchmarks import extract_features, knn, linear_eval
+from vistrain.benchmarks import extract_features, finetune, knn, linear_eval
 from vistrain.benchmarks.common import FEATURE_VIEWS
 from vistrain.benchmarks.precise_bn import TRUNK_BN_STATS
+from vistrain.benchmarks.weights import WEIGHTS_FROM
 from vistrain.checkpoint.files import CheckpointError
 from vistrain.checkpoint.pretrained import check_weights_file
 from vistrain.config import ConfigError, InputError
@@ -34,6 +35,7 @@ JOBS: Dict[str, Callable] = {
     "train": train,
     "linear_eval": linear_eval,
     "knn": knn,
+    "finetune": finetune,
     "extract_features": extract_features,
 }
 
@@ -62,6 +64,7 @@ def catalog() -> Catalog:
         "amp dtypes": AMP_DTYPES,
         "feature views": FEATURE_VIEWS,
         "trunk BN statistics": TRUNK_BN_STATS,
+        "checkpoint networks": WEIGHTS_FROM,
     }
     return Catalog(
         names={key: sorted(names) for key, names in registries.items()},

@@ -3,7 +3,7 @@ over ranks whose data was padded.
 
 The trunk is built from ``cfg.MODEL`` with the "identity" head, so it returns the feature dict of
 ``BENCHMARK.FEATURES``; pretrained weights come from ``MODEL.WEIGHTS_INIT`` (any checkpoint
-format, see :func:`vistrain.checkpoint.load_pretrained`). It is then frozen: ``requires_grad``
+format, the student's or the teacher's network: :mod:`vistrain.benchmarks.weights`). It is then frozen: ``requires_grad``
 False, eval mode (BatchNorm uses and keeps its running statistics: those of the checkpoint, or
 recomputed on DATA.TRAIN with ``BENCHMARK.TRUNK_BN_STATS: recompute``), every forward under
 ``no_grad``. With ``MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP`` it is sharded by our engine, which under
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vistrain.benchmarks.precise_bn import recompute_bn_statistics
-from vistrain.checkpoint import load_pretrained
+from vistrain.benchmarks.weights import load_weights
 from vistrain.config.errors import DataError
 from vistrain.config.words import plural
 from vistrain.data import build_loader, set_epoch
@@ -87,7 +87,7 @@ def build_frozen_trunk(cfg, device: torch.device) -> Tuple[nn.Module, Dict[str, 
     model = build_model(model_cfg)
     vectors = getattr(model.trunk, "vector_features", ("avgpool",))
     dims = pooled_dims(model.trunk.feature_dims, cfg.BENCHMARK.FEATURES, pool_size, vectors)
-    load_weights(model, cfg.MODEL.WEIGHTS_INIT)
+    load_weights(model, cfg.MODEL.WEIGHTS_INIT, cfg.BENCHMARK.WEIGHTS_FROM)
     for param in model.parameters():
         param.requires_grad_(False)  # before sharding: the engine then builds gradient-free shards
     model = model.to(device)
@@ -101,35 +101,6 @@ def build_frozen_trunk(cfg, device: torch.device) -> Tuple[nn.Module, Dict[str, 
         # synchronise) and no backward recomputes activations
         model = shard_model(model, model_cfg)
     return model.eval(), dims
-
-
-def load_weights(model: nn.Module, weights_cfg) -> None:
-    """Load ``WEIGHTS_INIT.PARAMS_FILE`` (any checkpoint format) into the plain model; keep the
-    random initialisation when it is "".
-
-    ``load_pretrained`` already rejects shape mismatches; a benchmark also refuses a trunk that
-    would be evaluated partly at random (missing keys) or a checkpoint of a bigger trunk
-    (unexpected ``trunk.`` keys), naming the keys.
-    """
-    if not weights_cfg.PARAMS_FILE:
-        if comm.is_main_process():
-            logger.warning("MODEL.WEIGHTS_INIT.PARAMS_FILE is empty: evaluating a RANDOMLY INITIALISED trunk")
-        return
-
-    report = load_pretrained(model, weights_cfg)
-    unexpected = [key for key in report.unexpected if key.startswith("trunk.")]
-    if report.missing or unexpected:
-        raise ValueError(
-            f"{weights_cfg.PARAMS_FILE} does not match the trunk of MODEL.TRUNK: "
-            f"missing {_first(report.missing)}; unexpected {_first(unexpected)} "
-            "(a different trunk configuration, or check WEIGHTS_INIT.REMOVE_PREFIX / APPEND_PREFIX)"
-        )
-
-
-def _first(keys: List[str], shown: int = 5) -> str:
-    if not keys:
-        return "none"
-    return ", ".join(keys[:shown]) + (f", ... ({len(keys)} in all)" if len(keys) > shown else "")
 
 
 # BENCHMARK.FEATURE_VIEWS -> the image transforms whose features are averaged: (quarter turns, flip)
@@ -205,12 +176,25 @@ def pooled_dims(
     return {name: sum(width(part, side) for part, side in feature_parts(name, pool_size)) for name in names}
 
 
-def ordered_loader(data_cfg, split: str, seed: int, device: torch.device):
-    """The loader of DATA.<split> in order, nothing dropped (padded to equal batches per rank)."""
+def ordered_loader(data_cfg, split: str, seed: int, device: torch.device, indices=None):
+    """The loader of DATA.<split> (only its samples ``indices`` when given) in order, nothing
+    dropped (padded to equal batches per rank)."""
     ordered = data_cfg.clone()
     ordered.defrost()
     ordered[split].SHUFFLE = ordered[split].DROP_LAST = False
-    return build_loader(ordered, split, seed=seed, device=device)
+    return build_loader(ordered, split, seed=seed, device=device, indices=indices)
+
+
+def holdout_data_config(data_cfg):
+    """DATA with TRAIN read like TEST (its transform and batch size, in order, nothing dropped):
+    the held-out training images that choose an lr are scored as the test images are."""
+    holdout = data_cfg.clone()
+    holdout.defrost()
+    holdout.TRAIN.TRANSFORMS = data_cfg.TEST.TRANSFORMS.clone()
+    holdout.TRAIN.BATCHSIZE_PER_REPLICA = data_cfg.TEST.BATCHSIZE_PER_REPLICA
+    holdout.TRAIN.SHUFFLE = holdout.TRAIN.DROP_LAST = False
+    holdout.freeze()
+    return holdout
 
 
 def one_view_batches(loader, device: torch.device):

@@ -73,8 +73,9 @@ def draw(cfg, source, heads, loaders, feature: str, bank, num_classes: int, writ
     outputs = test_outputs(source, heads, test_loader, feature)
     train_index = torch.nonzero(bank.rows >= 0).flatten()
     train_feats = bank.bank[feature][bank.rows[train_index]]
-    train_labels = torch.as_tensor(train_loader.dataset.targets)[train_index.cpu()]
-    datasets = (train_loader.dataset, test_loader.dataset)
+    train_set = whole_data_set(train_loader.dataset)  # the bank's rows are data set indices
+    train_labels = torch.as_tensor(train_set.targets)[train_index.cpu()]
+    datasets = (train_set, test_loader.dataset)
     info = {
         "feature": feature,
         "num_classes": num_classes,
@@ -98,14 +99,7 @@ def write(
         return []
     index, labels, predicted, feats = outputs
     names = info["class_names"] or [str(c) for c in range(info["num_classes"])]
-    matrix = confusion(labels, predicted, info["num_classes"])
-    title = f"{info['feature']}: test top-1 {100.0 * np.trace(matrix) / max(matrix.sum(), 1):.1f}%"
-    paths = [
-        pictures.save_picture(
-            pictures.confusion_image(matrix, names, title), run_dir, "confusion.png", writer,
-            "linear_eval/confusion", info["step"],
-        )
-    ]  # fmt: skip
+    paths = [write_confusion(run_dir, writer, (labels, predicted), info, "linear_eval")]
     train_index, train_labels, train_feats = train_bank
     queries = pick_queries(labels, QUERIES_PER_CLASS)
     near = nearest(feats[queries].cpu(), train_feats.cpu(), NEIGHBOURS)
@@ -127,6 +121,23 @@ def write(
         )
     )
     return paths
+
+
+def write_confusion(run_dir: str, writer, outputs, info: dict, engine: str) -> str:
+    """Rank 0: ``confusion.png`` and the TensorBoard image ``<engine>/confusion`` of ``outputs``
+    (labels (N,), predicted classes (N,)); ``info``: {"feature", "num_classes", "class_names",
+    "step"}. Returns the path."""
+    labels, predicted = outputs
+    names = info["class_names"] or [str(c) for c in range(info["num_classes"])]
+    matrix = confusion(labels, predicted, info["num_classes"])
+    title = f"{info['feature']}: test top-1 {100.0 * np.trace(matrix) / max(matrix.sum(), 1):.1f}%"
+    image = pictures.confusion_image(matrix, names, title)
+    return pictures.save_picture(image, run_dir, "confusion.png", writer, f"{engine}/confusion", info["step"])
+
+
+def whole_data_set(dataset):
+    """The data set a loader's ``IndexSubset`` (a label fraction, a fold) selects from, else ``dataset``."""
+    return getattr(dataset, "dataset", dataset)
 
 
 def _image(dataset, index: int, transforms) -> np.ndarray:

@@ -12,7 +12,8 @@ images are scored ``KNN_CHUNK_SIZE`` at a time, so memory is O(chunk x N_train),
 O(N_test x N_train). Multi-rank: every rank extracts its part of both splits; the training bank
 is gathered on every rank (de-duplicated and sorted by data set index, so it equals the
 single-process bank exactly), each rank scores its own test images, and the de-duplicated hit
-counts are summed. Results go to the log, TensorBoard (``knn/<feature>/top1``) and
+counts are summed. With ``DATA.TRAIN.LABEL_FRACTION`` the bank holds that stratified part of
+TRAIN only. Results go to the log, TensorBoard (``knn/<feature>/top1``) and
 ``CHECKPOINT.DIR/metrics.json``.
 """
 
@@ -23,7 +24,7 @@ from typing import Dict, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from vistrain.benchmarks import common
+from vistrain.benchmarks import common, label_fraction
 from vistrain.config.words import plural
 from vistrain.data import build_loader
 from vistrain.distributed import comm
@@ -112,9 +113,8 @@ def knn(cfg) -> None:
     bench = cfg.BENCHMARK
     device = start_run(cfg)
 
-    loaders = {}
-    for split in ("TRAIN", "TEST"):
-        loaders[split] = build_loader(cfg.DATA, split, seed=cfg.SEED_VALUE, device=device)
+    loaders = {"TRAIN": label_fraction.labelled_train_loader(cfg, device)[0]}  # the bank: labelled images
+    loaders["TEST"] = build_loader(cfg.DATA, "TEST", seed=cfg.SEED_VALUE, device=device)
     num_classes = common.num_classes(loaders["TRAIN"].dataset, loaders["TEST"].dataset)
     trunk, dims = common.build_frozen_trunk(cfg, device)
     record_config(cfg)  # built and loaded: the job really starts
@@ -155,6 +155,7 @@ def _report(cfg, results: Dict[str, dict], seconds: float) -> None:
         "temperature": cfg.BENCHMARK.KNN_TEMPERATURE,
         "world_size": comm.get_world_size(),
         "results": results,
+        **label_fraction.record(cfg, next(iter(results.values()))["bank_size"]),
         "total_seconds": seconds,
     }
     path = common.write_metrics(cfg.CHECKPOINT.DIR, record)

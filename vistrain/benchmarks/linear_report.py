@@ -1,5 +1,6 @@
-"""What linear evaluation prints: a header, one line per training pass (each cross-validation fold,
-then the final fit) with the time left for the whole job, and a compact table of the results.
+"""What linear evaluation (and fine-tuning) prints and writes: a header, one line per training pass
+(each cross-validation fold, then the final fit) with the time left for the whole job, a compact
+table of the results, and metrics.json in one form for both.
 
 Every pass trains ``num_epochs`` epochs; their iterations are known before the first one starts,
 so the ETA is (time so far / iterations done) x iterations left over the whole job, not over the
@@ -11,8 +12,9 @@ import datetime
 import time
 from typing import Dict, List, Optional, Sequence
 
-from vistrain.benchmarks import lr_grid
+from vistrain.benchmarks import common, lr_grid
 from vistrain.config.words import plural
+from vistrain.distributed import comm
 from vistrain.runtime.logger import logger
 
 
@@ -96,3 +98,45 @@ def with_choices(results: Dict[str, dict], dims: Dict[str, int], lrs: dict, sele
         if selection is not None:
             result.update(lr=lrs[name], holdout_top1=selection[name])
     return results
+
+
+def record(cfg, engine: str, results: Dict[str, dict], extra: dict, times) -> dict:
+    """metrics.json of an evaluation: what was evaluated, ``results`` per feature, the feature
+    :func:`picked_feature` picks, ``extra`` ({"num_classes", "iterations"[, "epochs"]...}) and the
+    seconds spent (``times``: (the job's start, seconds until the test pass))."""
+    start, train_seconds = times
+    picked = picked_feature(results)
+    return {
+        "engine": engine,
+        "weights": cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE,
+        "weights_from": cfg.BENCHMARK.WEIGHTS_FROM,
+        "epochs": cfg.OPTIMIZER.num_epochs,
+        **extra,
+        "world_size": comm.get_world_size(),
+        "results": results,
+        "picked": {"feature": picked, **results[picked]},  # by cross-validation on TRAIN, not by TEST
+        "train_seconds": train_seconds,
+        "total_seconds": time.perf_counter() - start,
+    }
+
+
+def report(run_dir: str, record: dict, writer, what: str) -> None:
+    """Log ``what``'s table, TensorBoard scalars (rank 0's ``writer``: ``<engine>/<feature>/<metric>``)
+    and metrics.json."""
+    weights = record["weights"] or "random init"
+    results = record["results"]
+    first = next(iter(results.values()))
+    title = f"{what} on DATA.TEST ({weights}, {plural(first['num_images'], 'image')}):"
+    log_lines(results_table(title, results, "lr" in first))
+    picked = record["picked"]
+    if len(results) > 1:
+        logger.info(
+            f"picked by the held-out top-1 on TRAIN: {picked['feature']}, top-1 {picked['top1']:.2f}%"
+            + "".join(f", {k} {v:.2f}%" for k, v in picked.items() if k.startswith("top1_"))
+        )
+    if writer is not None:
+        for name, res in results.items():
+            for metric in [k for k in res if k.startswith("top")]:
+                writer.add_scalar(f"{record['engine']}/{name}/{metric}", res[metric], record["iterations"])
+        writer.flush()
+    logger.info(f"wrote {common.write_metrics(run_dir, record)}")

@@ -10,6 +10,8 @@
 Checkpoint key -> model key: strip ``REMOVE_PREFIX`` (keys without it stay as they are), then
 prepend ``APPEND_PREFIX``; keys containing any ``SKIP_LAYERS`` substring (checked on the mapped
 key) are not loaded. A shape mismatch is an error; missing and unexpected keys are reported.
+``only_prefix`` reads one network of a checkpoint that holds several (the momentum teacher's keys
+start with ``teacher.``): the other keys are not looked at.
 """
 
 import functools
@@ -164,7 +166,7 @@ def _read_as(source: "WeightsSource", key: str, dtype: torch.dtype) -> torch.Ten
 
 
 @torch.no_grad()
-def load_pretrained(model: nn.Module, weights_cfg) -> LoadReport:
+def load_pretrained(model: nn.Module, weights_cfg, only_prefix: str = "") -> LoadReport:
     """Copy the weights named by ``weights_cfg`` (``cfg.MODEL.WEIGHTS_INIT``) into ``model``.
 
     ``model`` is the plain (unwrapped) module; every rank calls this before wrapping. Reads one
@@ -172,12 +174,16 @@ def load_pretrained(model: nn.Module, weights_cfg) -> LoadReport:
     on the meta device (per-unit initialisation) each read is deferred to the moment the sharded
     engine creates that tensor's unit, so a rank holds at most one unit's weights. Raises
     CheckpointError (one line: file, key, both shapes) on a shape mismatch, FileNotFoundError for
-    a missing path; logs and returns a :class:`LoadReport`.
+    a missing path; logs and returns a :class:`LoadReport`. ``only_prefix``: read only the
+    checkpoint keys that start with it (CheckpointError when none does).
     """
     source = WeightsSource(weights_cfg.PARAMS_FILE)
     targets = _load_targets(model)
     report = LoadReport(source.path)
-    for key, shape in source.shapes().items():
+    shapes = {key: shape for key, shape in source.shapes().items() if key.startswith(only_prefix)}
+    if only_prefix and not shapes:
+        raise CheckpointError(f"{source.path}: holds no key starting with {only_prefix!r}")
+    for key, shape in shapes.items():
         name = map_key(key, weights_cfg.REMOVE_PREFIX, weights_cfg.APPEND_PREFIX)
         if any(s in name for s in weights_cfg.SKIP_LAYERS):
             report.skipped.append(name)
@@ -196,7 +202,7 @@ def load_pretrained(model: nn.Module, weights_cfg) -> LoadReport:
         k for k in targets if k not in done and not any(s in k for s in weights_cfg.SKIP_LAYERS)
     ]
     if not report.loaded:
-        first = next(iter(source.shapes()), None)
+        first = next(iter(shapes), None)
         raise CheckpointError(
             f"{source.path}: no key matches the model (checkpoint key {first!r} maps to "
             f"{map_key(str(first), weights_cfg.REMOVE_PREFIX, weights_cfg.APPEND_PREFIX)!r}); "

@@ -90,6 +90,10 @@ def below(high) -> Callable:
     return lambda value, _: None if value < high else f"must be < {high}; got {value}"
 
 
+def at_most(high) -> Callable:
+    return lambda value, _: None if value <= high else f"must be <= {high}; got {value}"
+
+
 def probability(value, _) -> Problem:
     return None if 0 <= value <= 1 else f"is a probability in [0, 1]; got {value}"
 
@@ -151,6 +155,8 @@ RULES = {
     "DATA.*.SPLIT": [one_of(("train", "val", "train_fit", "train_select"))],
     "DATA.*.FOLDER_LABELS": [one_of(("auto", "subfolders", "none"))],
     "DATA.*.DECODE_SIZE": [at_least(0)],
+    "DATA.TRAIN.LABEL_FRACTION": [above(0), at_most(1)],
+    "DATA.TRAIN.LABEL_SUBSET_SEED": [at_least(0)],
     "DATA.*.TRANSFORMS.NAME": [one_of("transforms")],
     "DATA.*.TRANSFORMS.HORIZONTAL_FLIP": [probability],
     "DATA.*.TRANSFORMS.BLUR_PROB": [probability],
@@ -162,6 +168,7 @@ RULES = {
     "MODEL.TRUNK.RESNET.WIDTH_MULTIPLIER": [above(0)],
     "MODEL.TRUNK.VIT.NAME": [one_of("vits")],
     "MODEL.TRUNK.VIT.POSITION_EMBEDDING": [one_of("vit_position_embeddings")],
+    "MODEL.TRUNK.VIT.DROP_PATH_RATE": [at_least(0), below(1)],
     "MODEL.HEAD.NAME": [one_of("heads")],
     "MODEL.FSDP_CONFIG.BACKEND": [one_of("sharding backends")],
     "MODEL.FSDP_CONFIG.compute_dtype": [one_of("compute dtypes")],
@@ -182,6 +189,7 @@ RULES = {
     "OPTIMIZER.update_freq": [at_least(1)],
     "OPTIMIZER.clip_grad_norm": [at_least(0)],
     "OPTIMIZER.head_lr_multiplier": [at_least(0)],
+    "OPTIMIZER.layer_decay": [above(0), at_most(1)],
     "OPTIMIZER.param_schedulers.lr.name": [one_of("lr schedules")],
     "OPTIMIZER.param_schedulers.lr.warmup_epochs": [at_least(0)],
     RUN_FOLDER_KEY: [writable_folder],
@@ -195,12 +203,22 @@ RULES = {
     "BENCHMARK.KNN_TEMPERATURE": [above(0)],
     "BENCHMARK.KNN_CHUNK_SIZE": [at_least(1)],
     "BENCHMARK.EXTRACT_SPLITS": [each_one_of(("TRAIN", "TEST"))],
+    "BENCHMARK.WEIGHTS_FROM": [one_of("checkpoint networks")],
+    "BENCHMARK.FINETUNE.LABEL_SMOOTHING": [at_least(0), below(1)],
+    "BENCHMARK.FINETUNE.HOLDOUT_FRACTION": [above(0), below(1)],
 }
 
 # what DATA_PATHS entries a source reads: must exist and hold something
 PATH_KINDS = {"disk_folder": "folder", "disk_filelist": "file"}
 # DATA splits each engine reads (extract_features: BENCHMARK.EXTRACT_SPLITS)
-SPLITS_READ = {"train": ("TRAIN",), "linear_eval": ("TRAIN", "TEST"), "knn": ("TRAIN", "TEST")}
+SPLITS_READ = {
+    "train": ("TRAIN",),
+    "linear_eval": ("TRAIN", "TEST"),
+    "knn": ("TRAIN", "TEST"),
+    "finetune": ("TRAIN", "TEST"),
+}
+# the jobs that train or score with DATA.TRAIN's labels (DATA.TRAIN.LABEL_FRACTION)
+LABELLED_JOBS = ("linear_eval", "knn", "finetune")
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,6 +389,12 @@ def _trunk_features(cfg: CfgNode, catalog: Catalog) -> Problem:
                 f"'@P' to be pooled to P x P instead of POOL_SIZE; several joined by '+' are "
                 f"concatenated, e.g. s2@4+s3); got {features}"
             )
+    feature = cfg.BENCHMARK.FINETUNE.FEATURE
+    if cfg.JOB == "finetune" and not _feature_part_ok(feature, valid):
+        return (
+            f"BENCHMARK.FINETUNE.FEATURE must be one of {', '.join(valid)} (a map may add '@P' to be "
+            f"pooled to P x P, else POOL_SIZE); got {feature!r}"
+        )
     return None
 
 
@@ -411,7 +435,7 @@ def _one_global_batch(cfg: CfgNode, catalog: Catalog) -> Problem:
 
 def _warmup_within_training(cfg: CfgNode, _: Catalog) -> Problem:
     warmup, epochs = cfg.OPTIMIZER.param_schedulers.lr.warmup_epochs, cfg.OPTIMIZER.num_epochs
-    if warmup >= epochs and cfg.JOB in ("train", "linear_eval"):
+    if warmup >= epochs and cfg.JOB in ("train", "linear_eval", "finetune"):
         return f"OPTIMIZER.param_schedulers.lr.warmup_epochs ({warmup}) must be below num_epochs ({epochs})"
     return None
 
@@ -427,15 +451,29 @@ def _feature_banks_complete(cfg: CfgNode, _: Catalog) -> Problem:
 
 
 def _one_view_for_linear_eval(cfg: CfgNode, _: Catalog) -> Problem:
-    """Linear evaluation trains on one view per image; extra crops would only cost time."""
+    """Linear evaluation and fine-tuning train on one view per image; extra crops would only cost time."""
     transforms = cfg.DATA.TRAIN.TRANSFORMS
-    if cfg.JOB != "linear_eval" or transforms.NAME != "multicrop" or sum(transforms.NUM_CROPS) == 1:
+    engine = {"linear_eval": "linear evaluation", "finetune": "fine-tuning"}.get(cfg.JOB)
+    if engine is None or transforms.NAME != "multicrop" or sum(transforms.NUM_CROPS) == 1:
         return None
     return (
-        f"linear evaluation uses one view per image, but DATA.TRAIN.TRANSFORMS.NUM_CROPS is "
+        f"{engine} uses one view per image, but DATA.TRAIN.TRANSFORMS.NUM_CROPS is "
         f"{list(transforms.NUM_CROPS)}; set NUM_CROPS=[1] (and one SIZE_CROPS / CROP_SCALES entry) "
         "or TRANSFORMS.NAME=eval"
     )
+
+
+def _labels_only_where_used(cfg: CfgNode, _: Catalog) -> Problem:
+    """A label fraction means something to the jobs that read labels; layer-wise lr decay to
+    fine-tuning, whose model names its layers."""
+    if cfg.DATA.TRAIN.LABEL_FRACTION != 1 and cfg.JOB not in LABELLED_JOBS:
+        return (
+            f"DATA.TRAIN.LABEL_FRACTION is for the jobs that use labels ({', '.join(LABELLED_JOBS)}); "
+            f"JOB {cfg.JOB} reads every image: set it to 1.0"
+        )
+    if cfg.OPTIMIZER.layer_decay != 1 and cfg.JOB != "finetune":
+        return f"OPTIMIZER.layer_decay is for JOB finetune; JOB {cfg.JOB} trains at one lr: set it to 1.0"
+    return None
 
 
 def _step_in_backward_is_exact(cfg: CfgNode, _: Catalog) -> Problem:
@@ -473,5 +511,6 @@ CROSS_RULES = (
     _warmup_within_training,
     _feature_banks_complete,
     _one_view_for_linear_eval,
+    _labels_only_where_used,
     _step_in_backward_is_exact,
 )

@@ -13,7 +13,7 @@ _C = CN()
 # Version of this key layout. Saved config.yaml files carry it; reading one written by another
 # version is refused (keys may have changed meaning). Bump it when a key is renamed or re-meant.
 _C.VERSION = 1
-_C.JOB = "train"  # what a run does: train | linear_eval | knn | extract_features
+_C.JOB = "train"  # what a run does: train | linear_eval | knn | finetune | extract_features
 _C.SEED_VALUE = 0  # seeds model init, data order and augmentations (offset by rank where needed)
 _C.LOG_FREQUENCY = 10  # rank-0 log line every this many iterations
 
@@ -105,6 +105,12 @@ def _split_defaults(batch_size, shuffle):
 _C.DATA.TRAIN = _split_defaults(batch_size=32, shuffle=True)
 _C.DATA.TEST = _split_defaults(batch_size=64, shuffle=False)
 _C.DATA.TEST.SPLIT = "val"
+# linear_eval, knn, finetune: train on a stratified part of the labelled TRAIN split only, every
+# class keeping round(f * its images) of them, at least one (SimCLR's and BYOL's 1% / 10% protocol;
+# vistrain/benchmarks/label_fraction.py). The same LABEL_SUBSET_SEED gives the same images, and the
+# images of a smaller fraction are among those of a larger one. 1.0: every labelled image
+_C.DATA.TRAIN.LABEL_FRACTION = 1.0
+_C.DATA.TRAIN.LABEL_SUBSET_SEED = 0
 
 # ---------------------------------------------------------------------------------------------
 _C.MODEL = CN()
@@ -138,6 +144,9 @@ _C.MODEL.TRUNK.VIT.CLASS_TOKEN = True  # prepend a learned class token (feature 
 _C.MODEL.TRUNK.VIT.POSITION_EMBEDDING = "learned"  # learned | sincos (fixed 2-D sin-cos: MAE, MoCo v3)
 _C.MODEL.TRUNK.VIT.MASK_TOKEN = False  # a learned mask token for masked patches (iBOT, DINOv2)
 _C.MODEL.TRUNK.VIT.FROZEN_PATCH_PROJECTION = False  # never train the random patch projection (MoCo v3)
+# stochastic depth (Huang et al. 2016, as DeiT's and MAE's fine-tuning): in training each residual
+# branch of block i (0-based, of D) is dropped per sample with probability DROP_PATH_RATE * i / (D - 1)
+_C.MODEL.TRUNK.VIT.DROP_PATH_RATE = 0.0
 # features returned. RegNet: stem, s1..sK, avgpool; ResNet: conv1, res2..res5, avgpool; ViT: cls,
 # avgpool (mean patch token), tokens (patch-token map), block1..blockD
 _C.MODEL.TRUNK.OUT_FEATURES = ["avgpool"]
@@ -219,6 +228,10 @@ _C.OPTIMIZER.betas = [0.9, 0.999]  # adamw
 _C.OPTIMIZER.regularize_bn = False  # weight decay on BatchNorm parameters
 _C.OPTIMIZER.regularize_bias = True  # weight decay on biases
 _C.OPTIMIZER.head_lr_multiplier = 1.0  # learning rate of head parameters relative to the trunk
+# finetune: layer-wise lr decay (BEiT, MAE): a parameter of trunk layer l of L (ViT: the patch
+# embedding 0, block i i + 1, the last norm and the head L = depth + 1; RegNet / ResNet: the stem 0,
+# stage k k) trains at lr * layer_decay ** (L - l). 1.0: off
+_C.OPTIMIZER.layer_decay = 1.0
 _C.OPTIMIZER.lars_eta = 0.001  # LARS trust coefficient
 _C.OPTIMIZER.lars_exclude_bias_and_norm = True  # LARS: plain SGD for biases and norm layers
 _C.OPTIMIZER.update_freq = 1  # gradient accumulation: optimizer step every N iterations
@@ -276,6 +289,20 @@ _C.BENCHMARK.KNN_TEMPERATURE = 0.07  # kNN: vote weight exp(sim / T)
 _C.BENCHMARK.KNN_CHUNK_SIZE = 256  # kNN: test features compared per chunk (bounds memory)
 _C.BENCHMARK.OUTPUT_DIR = ""  # extract_features: where features go ("" -> CHECKPOINT.DIR/features)
 _C.BENCHMARK.EXTRACT_SPLITS = ["TRAIN", "TEST"]  # extract_features: DATA splits written (TRAIN and/or TEST)
+# which network of a pretraining checkpoint the trunk is read from: student | teacher (the momentum
+# teacher of DINO / BYOL, saved under "teacher.")
+_C.BENCHMARK.WEIGHTS_FROM = "student"
+
+# finetune: the trunk and a linear head trained end to end with the labels (vistrain/benchmarks/finetune.py)
+_C.BENCHMARK.FINETUNE = CN()
+# the trunk feature the head reads: a name of MODEL.TRUNK's features (avgpool, cls...) or "s4@2"
+# (a map pooled to 2 x 2); it must use every trunk parameter (the last stage or block)
+_C.BENCHMARK.FINETUNE.FEATURE = "avgpool"
+_C.BENCHMARK.FINETUNE.LABEL_SMOOTHING = 0.0  # cross-entropy against (1 - e) one-hot + e / classes
+# peak lrs tried on a held-out part of TRAIN ([]: OPTIMIZER's lr and num_epochs, no selection); the
+# best (lr, epoch) on the held-out images is then trained on all of TRAIN, stopped at that epoch
+_C.BENCHMARK.FINETUNE.LRS = []
+_C.BENCHMARK.FINETUNE.HOLDOUT_FRACTION = 0.2  # part of TRAIN (stratified) that scores the LRS
 
 
 # The sections whose keys the methods declare (vistrain/methods, a layer above this one): LOSS.NAME's

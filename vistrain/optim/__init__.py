@@ -7,13 +7,13 @@ Usage (the trainer)::
     set_lr(optimizer, schedule(iteration))                     # every iteration, before step()
 """
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import nn
 
 from vistrain.optim.lars import LARS
-from vistrain.optim.param_groups import build_param_groups, param_group_key
+from vistrain.optim.param_groups import LayerOf, build_param_groups, param_group_key
 from vistrain.optim.schedulers import build_lr_schedule, set_lr
 
 __all__ = ["LARS", "build_lr_schedule", "build_optimizer", "param_group_key", "set_lr"]
@@ -37,16 +37,17 @@ def _adamw(groups: List[dict], opt_cfg, lr: float) -> torch.optim.Optimizer:
 OPTIMIZERS: Dict[str, Callable] = {"sgd": _sgd, "lars": _lars, "adamw": _adamw}
 
 
-def build_optimizer(opt_cfg, model: nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(opt_cfg, model: nn.Module, layer_of: Optional[LayerOf] = None) -> torch.optim.Optimizer:
     """The optimizer named ``opt_cfg.name`` over ``model``'s trainable parameters.
 
     Groups come from :func:`build_param_groups` (per-group ``weight_decay`` and ``lr_multiplier``;
-    ``lars_exclude`` for LARS). Every group starts at ``base_value * lr_multiplier``; the trainer
-    then calls :func:`set_lr` with the schedule each iteration.
+    ``lars_exclude`` for LARS; a group per layer of ``layer_of`` under ``layer_decay``). Every group
+    starts at ``base_value * lr_multiplier``; the trainer then calls :func:`set_lr` with the
+    schedule each iteration.
     """
     if opt_cfg.name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer '{opt_cfg.name}'; valid: {sorted(OPTIMIZERS)}")
-    groups = build_param_groups(opt_cfg, model)
+    groups = build_param_groups(opt_cfg, model, layer_of)
     base_lr = float(opt_cfg.param_schedulers.lr.base_value)
     for group in groups:
         group["lr"] = base_lr * group["lr_multiplier"]

@@ -1,14 +1,19 @@
-"""Parameter groups: which parameters get weight decay, a head learning-rate multiplier, LARS.
+"""Parameter groups: which parameters get weight decay, a head learning-rate multiplier, LARS,
+and a layer-wise learning-rate decay.
 
 A parameter's group is decided from its clean name (fqn, relative to the root model) and its owning
-module, so the same rule classifies
+module, so the same rule classifies plain, DDP and sharded models alike: under ``vistrain.fsdp``
+every original parameter stays a parameter of its module (this rank's part of it), under the
+unwrapped model's name.
 
-plain, DDP and sharded models alike: under ``vistrain.fsdp`` every original parameter stays a
-parameter of its module (this rank's part of it), under the unwrapped model's name.
+Layer-wise lr decay (``OPTIMIZER.layer_decay`` = d < 1; BEiT, Bao et al. 2022; MAE's fine-tuning):
+a parameter of layer l of a model of L layers trains at ``lr * d ** (L - l)``, so the layers near
+the input, whose pretrained features are the most general, move the least. Which layer a parameter
+is in, the model says (``layer_of(fqn) -> (l, L)``, e.g. a ViT's blocks); each layer is a group.
 """
 
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -31,27 +36,37 @@ class GroupTraits:
     head: bool  # under the model's ``head`` with head_lr_multiplier != 1
     decay: bool  # receives weight decay
     lars_exclude: bool  # LARS: plain SGD (no trust ratio)
+    layer: Optional[Tuple[int, int]] = None  # (l, L) under layer-wise lr decay, else None
 
     @property
     def key(self) -> str:
-        """e.g. ``decay``, ``no_decay``, ``head_decay``, ``no_decay_lars_exclude``."""
+        """e.g. ``decay``, ``no_decay``, ``head_decay``, ``no_decay_lars_exclude``, ``decay_layer3``."""
         parts = (["head"] if self.head else []) + ["decay" if self.decay else "no_decay"]
-        return "_".join(parts + (["lars_exclude"] if self.lars_exclude else []))
+        parts += ["lars_exclude"] if self.lars_exclude else []
+        return "_".join(parts + ([f"layer{self.layer[0]}"] if self.layer is not None else []))
 
     def options(self, opt_cfg) -> dict:
         """Per-group optimizer options: weight_decay, lr_multiplier (and lars_exclude for LARS)."""
+        multiplier = float(opt_cfg.head_lr_multiplier) if self.head else 1.0
+        if self.layer is not None:
+            layer, layers = self.layer
+            multiplier *= float(opt_cfg.layer_decay) ** (layers - layer)
         out = {
             "name": self.key,
             "weight_decay": float(opt_cfg.weight_decay) if self.decay else 0.0,
-            "lr_multiplier": float(opt_cfg.head_lr_multiplier) if self.head else 1.0,
+            "lr_multiplier": multiplier,
         }
         if opt_cfg.name == "lars":
             out["lars_exclude"] = self.lars_exclude
         return out
 
 
-def classify(fqn: str, module: nn.Module, opt_cfg) -> GroupTraits:
-    """Group traits of the original parameter ``fqn`` owned (directly) by ``module``."""
+LayerOf = Callable[[str], Tuple[int, int]]  # clean fqn -> (its layer l, the model's layers L), 0 <= l <= L
+
+
+def classify(fqn: str, module: nn.Module, opt_cfg, layer_of: Optional[LayerOf] = None) -> GroupTraits:
+    """Group traits of the original parameter ``fqn`` owned (directly) by ``module``; its layer
+    (``layer_of``) counts when ``opt_cfg.layer_decay`` != 1."""
     is_norm = isinstance(module, _NORM_TYPES)
     is_bias = not is_norm and fqn.rsplit(".", 1)[-1] == "bias"
     if is_norm:
@@ -65,7 +80,8 @@ def classify(fqn: str, module: nn.Module, opt_cfg) -> GroupTraits:
     lars_exclude = (
         opt_cfg.name == "lars" and bool(opt_cfg.lars_exclude_bias_and_norm) and (is_norm or is_bias)
     )
-    return GroupTraits(head=head, decay=decay, lars_exclude=lars_exclude)
+    layer = layer_of(fqn) if layer_of is not None and float(opt_cfg.layer_decay) != 1.0 else None
+    return GroupTraits(head=head, decay=decay, lars_exclude=lars_exclude, layer=layer)
 
 
 def param_group_key(fqn: str, module: nn.Module, param: Optional[torch.Tensor], opt_cfg) -> str:
@@ -97,18 +113,24 @@ def _iter_owned_params(model: nn.Module) -> Iterator[Tuple[str, nn.Module, nn.Pa
             yield clean_name(f"{module_name}.{name}" if module_name else name), module, param
 
 
-def build_param_groups(opt_cfg, model: nn.Module) -> List[dict]:
+def build_param_groups(opt_cfg, model: nn.Module, layer_of: Optional[LayerOf] = None) -> List[dict]:
     """torch.optim parameter groups for ``model`` (plain, DDP-wrapped or sharded by vistrain.fsdp).
 
     Returns dicts ``{"params", "name", "weight_decay", "lr_multiplier"[, "lars_exclude"]}`` in
     order of first appearance; parameters with ``requires_grad=False`` are skipped and empty
-    groups are dropped. Raises ValueError when nothing is trainable.
+    groups are dropped. With ``opt_cfg.layer_decay`` != 1 every layer of ``layer_of`` is a group
+    of its own (lr_multiplier ``layer_decay ** (L - l)``). Raises ValueError when nothing is
+    trainable, or for a layer decay without ``layer_of``.
     """
+    if float(opt_cfg.layer_decay) != 1.0 and layer_of is None:
+        raise ValueError(
+            "OPTIMIZER.layer_decay needs a model that names its layers (JOB finetune); set it to 1.0"
+        )
     groups: Dict[str, Tuple[GroupTraits, List[nn.Parameter]]] = {}
     for fqn, module, param in _iter_owned_params(model):
         if not param.requires_grad:
             continue
-        traits = classify(fqn, module, opt_cfg)
+        traits = classify(fqn, module, opt_cfg, layer_of)
         groups.setdefault(traits.key, (traits, []))[1].append(param)
     if not groups:
         raise ValueError("model has no trainable parameters (all have requires_grad=False)")

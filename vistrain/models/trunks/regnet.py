@@ -113,7 +113,15 @@ class RegNetTrunk(nn.Module):
         self.feature_dims.update({f"s{i}": w for i, w in enumerate(block_params.widths, start=1)})
         self.feature_dims["avgpool"] = width_in
         self.out_features = check_out_features(out_features, list(self.feature_dims))
+        self.num_lr_layers = len(stages) + 1  # layer-wise lr decay: see lr_layer_of
         _init_weights(self)
+
+    def lr_layer_of(self, name: str) -> int:
+        """Layer of parameter ``name`` (relative to the trunk) for layer-wise lr decay: the stem 0,
+        stage k (``trunk_output.block<k>``) k; the head's layer is ``num_lr_layers``."""
+        if name.startswith("trunk_output.block"):
+            return int(name.split(".")[1][len("block") :])
+        return 0
 
     def forward(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
         wanted, out = set(self.out_features), {}

@@ -115,7 +115,15 @@ class ResNetTrunk(nn.Module):
         )
         self.feature_dims["avgpool"] = width_in
         self.out_features = check_out_features(out_features, list(self.feature_dims))
+        self.num_lr_layers = len(layers) + 1  # layer-wise lr decay: see lr_layer_of
         _init_weights(self, zero_init_residual)
+
+    def lr_layer_of(self, name: str) -> int:
+        """Layer of parameter ``name`` (relative to the trunk) for layer-wise lr decay: the stem
+        (``conv1``, ``bn1``) 0, ``layer<k>`` k; the head's layer is ``num_lr_layers``."""
+        if name.startswith("layer"):
+            return int(name.split(".")[0][len("layer") :])
+        return 0
 
     def forward(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
         wanted, out = set(self.out_features), {}

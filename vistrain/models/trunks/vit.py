@@ -15,11 +15,13 @@ initialisation), so that
 Position embeddings are made for ``IMAGE_SIZE`` and bicubically interpolated for other input
 sides (DINO's local crops), as DINO's ``interpolate_pos_encoding`` does. LayerNorms compute in
 float32 whatever their input's dtype (:class:`LayerNorm32`): under AMP or the engine's mixed
-precision the statistics of a bf16/fp16 residual stream would otherwise lose digits.
+precision the statistics of a bf16/fp16 residual stream would otherwise lose digits. The blocks
+(:class:`ViTBlock`) add stochastic depth (``DROP_PATH_RATE``) to torchvision's, for fine-tuning.
 """
 
 import functools
 import math
+from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -67,6 +69,54 @@ def trunc_normal_(tensor: torch.Tensor, std: float) -> torch.Tensor:
     with torch.no_grad():
         tensor.uniform_(-bound, bound).erfinv_().mul_(std * math.sqrt(2)).clamp_(-2 * std, 2 * std)
     return tensor
+
+
+def drop_path(x: torch.Tensor, rate: float, training: bool) -> torch.Tensor:
+    """Stochastic depth of a residual branch ``x`` (N, ...): each sample's branch is zeroed with
+    probability ``rate`` and the others scaled by 1 / (1 - rate), so its expectation is ``x``
+    (Huang et al. 2016; DeiT's per-branch form). Identity in eval mode or at rate 0. The per-sample
+    draws come from the device's global generator."""
+    if not training or rate == 0.0:
+        return x
+    keep = 1.0 - rate
+    mask = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep)
+    return x * mask.div_(keep)
+
+
+class ViTBlock(EncoderBlock):
+    """torchvision's pre-norm encoder block (same parameters, names and initialisation) with
+    stochastic depth on both residual branches: ``x = x + dp(MSA(LN(x))); x = x + dp(MLP(LN(x)))``
+    with ``dp`` = :func:`drop_path` at ``drop_path_rate``; at rate 0 it computes what
+    ``EncoderBlock`` does, bit for bit. (N, S, D) -> (N, S, D)."""
+
+    def __init__(self, *args, drop_path_rate: float = 0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.drop_path_rate = float(drop_path_rate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = self.ln_1(x)
+        attended, _ = self.self_attention(normed, normed, normed, need_weights=False)
+        x = x + drop_path(self.dropout(attended), self.drop_path_rate, self.training)
+        return x + drop_path(self.mlp(self.ln_2(x)), self.drop_path_rate, self.training)
+
+
+class ViTEncoder(Encoder):
+    """torchvision's ``Encoder`` (position embeddings, blocks, final LayerNorm: the same names and
+    the same draws from the generator) whose blocks are :class:`ViTBlock` s, block i's drop path
+    rate ``drop_path_rate * i / (depth - 1)`` (DeiT's linear rule). Its ``forward`` is not used:
+    :class:`ViTTrunk` runs the blocks itself."""
+
+    def __init__(self, seq_length, depth, heads, width, mlp_dim, norm, drop_path_rate: float = 0.0):
+        # the parent makes the position embeddings and the final norm (which draws nothing); the
+        # blocks then draw what the parent's blocks would have, in the same order
+        super().__init__(seq_length, 0, heads, width, mlp_dim, 0.0, 0.0, norm)
+        rates = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
+        self.layers = nn.Sequential(
+            OrderedDict(
+                (f"encoder_layer_{i}", ViTBlock(heads, width, mlp_dim, 0.0, 0.0, norm, drop_path_rate=rate))
+                for i, rate in enumerate(rates)
+            )
+        )
 
 
 def vit_dims(vit_cfg) -> Tuple[int, int, int, int]:
@@ -143,6 +193,7 @@ class ViTTrunk(nn.Module):
         mask_token: bool = False,
         position_embedding: str = "learned",
         frozen_patch_projection: bool = False,
+        drop_path_rate: float = 0.0,
     ):
         super().__init__()
         self.patch_size, self.grid = patch_size, image_size // patch_size
@@ -153,7 +204,9 @@ class ViTTrunk(nn.Module):
             self.register_parameter("class_token", None)
         self.num_prefix = int(class_token)
         norm = functools.partial(LayerNorm32, eps=LAYER_NORM_EPS)
-        self.encoder = Encoder(self.grid**2 + self.num_prefix, depth, heads, width, mlp_dim, 0.0, 0.0, norm)
+        self.encoder = ViTEncoder(
+            self.grid**2 + self.num_prefix, depth, heads, width, mlp_dim, norm, drop_path_rate
+        )
         # torchvision's patchify init (its VisionTransformer.__init__)
         trunc_normal_(self.conv_proj.weight, std=math.sqrt(1 / (3 * patch_size * patch_size)))
         nn.init.zeros_(self.conv_proj.bias)
@@ -174,6 +227,17 @@ class ViTTrunk(nn.Module):
         self.out_features = check_out_features(out_features, names)
         wanted = set(self.out_features)
         self.blocks_needed = depth if wanted & set(POOLED) else max(int(n[5:]) for n in wanted)
+        self.num_lr_layers = depth + 1  # layer-wise lr decay: see lr_layer_of
+
+    def lr_layer_of(self, name: str) -> int:
+        """Layer of parameter ``name`` (relative to the trunk) for layer-wise lr decay (BEiT, MAE):
+        the patch embedding, class token, mask token and position embeddings 0, block i (0-based)
+        i + 1, the final LayerNorm ``num_lr_layers`` (= depth + 1, the head's layer)."""
+        if name.startswith("encoder.layers."):
+            return int(name.split(".")[2].rsplit("_", 1)[1]) + 1
+        if name.startswith("encoder.ln."):
+            return self.num_lr_layers
+        return 0
 
     def _fixed_position_embedding(self, width: int) -> None:
         """The learned position embeddings replaced by a buffer of the same name holding the
@@ -261,7 +325,7 @@ def build_vit(trunk_cfg) -> ViTTrunk:
     return ViTTrunk(
         depth, width, heads, mlp_dim, vit_cfg.PATCH_SIZE, vit_cfg.IMAGE_SIZE, vit_cfg.CLASS_TOKEN,
         trunk_cfg.OUT_FEATURES, vit_cfg.MASK_TOKEN, vit_cfg.POSITION_EMBEDDING,
-        vit_cfg.FROZEN_PATCH_PROJECTION,
+        vit_cfg.FROZEN_PATCH_PROJECTION, vit_cfg.DROP_PATH_RATE,
     )  # fmt: skip
 
 
