@@ -184,7 +184,7 @@ NEEDS_USER_DATA = {"pretrain/simclr_regnet_y_400mf_imagenet", "pretrain/swav_reg
 
 # recipes on ELPV read the optional elpv-dataset package (`.[elpv]`, not in `.[dev]`); without it
 # their check is the one line naming the install (tests/test_real_images.py runs them on a folder)
-NEEDS_ELPV = {"pretrain/simclr_regnet_elpv", "benchmark/linear_eval_elpv"}
+NEEDS_ELPV = {"pretrain/simclr_regnet_elpv", "benchmark/linear_eval_elpv", "benchmark/finetune_elpv"}
 
 
 def test_every_shipped_config_passes_the_checks():
