@@ -188,7 +188,7 @@ def _unit_worker(rank, world, config, *overrides):
 
 @pytest.mark.parametrize(
     "config, blocks, units",
-    [("simclr_resnet", "BasicBlock", 8 + 1 + 1), ("simclr_vit", "EncoderBlock", 2 + 1 + 1)],
+    [("simclr_resnet", "BasicBlock", 8 + 1 + 1), ("simclr_vit", "ViTBlock", 2 + 1 + 1)],
 )
 def test_auto_setup_units_are_the_blocks(config, blocks, units):
     kinds, count, _ = run_on_ranks(_unit_worker, 1, config)[0]

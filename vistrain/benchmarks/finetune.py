@@ -87,15 +87,7 @@ def finetune(cfg) -> None:
     result, outputs = evaluate(model, job.test_loader, job)
     result["dim"] = unwrap(model).head.in_features
     _report(job, result, (lr, until, selection), (start, train_seconds))
-    feature = cfg.BENCHMARK.FINETUNE.FEATURE
-    info = {"feature": feature, "num_classes": job.num_classes, "step": job.iterations}
-    info["class_names"] = eval_pictures.class_names(job.test_loader.dataset)
-    if comm.is_main_process():
-        path = eval_pictures.write_confusion(cfg.CHECKPOINT.DIR, job.meter.writer, outputs, info, "finetune")
-        logger.info(f"wrote {path}")
-    meta = {"config": cfg.dump(), "engine": "finetune"}
-    path = save_sharded_checkpoint(cfg.CHECKPOINT.DIR, job.iterations, model, None, {}, meta, keep_last=1)
-    logger.info(f"saved the fine-tuned model: {path}")
+    _write_outputs(job, model, outputs)
     job.meter.summary()
 
 
@@ -313,3 +305,17 @@ def _report(job: _Job, result: dict, choice, times) -> None:
     record = linear_report.record(cfg, "finetune", {feature: result}, extra, times)
     record.update(label_fraction.record(cfg, len(job.train_loader.dataset)), selection=selection)
     linear_report.report(cfg.CHECKPOINT.DIR, record, job.meter.writer, "fine-tuning")
+
+
+def _write_outputs(job: _Job, model, outputs) -> None:
+    """Collective: confusion.png of the test images (rank 0) and the fine-tuned model, a
+    weights-only checkpoint in CHECKPOINT.DIR."""
+    cfg = job.cfg
+    info = {"feature": cfg.BENCHMARK.FINETUNE.FEATURE, "num_classes": job.num_classes, "step": job.iterations}
+    info["class_names"] = eval_pictures.class_names(job.test_loader.dataset)
+    if comm.is_main_process():
+        path = eval_pictures.write_confusion(cfg.CHECKPOINT.DIR, job.meter.writer, outputs, info, "finetune")
+        logger.info(f"wrote {path}")
+    meta = {"config": cfg.dump(), "engine": "finetune"}
+    path = save_sharded_checkpoint(cfg.CHECKPOINT.DIR, job.iterations, model, None, {}, meta, keep_last=1)
+    logger.info(f"saved the fine-tuned model: {path}")

@@ -17,8 +17,9 @@ from torch import nn
 @dataclass(frozen=True)
 class TrunkFamily:
     # MODEL.TRUNK -> nn.Module with forward(x) -> Dict[str, Tensor], ``feature_dims`` (every
-    # feature name -> channels), ``out_features`` (the requested ones) and optionally
-    # ``vector_features`` (the (N, C) features, which benchmarks do not pool; default: avgpool)
+    # feature name -> channels), ``out_features`` (the requested ones), optionally
+    # ``vector_features`` (the (N, C) features, which benchmarks do not pool; default: avgpool), and
+    # for fine-tuning's layer-wise lr decay ``num_lr_layers`` L and ``lr_layer_of(name) -> 0..L``
     build: Callable[..., nn.Module]
     # MODEL.TRUNK -> every feature name the trunk offers; pure arithmetic, ValueError (one line)
     # for an impossible configuration
