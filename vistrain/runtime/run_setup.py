@@ -1,4 +1,4 @@
-"""The start every job (train, linear_eval, knn, extract_features) shares, on every rank."""
+"""The start every job (train, linear_eval, knn, finetune, extract_features) shares, on every rank."""
 
 import os
 import random
