@@ -325,9 +325,14 @@ def _shrunk(name, run_dir, cache_dir, *overrides):
     ]
 
 
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")  # the digits written once
+
+
 @pytest.mark.parametrize("name", ["finetune_regnet", "finetune_vit"])
-def test_digit_recipes_finetune(name, tmp_path):
-    run_on_ranks(_finetune, 2, _shrunk(name, tmp_path, tmp_path / "cache"))
+def test_digit_recipes_finetune(name, tmp_path, cache_dir):
+    run_on_ranks(_finetune, 2, _shrunk(name, tmp_path, cache_dir))
     record = json.loads((tmp_path / "metrics.json").read_text())
     assert record["engine"] == "finetune" and record["label_fraction"] == 0.5
     assert record["results"][record["picked"]["feature"]]["num_images"] == 24
