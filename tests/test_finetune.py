@@ -23,11 +23,11 @@ from vistrain.benchmarks.finetune_model import (
     classifier_config,
 )
 from vistrain.checkpoint import CheckpointError
-from vistrain.config import ConfigError, load_config
+from vistrain.config import ConfigError
 from vistrain.data.elpv import ElpvSource
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.jobs import check_values
-from vistrain.models import build_model
+from vistrain.methods import build_model, load_config
 from vistrain.models.trunks import build_trunk
 from vistrain.models.trunks.vit import LayerNorm32, ViTBlock, ViTEncoder, drop_path
 from vistrain.optim import build_optimizer

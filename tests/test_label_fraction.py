@@ -13,9 +13,10 @@ from test_real_images import _elpv_folder
 
 from vistrain.benchmarks import knn, label_fraction, linear_eval
 from vistrain.benchmarks.label_fraction import label_subset
-from vistrain.config import ConfigError, load_config
+from vistrain.config import ConfigError
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.jobs import check_values
+from vistrain.methods import load_config
 
 CPU = torch.device("cpu")
 
