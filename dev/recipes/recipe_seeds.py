@@ -55,10 +55,11 @@ METHODS = {
     "DINO-ViT": "pretrain/dino_vit_demo",
     "DINO": "pretrain/dino_regnet_demo",
     "BYOL": "pretrain/byol_regnet_demo",
+    "MAE-ViT": "pretrain/mae_vit_demo",
 }
-EVAL_CONFIGS = {"DINO-ViT": "benchmark/linear_eval_vit"}  # the others: benchmark/linear_eval_regnet
+EVAL_CONFIGS = {"DINO-ViT": "benchmark/linear_eval_vit", "MAE-ViT": "benchmark/finetune_vit"}  # the others: benchmark/linear_eval_regnet
 # mean margin over the pixel logistic regression: issue 36 (SimCLR, SwAV), issue 44 (DINO ViT)
-CLAIM_MARGIN = {"SimCLR": 1.0, "SwAV": 0.5, "DINO-ViT": 1.0, "DINO": 0.5, "BYOL": 0.5}
+CLAIM_MARGIN = {"SimCLR": 1.0, "SwAV": 0.5, "DINO-ViT": 1.0, "DINO": 0.5, "BYOL": 0.5, "MAE-ViT": 0.0}
 
 
 def parse_args():
@@ -73,6 +74,12 @@ def parse_args():
     parser.add_argument("--overwrite", action="store_true", help="delete --out first if it exists")
     parser.add_argument("--pretrain", nargs="*", default=[], help="extra overrides of the pretraining run")
     parser.add_argument("--eval", nargs="*", default=[], help="extra overrides of the linear evaluation")
+    parser.add_argument(
+        "--eval-config",
+        default="",
+        help="the evaluation's recipe (default: the method's, e.g. benchmark/finetune_vit for MAE-ViT, "
+        "else benchmark/linear_eval_regnet)",
+    )
     parser.add_argument(
         "--reuse-pretraining",
         default="",
@@ -164,7 +171,7 @@ def run_seed(args, seed: int) -> dict:
 def evaluation_argv(args, seed: int, eval_dir: Path, weights) -> list:
     """The launcher's arguments of the method's linear evaluation of ``weights`` into ``eval_dir``."""
     return [
-        f"config={EVAL_CONFIGS.get(args.method, 'benchmark/linear_eval_regnet')}",
+        f"config={args.eval_config or EVAL_CONFIGS.get(args.method, 'benchmark/linear_eval_regnet')}",
         f"config.CHECKPOINT.DIR={eval_dir}",
         f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={weights}",
         f"config.SEED_VALUE={seed}",
