@@ -20,7 +20,7 @@ from vistrain.planner.across_nodes import choose_across_nodes
 from vistrain.planner.auto_tune import Budget, choose, planned_settings, tune_job, tune_settings
 from vistrain.planner.knobs import EXACT_KNOBS, RESULT_KNOBS, exact_settings, speed_cost, with_knobs
 from vistrain.planner.memory import plan
-from vistrain.planner.shape import MIB
+from vistrain.planner.shape import MIB, run_shape
 from vistrain.training import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ def test_choose_when_nothing_fits_names_the_smallest_peak():
 
 def test_settings_hold_exact_knobs_only_and_keep_explicit_ones(fixed_baseline):
     cfg = load_config([*SHARDED, "config.MODEL.FSDP_CONFIG.reshard_after_forward=True"])
-    settings = exact_settings(cfg, "cpu", fixed=["reshard_after_forward"])
+    settings = exact_settings(run_shape(cfg), "cpu", fixed=["reshard_after_forward"])
     assert all(set(s) <= set(EXACT_KNOBS) for s in settings)
     assert not any(set(s) & set(RESULT_KNOBS) for s in settings)  # precision, batch, ranks: never
     assert {s["reshard_after_forward"] for s in settings} == {True}
@@ -75,9 +75,9 @@ def test_settings_hold_exact_knobs_only_and_keep_explicit_ones(fixed_baseline):
     # checkpointing granularity varies only where checkpointing is on
     assert len({(s["activation_checkpointing"], s["checkpointing_granularity"]) for s in settings}) == 3
     clipped = load_config([*SHARDED, "config.OPTIMIZER.clip_grad_norm=1.0"])
-    assert {s["step_in_backward"] for s in exact_settings(clipped, "cpu")} == {False}
+    assert {s["step_in_backward"] for s in exact_settings(run_shape(clipped), "cpu")} == {False}
     ddp = load_config(["config=test/simclr_tiny"])  # DDP: only checkpointing is a knob
-    assert {frozenset(s) for s in exact_settings(ddp, "cpu")} == {
+    assert {frozenset(s) for s in exact_settings(run_shape(ddp), "cpu")} == {
         frozenset({"activation_checkpointing", "checkpointing_granularity"})
     }
 
@@ -113,7 +113,7 @@ def test_tune_keeps_explicit_knobs_and_a_large_budget_picks_zero2_with_one_unit(
 def test_nothing_fits_is_one_line_with_the_smallest_peak_and_the_levers(fixed_baseline):
     args = [*SHARDED, "config.MODEL.TRUNK.REGNET.NAME=regnet_y_8gf", "config.MODEL.HEAD.DIMS=[2016,512,128]"]
     cfg = load_config(args)
-    smallest = min(planned_settings(cfg, "cpu")[1]) / MIB
+    smallest = min(planned_settings(run_shape(cfg), "cpu")[1]) / MIB
     with pytest.raises(ConfigError) as caught:
         tune_settings(cfg, explicit_keys(args), 2, Budget(smallest - 50, "test"), "cpu")
     message = str(caught.value)
@@ -137,8 +137,8 @@ def test_a_resumed_run_keeps_its_knobs_while_they_fit(tmp_path, monkeypatch, fix
         True,
     )
     # a budget the recorded setting no longer fits: chosen again, and said why
-    kept_peak = plan(with_knobs(cfg, auto_tune.exact_knobs_of(recorded))).peak / MIB
-    smallest = min(planned_settings(cfg, "cpu")[1]) / MIB
+    kept_peak = plan(run_shape(cfg).with_knobs(auto_tune.exact_knobs_of(recorded))).peak / MIB
+    smallest = min(planned_settings(run_shape(cfg), "cpu")[1]) / MIB
     assert smallest < kept_peak
     result = tune_settings(cfg, explicit_keys(args), 2, Budget((smallest + kept_peak) / 2, "test"), "cpu")
     tuned, line = result.cfg, result.line
@@ -190,9 +190,9 @@ NODES = [*SHARDED, "config.DISTRIBUTED.NUM_NODES=2", "config.DISTRIBUTED.NUM_PRO
 
 
 def test_shard_group_sizes_planned_one_node_and_across_nodes(fixed_baseline):
-    one_node = {k["shard_group_size"] for k in exact_settings(load_config(SHARDED), "cpu")}
+    one_node = {k["shard_group_size"] for k in exact_settings(run_shape(load_config(SHARDED)), "cpu")}
     assert one_node == {0, 1}  # all ranks, or each rank everything
-    assert {k["shard_group_size"] for k in exact_settings(load_config(NODES), "cpu")} == {0, 2, 1}
+    assert {k["shard_group_size"] for k in exact_settings(run_shape(load_config(NODES)), "cpu")} == {0, 2, 1}
     args = [*SHARDED, "config.MODEL.FSDP_CONFIG.shard_group_size=0"]
     kept = tune_settings(load_config(args), explicit_keys(args), 2, Budget(1e6, "test"), "cpu")
     assert kept.cfg.MODEL.FSDP_CONFIG.shard_group_size == 0 and "shard_group_size" in kept.line  # kept as set
@@ -276,7 +276,7 @@ def _zero3_with_checkpointing(knobs):
 def _small_budget_mib(args):
     """A budget that only ZeRO-3 settings with activation checkpointing fit, by a margin on both
     sides ("model" keeps its one unit gathered: ZeRO-2 whatever reshard says)."""
-    settings, peaks = planned_settings(load_config(args), "cpu")
+    settings, peaks = planned_settings(run_shape(load_config(args)), "cpu")
     forced = min(p for k, p in zip(settings, peaks) if _zero3_with_checkpointing(k)) / MIB
     others = min(p for k, p in zip(settings, peaks) if not _zero3_with_checkpointing(k)) / MIB
     assert others - forced > 30, (forced, others)

@@ -8,6 +8,7 @@ from vistrain.methods import build_meta_model, load_config
 from vistrain.planner import collectives
 from vistrain.planner.collectives import Collective
 from vistrain.planner.memory import plan
+from vistrain.planner.shape import run_shape
 from vistrain.planner.traffic import link_breakdown, traffic, traffic_bytes
 
 
@@ -36,15 +37,17 @@ def _cfg(*overrides):
 
 def test_state_per_rank_follows_the_shard_group_not_the_world():
     hybrid = plan(
-        _cfg("config.DISTRIBUTED.NUM_PROC_PER_NODE=4", "config.MODEL.FSDP_CONFIG.shard_group_size=2")
+        run_shape(
+            _cfg("config.DISTRIBUTED.NUM_PROC_PER_NODE=4", "config.MODEL.FSDP_CONFIG.shard_group_size=2")
+        )
     )
-    two = plan(_cfg("config.DISTRIBUTED.NUM_PROC_PER_NODE=2"))
-    four = plan(_cfg("config.DISTRIBUTED.NUM_PROC_PER_NODE=4"))
+    two = plan(run_shape(_cfg("config.DISTRIBUTED.NUM_PROC_PER_NODE=2")))
+    four = plan(run_shape(_cfg("config.DISTRIBUTED.NUM_PROC_PER_NODE=4")))
     for key in ("params", "grads", "optimizer_state"):
         assert getattr(hybrid, key) == getattr(two, key) > getattr(four, key)
     nodes = ["config.DISTRIBUTED.NUM_NODES=2", "config.DISTRIBUTED.NUM_PROC_PER_NODE=2"]
-    per_node = traffic(_cfg(*nodes, "config.MODEL.FSDP_CONFIG.shard_group_size=2"))
-    over_all = traffic(_cfg(*nodes))
+    per_node = traffic(run_shape(_cfg(*nodes, "config.MODEL.FSDP_CONFIG.shard_group_size=2")))
+    over_all = traffic(run_shape(_cfg(*nodes)))
     assert 0 < per_node.cross_node < over_all.cross_node
 
 
@@ -108,8 +111,8 @@ def test_the_link_model_of_full_hybrid_and_ddp():
     links = {}
     for k in ("ddp", 0, 2):
         cfg = ddp if k == "ddp" else load_config([*nodes, f"config.MODEL.FSDP_CONFIG.shard_group_size={k}"])
-        links[k] = link_breakdown(cfg)
-        assert traffic(cfg).cross_node * 2 == pytest.approx(sum(links[k].values()))
+        links[k] = link_breakdown(run_shape(cfg))
+        assert traffic(run_shape(cfg)).cross_node * 2 == pytest.approx(sum(links[k].values()))
     assert links["ddp"]["gradient reductions"] == pytest.approx(1.5 * weights, rel=0.01)
     assert links[0]["gathers"] + links[0]["gradient reductions"] == pytest.approx(3 * weights, rel=0.01)
     assert links[2]["replica all-reduces"] == pytest.approx(weights, rel=0.01)

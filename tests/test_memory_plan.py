@@ -1,5 +1,6 @@
 """The memory planner: its arithmetic, and its prediction against a real multi-rank run."""
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -22,7 +23,7 @@ from vistrain.planner.memory import (
     plan,
     sharded_state_bytes,
 )
-from vistrain.planner.shape import MIB, Groups, Precision, RunShape, measure_activations, unit_sizes
+from vistrain.planner.shape import MIB, Groups, Precision, measure_activations, run_shape, unit_sizes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,8 +87,8 @@ def test_the_step_in_backward_changes_only_the_gradient_term_and_the_search_may_
         "config.MODEL.TRUNK.REGNET.NAME=regnet_y_400mf",  # on the meta device: sizes only
         "config.MODEL.HEAD.DIMS=[440,512,128]",
     ]
-    ordinary = plan(load_config(args))
-    in_backward = plan(load_config([*args, "config.OPTIMIZER.step_in_backward=True"]))
+    ordinary = plan(run_shape(load_config(args)))
+    in_backward = plan(run_shape(load_config([*args, "config.OPTIMIZER.step_in_backward=True"])))
     assert in_backward.grads < ordinary.grads and in_backward.params == ordinary.params
     assert in_backward.peak < ordinary.peak
     # a budget between the two peaks: only the step in backward fits (every other knob tried)
@@ -102,27 +103,30 @@ def test_the_step_in_backward_changes_only_the_gradient_term_and_the_search_may_
 
 def test_a_momentum_teacher_adds_its_shards_without_gradients_or_optimizer_state(fixed_baseline):
     common = ["config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True", "config.DISTRIBUTED.NUM_PROC_PER_NODE=3"]
-    dino = plan(load_config(["config=test/dino_tiny", *common]))
+    dino = plan(run_shape(load_config(["config=test/dino_tiny", *common])))
     assert dino.teacher_params == dino.params > 0
-    assert plan(load_config(["config=test/simclr_tiny", *common])).teacher_params == 0
+    assert plan(run_shape(load_config(["config=test/simclr_tiny", *common]))).teacher_params == 0
 
 
 def test_gather_arena_bytes():
-    cfg = load_config(["config=test/simclr_tiny"])
     # 3 ranks: 7 elements gather as 9; 2**22 as 2**22 + 2 (16 MiB + 8 B, fp32); 2**24 fp32 (64 MiB)
     # is mapped by glibc and returned when freed. Each of the 2 gloo workers keeps the 16 MiB one.
-    shape = RunShape((7, 2**22, 2**24, 3), True, True, Precision(4, 4, False), Groups(3, 3, 3))
-    assert gather_arena_bytes(cfg, shape, "cpu") == 2 * (2**22 + 2) * 4
+    tiny = run_shape(
+        load_config(["config=test/simclr_tiny", "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True"])
+    )
+    units = dict(unit_sizes=(7, 2**22, 2**24, 3), world=3, ranks_per_node=3)
+    shape = dataclasses.replace(tiny, **units)
+    assert shape.precision == Precision(4, 4, False) and shape.groups == Groups(3, 3, 3)
+    assert gather_arena_bytes(shape, "cpu") == 2 * (2**22 + 2) * 4
     # bf16 gathers: the 2**24 unit's buffer is 32 MiB, still mapped
-    low = RunShape(shape.unit_sizes, True, True, Precision(2, 2, True), Groups(3, 3, 3))
-    assert gather_arena_bytes(cfg, low, "cpu") == 2 * (2**22 + 2) * 2
-    assert gather_arena_bytes(cfg, shape, "cuda") == 0
-    unsharded = RunShape(shape.unit_sizes, True, True, shape.precision, Groups(3, 1, 3))  # replicas of one
-    assert gather_arena_bytes(cfg, unsharded, "cpu") == 0
-    fixed = load_config(["config=test/simclr_tiny", "config.MACHINE.CPU_MMAP_THRESHOLD_MIB=1"])
-    assert gather_arena_bytes(fixed, shape, "cpu") == 0
+    low = dataclasses.replace(shape, mixed_precision=True)
+    assert low.precision.compute_bytes == 2 and gather_arena_bytes(low, "cpu") == 2 * (2**22 + 2) * 2
+    assert gather_arena_bytes(shape, "cuda") == 0
+    unsharded = dataclasses.replace(shape, shard_group_size=1)  # replicas of one
+    assert gather_arena_bytes(unsharded, "cpu") == 0
+    assert gather_arena_bytes(dataclasses.replace(shape, cpu_mmap_threshold_mib=1.0), "cpu") == 0
     # a momentum teacher gathers through its own group: two more workers
-    assert gather_arena_bytes(load_config(["config=test/dino_tiny"]), shape, "cpu") == 4 * (2**22 + 2) * 4
+    assert gather_arena_bytes(dataclasses.replace(shape, teacher=True), "cpu") == 4 * (2**22 + 2) * 4
 
 
 def test_checkpointed_activations():
@@ -156,7 +160,7 @@ def fixed_baseline(monkeypatch):
 
 def test_search_picks_a_setting_that_fits_or_says_none_does(fixed_baseline):
     cfg = load_config(["config=test/simclr_tiny", "config.DISTRIBUTED.NUM_PROC_PER_NODE=2"])
-    base = plan(cfg).peak / MIB
+    base = plan(run_shape(cfg)).peak / MIB
     knobs, result = search(cfg, base * 1.5)
     assert knobs is not None and result.peak <= base * 1.5 * MIB
     assert knobs["reshard_after_forward"] is False and knobs["activation_checkpointing"] is False
@@ -177,7 +181,7 @@ def _cli():
 
 def test_cli_prints_json_and_one_line_when_nothing_fits(capsys, fixed_baseline):
     main = _cli()
-    assert main(["config=test/simclr_tiny"]) == 0
+    assert main(["config=test/simclr_tiny", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["peak_mib_per_rank"] > 0 and set(out["breakdown_mib"]) == {
         "params",
@@ -191,6 +195,81 @@ def test_cli_prints_json_and_one_line_when_nothing_fits(capsys, fixed_baseline):
     assert main(["config=test/simclr_tiny", "--budget-mib", "1"]) == 1
     assert capsys.readouterr().out.startswith("nothing fits 1 MiB per rank")
     assert main(["config=test/simclr_tiny", "config.NO_SUCH_KEY=1"]) == 2
+
+
+# SEER's recipe (its data, ./data/train_images.txt, is nowhere) with a RegNetY-400MF trunk and head
+# so that the meta model builds in a moment: 64 ranks on 8 nodes, bf16, activation checkpointing
+SEER_SHRUNK = [
+    "config=pretrain/swav_regnet_y_256gf_seer",
+    "config.MODEL.TRUNK.REGNET.NAME=regnet_y_400mf",
+    "config.MODEL.HEAD.DIMS=[440,512,128]",
+    "config.MODEL.HEAD.NMB_PROTOTYPES=[300]",
+]
+
+
+def test_a_recipe_plans_without_its_data_for_a_named_gpu(capsys, fixed_baseline):
+    """The README's planner command on a machine without the data or a GPU: a table of the memory
+    per rank by kind, the knobs the run would choose for the GPU, and where it fits."""
+    main = _cli()
+    assert not (ROOT / "data" / "train_images.txt").exists()
+    assert main([*SEER_SHRUNK, "--gpu", "h100-80gb"]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert lines[0] == (
+        "pretrain/swav_regnet_y_256gf_seer: 64 ranks on cuda (8 nodes x 8), 16 images per rank, crops "
+        "2 x 224 px + 4 x 96 px; sharded (builtin engine), bfloat16 gathers and compute, fp32 reductions"
+    )
+    assert (
+        lines[1].startswith("auto-tune: ")
+        and "fit 73,403 MiB per rank (81,559 MiB on the h100-80gb, less 10%)" in lines[1]
+    )
+    start = lines.index("knobs (* chosen by the auto-tuner)") + 1
+    knobs = lines[start : lines.index("", start)]
+    assert any(line.split()[:2] == ["activation_checkpointing", "True"] for line in knobs)  # as set
+    assert any(line.split()[0] == "wrap_granularity" and line.endswith(" *") for line in knobs)  # chosen
+    assert any(line.split() == ["ranks", "64"] for line in knobs)
+    rows = {
+        line[:24].strip(): float(line[24:].replace(",", ""))
+        for line in lines[lines.index("  memory per rank              MiB") + 1 :]
+        if line.startswith("  ") and line[24:].strip()
+    }
+    kinds = [
+        "parameters (shards)",
+        "gradients",
+        "optimizer state",
+        "gathered units",
+        "activations",
+        "runtime",
+    ]
+    assert set(kinds) < set(rows) and rows["runtime"] == 0.0  # CUDA: allocated memory only
+    assert rows["peak"] == pytest.approx(sum(v for k, v in rows.items() if k != "peak"), abs=0.5)
+    assert "fits h100-80gb: yes: " in text and "MiB per rank planned, 73,403 MiB per rank there" in text
+    fits_here = next(line for line in lines if line.startswith("fits this machine: "))
+    if not torch.cuda.is_available():
+        assert fits_here == "fits this machine: no: no GPU here (the plan is for cuda)"
+
+
+def test_the_planner_json_and_this_machine(capsys, fixed_baseline):
+    """``--json`` carries the table's content; a CPU plan says whether this machine's memory
+    (MemAvailable, shared by its ranks) holds it, and points at --gpu for a recipe that would
+    use a GPU where it finds one."""
+    main = _cli()
+    assert main([*SEER_SHRUNK, "--device", "cpu", "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["device"] == "cpu" and out["ranks"] == "16 ranks" and out["knobs"]["ranks"] == 16
+    here = out["fits"]["this machine"]
+    assert here["source"].endswith("MiB available / 2 ranks here, less 10%")
+    assert here["fits"] == (out["peak_mib_per_rank"] <= here["budget_mib"])
+    assert out["fits"]["a GPU"]["fits"] is None and "--gpu NAME (" in out["fits"]["a GPU"]["answer"]
+    assert out["breakdown_mib"]["runtime_overhead"] > 0
+    assert main([*SEER_SHRUNK, "--gpu", "h100-80gb", "--device", "cpu"]) == 2
+    assert (
+        capsys.readouterr().err.strip() == "config error: --gpu h100-80gb plans for a GPU; drop --device cpu"
+    )
+    assert main([*SEER_SHRUNK, "--gpu", "h100"]) == 2
+    assert (
+        capsys.readouterr().err.strip().startswith("config error: unknown --gpu 'h100'; known: v100-32gb, ")
+    )
 
 
 # The shipped quick start (as its auto-tuner sets it on 2 ranks) and a 2-block model whose peak is
@@ -237,7 +316,7 @@ def test_planner_matches_a_two_rank_run(run, tmp_path):
         f"config.CHECKPOINT.DIR={tmp_path / 'run'}",
         f"config.DATA.CACHE_DIR={tmp_path / 'cache'}",
     ]
-    predicted = plan(load_config(args)).peak / MIB
+    predicted = plan(run_shape(load_config(args))).peak / MIB
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "run_distributed.py"), *args], capture_output=True, text=True
     )
@@ -247,3 +326,32 @@ def test_planner_matches_a_two_rank_run(run, tmp_path):
         assert abs(predicted - measured) <= 0.1 * measured, (predicted, measured)
     else:
         assert 0.95 * measured <= predicted <= measured + 60, (predicted, measured)
+
+
+def test_the_planner_reads_the_config_once(monkeypatch, fixed_baseline):
+    """One RunShape per config: planning any number of knob settings, the traffic and the
+    collectives read the shape and never the config again; the auto-tuner builds one shape."""
+    from fvcore.common.config import CfgNode
+
+    from vistrain.planner import auto_tune
+    from vistrain.planner.auto_tune import Budget, planned_settings, tune_settings
+    from vistrain.planner.traffic import step_collectives, traffic
+
+    cfg = load_config(SEER_SHRUNK)
+    shape = run_shape(cfg)
+    reads = []
+    getattr_of_config = CfgNode.__getattr__
+    monkeypatch.setattr(
+        CfgNode, "__getattr__", lambda node, name: reads.append(name) or getattr_of_config(node, name)
+    )
+    settings, peaks = planned_settings(shape, "cuda")
+    traffic(shape.with_knobs(settings[-1]))
+    step_collectives(shape)
+    assert len(settings) > 100 and reads == []
+    assert cfg.OPTIMIZER.name and reads == ["OPTIMIZER", "name"]  # reads are counted
+    built = []
+    monkeypatch.setattr(auto_tune, "run_shape", lambda *args: built.append(args) or run_shape(*args))
+    tune_settings(cfg, [], cfg.DISTRIBUTED.NUM_NODES * 8, Budget(1e6, "test"), "cuda")
+    assert len(built) == 1
+    with pytest.raises(KeyError, match="not a knob of a RunShape: batch_per_replica"):
+        shape.with_knobs({"batch_per_replica": 4})  # another job: a new shape from the config

@@ -34,7 +34,7 @@ from vistrain.methods import (
 from vistrain.methods.dino import DINOLastLayer
 from vistrain.methods.swav import SwAVPrototypes
 from vistrain.models.heads import MLP
-from vistrain.planner.shape import ModelShapes
+from vistrain.planner.shape import ModelShapes, run_shape
 from vistrain.planner.traffic import step_collectives
 
 ROOT = pathlib.Path(vistrain.__file__).parent
@@ -148,7 +148,9 @@ def test_the_planner_counts_the_losss_own_collectives():
 
     def loss_bytes(name, *overrides):
         cfg = load_config([f"config={name}", *overrides])
-        found = [c for c in step_collectives(cfg, ModelShapes(cfg.MODEL, 100.0)) if c.what == "loss"]
+        found = [
+            c for c in step_collectives(run_shape(cfg, ModelShapes(cfg.MODEL, 100.0))) if c.what == "loss"
+        ]
         return sorted((c.op, c.nbytes, c.calls) for c in found)
 
     embeddings = 2 * 2 * 4 * 16 * 4  # ranks x crops x images per rank x width x fp32
@@ -353,7 +355,7 @@ def test_a_new_method_is_one_record(monkeypatch):
 
     from vistrain.planner.memory import plan
 
-    planned = plan(cfg, shapes=ModelShapes(cfg.MODEL, 100.0))
+    shape = run_shape(cfg, ModelShapes(cfg.MODEL, 100.0))
+    planned = plan(shape)
     assert planned.teacher_params == planned.params > 0
-    shapes = ModelShapes(cfg.MODEL, 100.0)
-    assert [(c.op, c.calls) for c in step_collectives(cfg, shapes) if c.what == "loss"] == [("broadcast", 3)]
+    assert [(c.op, c.calls) for c in step_collectives(shape) if c.what == "loss"] == [("broadcast", 3)]

@@ -360,9 +360,10 @@ def test_cosine_with_fractional_warmup():
         name="cosine", base_value=0.1, end_value=0.001, warmup_epochs=1.5, start_warmup_value=0.01
     )
     lr = build_lr_schedule(cfg, iterations_per_epoch=10)  # 100 iterations, warmup 15
-    assert lr(0) == pytest.approx(0.01)
-    assert lr(5) == pytest.approx(0.01 + 0.09 * 5 / 15)
-    assert lr(15) == pytest.approx(0.1)
+    # step t of the warm-up trains at the ramp's value where it ends: (t + 1) / 15 of the way
+    assert lr(0) == pytest.approx(0.01 + 0.09 * 1 / 15)
+    assert lr(5) == pytest.approx(0.01 + 0.09 * 6 / 15)
+    assert lr(14) == pytest.approx(0.1) and lr(15) == pytest.approx(0.1)
     expected = 0.001 + 0.5 * 0.099 * (1 + math.cos(math.pi * (50 - 15) / 85))
     assert lr(50) == pytest.approx(expected)
     assert lr(99) == pytest.approx(0.001 + 0.5 * 0.099 * (1 + math.cos(math.pi * 84 / 85)))
@@ -388,7 +389,7 @@ def test_multistep_boundaries_with_warmup():
         start_warmup_value=0.0,
     )
     lr = build_lr_schedule(cfg, iterations_per_epoch=10)
-    assert lr(0) == 0.0 and lr(5) == pytest.approx(0.5)
+    assert lr(0) == pytest.approx(0.1) and lr(5) == pytest.approx(0.6) and lr(9) == pytest.approx(1.0)
     expected = {10: 1.0, 29: 1.0, 30: 0.1, 64: 0.1, 65: 0.01, 99: 0.01, 100: 0.01}
     assert {i: lr(i) for i in expected} == pytest.approx(expected)
 

@@ -15,11 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from torch import nn
 
 from vistrain import cli
 from vistrain.checkpoint import find_latest_checkpoint, read_metadata, save_sharded_checkpoint
 from vistrain.checkpoint.files import prune
+from vistrain.config.loader import load_yaml
 from vistrain.distributed.supervise import LOCK_NAME, RunFolderBusyError, lock_run_folder
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.methods import load_config
@@ -272,3 +274,116 @@ def test_checkpoints_set_aside_as_unreadable_are_pruned_beyond_the_newest_few(tm
         "checkpoint_2",
         "checkpoint_6",
     }
+
+
+# --------------------------------------------------------------------------------------------
+# a run folder remembers what it trains
+
+
+def _recorded_run(run_dir, *overrides, samples=32):
+    """A complete checkpoint of the tiny recipe (with ``overrides``) as a run on ``samples``
+    training images saves it: its config and data size in metadata.json."""
+    cfg = load_config(_tiny(run_dir, *overrides))
+    meta = {"epoch": 1, "samples_seen": samples, "num_samples": samples, "config": cfg.dump()}
+    return save_sharded_checkpoint(str(run_dir), 4, nn.Linear(3, 2), None, {}, meta, 0)
+
+
+def _folder_state(run_dir):
+    return sorted((str(p.relative_to(run_dir)), p.stat().st_mtime_ns) for p in Path(run_dir).rglob("*"))
+
+
+@pytest.mark.parametrize(
+    "other, said",
+    [
+        (
+            ["config.DATA.TRAIN.SYNTHETIC_SIZE=40"],
+            "holds checkpoints of data synthetic (train, 32 samples); this run trains data synthetic "
+            "(train, 40 samples)",
+        ),
+        (
+            ["config.LOSS.NAME=swav_loss", "config.MODEL.HEAD.NAME=swav"],
+            "holds checkpoints of method simclr_loss, head {NAME: simclr}; this run trains method "
+            "swav_loss, head {NAME: swav}",
+        ),
+        (
+            ["config.MODEL.TRUNK.REGNET.SE_RATIO=0.0"],
+            "holds checkpoints of trunk regnet {SE_RATIO: 0.25}; this run trains trunk regnet {SE_RATIO: 0.0}",
+        ),
+    ],
+)
+def test_another_run_into_a_folder_is_one_line_exit_2_naming_a_free_folder(tmp_path, capsys, other, said):
+    """The README's own-images command after the quick start: other data (here: another size),
+    another method or trunk in the same folder. Refused before any rank starts, nothing touched."""
+    run_dir = tmp_path / "run"
+    _recorded_run(run_dir)
+    (tmp_path / "run_2").mkdir()  # taken: the line names the next free name
+    before = _folder_state(run_dir)
+    assert cli.main(_tiny(run_dir, *other)) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0] == (
+        f"run folder taken: {run_dir} {said}; resuming would mix the two and a fresh start would "
+        f"overwrite them: give this run its own folder, e.g. config.CHECKPOINT.DIR={tmp_path / 'run_3'}"
+    )
+    assert _folder_state(run_dir) == before
+    # a fresh start (AUTO_RESUME off) would overwrite its checkpoints: refused alike
+    assert cli.main(_tiny(run_dir, *other, "config.CHECKPOINT.AUTO_RESUME=False")) == 2
+    assert "run folder taken: " in capsys.readouterr().err
+
+
+def test_what_may_change_on_resume_passes_the_folder_check(tmp_path):
+    """Epochs (training on), lr, batch, ranks, knobs, augmentations, logging: the same run."""
+    from vistrain.jobs import check_run_folder
+
+    _recorded_run(tmp_path)
+    check_run_folder(load_config(_tiny(tmp_path)), 32)
+    check_run_folder(
+        load_config(
+            _tiny(
+                tmp_path,
+                "config.OPTIMIZER.num_epochs=40",
+                "config.OPTIMIZER.param_schedulers.lr.base_value=0.3",
+                "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
+                "config.DISTRIBUTED.NUM_PROC_PER_NODE=1",
+                "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True",
+                "config.DATA.TRAIN.TRANSFORMS.BLUR_PROB=0.0",
+                "config.LOG_FREQUENCY=1",
+                "config.CHECKPOINT.KEEP_LAST=5",
+            )
+        ),
+        32,
+    )
+
+
+def test_keys_added_since_a_folder_was_saved_are_no_difference(tmp_path):
+    """A checkpoint saved before a key existed (here: the trunk family's SE_RATIO and a head key
+    of another head) resumes: sections compare on the keys both hold."""
+    from vistrain.checkpoint.identity import check_same_run
+
+    cfg = load_config(_tiny(tmp_path))
+    saved = load_yaml(cfg.dump())
+    del saved["MODEL"]["TRUNK"]["REGNET"]["SE_RATIO"]
+    saved["MODEL"]["HEAD"].pop("OUT_DIM", None)
+    meta = {"num_samples": 32, "config": yaml.safe_dump(saved)}
+    check_same_run(str(tmp_path), meta, cfg, 32)
+    other_head_key = load_config(
+        _tiny(tmp_path, "config.MODEL.HEAD.OUT_DIM=7")
+    )  # a key simclr's head does not read
+    check_same_run(str(tmp_path), {**meta, "config": cfg.dump()}, other_head_key, 32)
+
+
+def test_the_ranks_refuse_another_run_before_loading_anything(tmp_path):
+    """A job that reaches the ranks without the launcher's check (started from Python, or the
+    folder changed meanwhile): resume() refuses in the same one line, agreed by every rank."""
+    from types import SimpleNamespace
+
+    from vistrain.checkpoint import EpochLayout
+    from vistrain.checkpoint.identity import OtherRunError
+    from vistrain.training.resume import resume
+
+    _recorded_run(tmp_path)
+    run = SimpleNamespace(layout=EpochLayout(5, 8, 40))  # nothing else is touched before the check
+    with pytest.raises(OtherRunError, match=r"data synthetic \(train, 40 samples\)") as refused:
+        resume(str(tmp_path), run, load_config(_tiny(tmp_path, "config.DATA.TRAIN.SYNTHETIC_SIZE=40")))
+    assert refused.value.agreed and refused.value.exit_code == 2
+    assert f"config.CHECKPOINT.DIR={tmp_path}_2" in str(refused.value)

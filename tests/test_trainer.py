@@ -56,8 +56,14 @@ def _tiny(run_dir, *overrides):
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_two_ranks_with_sync_bn_equal_one_rank_with_the_global_batch(tmp_path, channels_last):
     """2 ranks x 4 images (sync BN, global SimCLR negatives, DDP mean) == 1 rank x 8 images; the
-    two ranks also with their batches in channels_last memory (the one rank: contiguous)."""
-    common = ["config.LOG_FREQUENCY=1", "config.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN=true"]
+    two ranks also with their batches in channels_last memory (the one rank: contiguous). At the
+    parity lr, 0.02: at the tiny recipe's 0.05 rounding differences grow past any tolerance on
+    some seeds (seeds 0-3: up to 626x it with channels_last, 1.4x without; at 0.02 within 0.23x)."""
+    common = [
+        "config.LOG_FREQUENCY=1",
+        "config.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN=true",
+        "config.OPTIMIZER.param_schedulers.lr.base_value=0.02",
+    ]
     layout = [f"config.MODEL.CHANNELS_LAST={channels_last}"]
     run_on_ranks(_train_on_rank, 2, _tiny(tmp_path / "two", *common, *layout))
     run_on_ranks(

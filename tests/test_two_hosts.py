@@ -17,6 +17,7 @@ import torch
 
 from vistrain.distributed.netns import two_hosts, unavailable_reason
 from vistrain.methods import load_config
+from vistrain.planner.shape import run_shape
 from vistrain.planner.traffic import traffic
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,7 +93,7 @@ def test_hybrid_equals_full_sharding_and_the_link_carries_what_the_planner_says(
     for k in (0, 2):
         measured = (runs[k, 4][0] - runs[k, 2][0]) / 2
         cfg = load_config([*TINY, f"config.MODEL.FSDP_CONFIG.shard_group_size={k}"])
-        planned = traffic(cfg).cross_node * cfg.DISTRIBUTED.NUM_PROC_PER_NODE
+        planned = traffic(run_shape(cfg)).cross_node * cfg.DISTRIBUTED.NUM_PROC_PER_NODE
         assert measured == pytest.approx(planned, rel=0.15), (k, measured, planned)
     hybrid_bytes = runs[2, 4][0] - runs[2, 2][0]
     assert hybrid_bytes < 0.5 * (runs[0, 4][0] - runs[0, 2][0])  # a shard group per host: far fewer

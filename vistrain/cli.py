@@ -5,7 +5,7 @@ job (by the launcher, or by global rank 0 of a torchrun / srun job):
 
     exit 0    done (or --help)
     exit 1    a rank failed: its traceback follows "run failed:"
-    exit 2    the input is wrong (an InputError): no arguments, a bad config key or value, a run
+    exit 2    the input is wrong (an InputError): no arguments or no config=, a bad config key or value, a run
               folder in use or unusable, data or a model that cannot work; found before anything
               started (nothing written) or by a rank (every rank stopped, the folder resumable)
     exit 3    the run diverged (NaN/inf): names the iteration and the last good checkpoint
@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Iterator, List, Sequence
 
-from vistrain.config import OneLineExit, StopRequested, available_configs, load_config
+from vistrain.config import OneLineExit, StopRequested, available_configs, load_config, require_recipe
 from vistrain.config.checks import check_plain_values
 from vistrain.config.job_env import job_rank
 
@@ -71,17 +71,32 @@ def _main(argv: Sequence[str]) -> int:
     try:
         with _stop_signals_before_start():
             cfg = load_config(argv)  # the methods' sections held open: no torch yet
+            require_recipe(argv)  # after load_config: a typo in a key is the more useful line
             check_plain_values(cfg)
             say(f"checking the config, its data and CHECKPOINT.DIR {cfg.CHECKPOINT.DIR} (loading torch)")
-            from vistrain.jobs import checked_config, get_job
+            from vistrain.jobs import (
+                check_run_folder,
+                checked_config,
+                fitted_warmups,
+                get_job,
+                training_samples,
+            )
 
             cfg = checked_config(argv)
-            job = get_job(cfg.JOB)
+            samples = training_samples(cfg)
+            cfg, fitted = fitted_warmups(cfg, samples)
+            check_run_folder(cfg, samples)
+            job, notes = get_job(cfg.JOB), []
+            if fitted:
+                say(fitted)
+                notes.append(fitted)
             if cfg.JOB == "train" and cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:
                 say(
                     "planning the memory per rank of each setting of the exact knobs (MODEL.FSDP_CONFIG.AUTO_TUNE)"
                 )
-                cfg, job = _auto_tuned(cfg, job, argv)
+                cfg, job = _auto_tuned(cfg, job, argv, notes)
+            elif notes and cfg.JOB == "train":
+                job = functools.partial(job, notes=tuple(notes))
     except OneLineExit as e:
         return _refuse(e, cfg)
     return run(job, cfg)
@@ -121,8 +136,9 @@ def say(text: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')} vistrain] {text}", flush=True)
 
 
-def _auto_tuned(cfg, job, argv):
-    """``cfg`` with the knobs ``vistrain.planner.auto_tune`` chose, and the job logging the details."""
+def _auto_tuned(cfg, job, argv, notes: List[str]):
+    """``cfg`` with the knobs ``vistrain.planner.auto_tune`` chose, and the job logging ``notes``
+    and the details."""
     from vistrain.planner.auto_tune import summary_line, tune_job
 
     tuned = tune_job(cfg, argv, launcher=True)  # it imported the job's module: what a rank imports
@@ -131,9 +147,9 @@ def _auto_tuned(cfg, job, argv):
             "auto-tune: the job spans nodes; the ranks time the link, then choose the shard group size (details in log.txt)"
         )
         choices = (tuned.across_nodes, tuned.layout)
-        return tuned.cfg, functools.partial(job, notes=(tuned.line,), across_nodes=choices)
+        return tuned.cfg, functools.partial(job, notes=(*notes, tuned.line), across_nodes=choices)
     say(summary_line(cfg, tuned.cfg, tuned.line))
-    return tuned.cfg, functools.partial(job, notes=(tuned.line,))
+    return tuned.cfg, functools.partial(job, notes=(*notes, tuned.line))
 
 
 def run(job, cfg) -> int:

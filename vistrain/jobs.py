@@ -6,7 +6,7 @@ that values are checked against (:func:`catalog`).
 """
 
 import os
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from fvcore.common.config import CfgNode
@@ -15,14 +15,17 @@ from vistrain.benchmarks import extract_features, finetune, knn, linear_eval
 from vistrain.benchmarks.common import FEATURE_VIEWS
 from vistrain.benchmarks.precise_bn import TRUNK_BN_STATS
 from vistrain.benchmarks.weights import WEIGHTS_FROM
-from vistrain.checkpoint.files import CheckpointError
+from vistrain.checkpoint.files import CheckpointError, find_latest_checkpoint, read_metadata
+from vistrain.checkpoint.identity import check_same_run
 from vistrain.checkpoint.pretrained import check_weights_file
 from vistrain.config import ConfigError, InputError
 from vistrain.config.checks import Catalog
+from vistrain.config.warmups import fit_warmups
 from vistrain.data.datasets import SOURCES, count_samples
+from vistrain.data.sampler import samples_per_rank
 from vistrain.data.transforms import TRANSFORMS
 from vistrain.distributed.launch import planned_world_size
-from vistrain.methods import HEADS, METHODS, build_meta_model, check_config, load_config
+from vistrain.methods import HEADS, METHODS, build_meta_model, check_config, load_config, method_warmups
 from vistrain.models.trunks import TRUNKS, trunk_feature_names
 from vistrain.optim import OPTIMIZERS
 from vistrain.optim.schedulers import SCHEDULES
@@ -76,17 +79,54 @@ def catalog() -> Catalog:
     )
 
 
-def check_values(cfg) -> None:
+def check_values(cfg, files: bool = True) -> None:
     """Every value of ``cfg`` against the config's table of allowed values, the methods' rules and
-    the run's method's checks; ConfigError (one line)."""
-    check_config(cfg, catalog())
+    the run's method's checks; ConfigError (one line). ``files=False``: not the data, run folder
+    or weights file (the planner's check)."""
+    check_config(cfg, catalog(), files)
 
 
-def checked_config(argv: Sequence[str]) -> CfgNode:
+def training_samples(cfg) -> Optional[int]:
+    """The samples of a training run's DATA.TRAIN (counted, not read); None for other jobs."""
+    return count_samples(cfg.DATA.TRAIN) if cfg.JOB == "train" else None
+
+
+def iterations_per_epoch(cfg, samples: Optional[int]) -> Optional[int]:
+    """A training run's iterations per epoch on ``samples`` (:func:`training_samples`), as its
+    loader will count them over the job's ranks and batches; None for other jobs."""
+    if samples is None:
+        return None
+    split = cfg.DATA.TRAIN
+    world = planned_world_size(cfg.DISTRIBUTED, os.environ)
+    per_rank = samples_per_rank(samples, world, split.BATCHSIZE_PER_REPLICA, split.DROP_LAST)
+    return -(-per_rank // split.BATCHSIZE_PER_REPLICA)
+
+
+def fitted_warmups(cfg, samples: Optional[int]) -> Tuple[CfgNode, Optional[str]]:
+    """``vistrain.config.warmups.fit_warmups`` with the run's method's warm-ups
+    (``Method.warmups``) and its iterations per epoch: the config a short run trains, and the
+    one-line note when a warm-up was shortened."""
+    return fit_warmups(cfg, method_warmups(cfg), iterations_per_epoch(cfg, samples))
+
+
+def check_run_folder(cfg, samples: Optional[int]) -> None:
+    """A training run's ``CHECKPOINT.DIR`` holds no other run (other data, method or model):
+    ``vistrain.checkpoint.identity.OtherRunError``, one line naming a free folder, otherwise.
+    ``samples``: :func:`training_samples`. Called before the ranks start (the ranks check again
+    when they resume)."""
+    if samples is None:
+        return
+    latest = find_latest_checkpoint(cfg.CHECKPOINT.DIR)
+    if latest is not None:
+        check_same_run(cfg.CHECKPOINT.DIR, read_metadata(latest), cfg, samples)
+
+
+def checked_config(argv: Sequence[str], files: bool = True) -> CfgNode:
     """The run's config of ``argv`` (every method's keys too: ``vistrain.methods.load_config``),
-    every value checked (:func:`check_values`): ConfigError (one line) for the first problem."""
+    every value checked (:func:`check_values`; ``files=False``: not those of the file system):
+    ConfigError (one line) for the first problem."""
     cfg = load_config(argv)
-    check_values(cfg)
+    check_values(cfg, files)
     return cfg
 
 
@@ -109,4 +149,14 @@ def _model_problem(cfg) -> Optional[str]:
     return None
 
 
-__all__ = ["JOBS", "catalog", "check_values", "checked_config", "get_job"]
+__all__ = [
+    "JOBS",
+    "catalog",
+    "check_run_folder",
+    "check_values",
+    "checked_config",
+    "fitted_warmups",
+    "get_job",
+    "iterations_per_epoch",
+    "training_samples",
+]

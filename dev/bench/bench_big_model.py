@@ -68,13 +68,14 @@ def planned_mib(cfg_args: list, backend: str) -> float:
     every rank before sharding (the planner models our engine's unit-by-unit build)."""
     from vistrain.methods import load_config
     from vistrain.planner.memory import plan
+    from vistrain.planner.shape import run_shape
 
     cfg = load_config(cfg_args)
     if cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:  # plan what the run will choose
         from vistrain.planner.auto_tune import tune_job
 
         cfg = tune_job(cfg, cfg_args).cfg
-    result = plan(cfg, "cpu")
+    result = plan(run_shape(cfg), "cpu")
     if backend == "torch":
         return max(result.peak, whole_model_bytes(cfg_args) + result.runtime_overhead) / 2**20
     return result.peak / 2**20

@@ -33,7 +33,7 @@ from vistrain.fsdp import ema_update_, foreach_ema_, paired_tensors
 from vistrain.losses import MomentumTeacher
 from vistrain.methods import build_method, build_model, load_config
 from vistrain.optim import build_optimizer
-from vistrain.planner.shape import meta_crops
+from vistrain.planner.shape import crops_of, meta_crops
 from vistrain.runtime.parallel import parallelize
 from vistrain.runtime.sharding import build_for_run
 from vistrain.runtime.teacher import build_teacher
@@ -65,7 +65,7 @@ def _worker(rank, world, argv, steps, threads):
     criterion = build_method(cfg)
     teacher = MomentumTeacher(build_teacher(build_model, cfg.MODEL, device, model), 0.996, steps)
     batch = cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA
-    crops = [torch.randn(c.shape) for c in meta_crops(cfg.DATA.TRAIN, batch)]
+    crops = [torch.randn(c.shape) for c in meta_crops(crops_of(cfg.DATA.TRAIN), batch)]
 
     def step(iteration=0):
         targets = teacher(criterion.teacher_crops(crops))

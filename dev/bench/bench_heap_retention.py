@@ -93,14 +93,14 @@ def arenas(xml: str):
 def run_case(name: str, args, show_arenas: bool) -> None:
     from vistrain.methods import load_config
     from vistrain.planner.memory import plan
-    from vistrain.planner.shape import MIB
+    from vistrain.planner.shape import MIB, run_shape
 
     for label, threshold in THRESHOLDS.items():
         with tempfile.TemporaryDirectory() as tmp:
             full = [*args, "config.DISTRIBUTED.NUM_PROC_PER_NODE=2", "config.OPTIMIZER.num_epochs=1",
                     "config.LOG_FREQUENCY=1", f"config.CHECKPOINT.DIR={tmp}/run",
                     f"config.DATA.CACHE_DIR={tmp}/cache", f"config.MACHINE.CPU_MMAP_THRESHOLD_MIB={threshold}"]  # fmt: skip
-            planned = plan(load_config(full)).peak / MIB
+            planned = plan(run_shape(load_config(full))).peak / MIB
             cmd = [sys.executable, __file__, "--rank-probe", tmp, "--", *full]
             proc = subprocess.run(
                 cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}

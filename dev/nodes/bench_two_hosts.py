@@ -40,6 +40,7 @@ from vistrain.distributed.netns import two_hosts, unavailable_reason
 from vistrain.methods import load_config
 from vistrain.planner.auto_tune import available_memory_mib
 from vistrain.planner.compute import compute_seconds
+from vistrain.planner.shape import run_shape
 from vistrain.planner.traffic import predicted_step_seconds, traffic
 
 REPO = Path(__file__).resolve().parents[2]
@@ -120,9 +121,9 @@ def training_seconds(run_dir: Path, images: int) -> float:
 def planner_figures(run_dir: Path, rate_mbit: float, compute: float):
     """(planned MiB host A sends per step, predicted seconds per step) from the run's config.yaml;
     ``compute``: seconds of a step's forward and backward on a rank here."""
-    cfg = load_config([f"config={run_dir / 'config.yaml'}"])
-    link = traffic(cfg).cross_node * cfg.DISTRIBUTED.NUM_PROC_PER_NODE
-    return link / MIB, predicted_step_seconds(cfg, rate_mbit * 1e6 / 8, compute)
+    shape = run_shape(load_config([f"config={run_dir / 'config.yaml'}"]))
+    link = traffic(shape).cross_node * shape.ranks_per_node
+    return link / MIB, predicted_step_seconds(shape, rate_mbit * 1e6 / 8, compute)
 
 
 def rank_compute_seconds(args) -> float:
@@ -131,8 +132,8 @@ def rank_compute_seconds(args) -> float:
     ranks = 2 * args.ranks_per_host
     threads = max(1, (os.cpu_count() or 1) // args.ranks_per_host)  # what the launcher gives a rank
     torch.set_num_threads(threads)
-    cfg = load_config(job_args(args, 1, Path("unused"), []))
-    return compute_seconds(cfg, torch.device("cpu")) * max(1.0, ranks * threads / (os.cpu_count() or 1))
+    shape = run_shape(load_config(job_args(args, 1, Path("unused"), [])))
+    return compute_seconds(shape, torch.device("cpu")) * max(1.0, ranks * threads / (os.cpu_count() or 1))
 
 
 def chosen(run_dir: Path) -> str:

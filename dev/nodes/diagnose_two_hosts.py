@@ -136,12 +136,12 @@ def worker(rank: int, port: int, setting: str, steps: int, batch: int, extra):
 
 def crossing(setting: str, batch: int, extra) -> int:
     from vistrain.planner.collectives import crossing_messages
-    from vistrain.planner.shape import ModelShapes
+    from vistrain.planner.shape import run_shape
     from vistrain.planner.traffic import step_collectives
 
     cfg = config(setting, batch, extra)
     count = 0
-    for collective in step_collectives(cfg, ModelShapes(cfg.MODEL)):
+    for collective in step_collectives(run_shape(cfg)):
         count += collective.calls * (crossing_messages(collective, lambda r: r // 2) > 0)
     return count
 

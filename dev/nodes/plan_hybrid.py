@@ -20,7 +20,7 @@ from plan_seer_10b import SEER_10B
 
 from vistrain.methods import load_config
 from vistrain.planner.memory import plan
-from vistrain.planner.shape import ModelShapes
+from vistrain.planner.shape import ModelShapes, run_shape
 from vistrain.planner.traffic import traffic
 
 
@@ -46,8 +46,9 @@ def main():
                 ]
             )
             shapes = shapes or ModelShapes(cfg.MODEL)
-            memory = plan(cfg, "cuda", shapes).peak
-            sent = traffic(cfg, shapes)
+            shape = run_shape(cfg, shapes)
+            memory = plan(shape, "cuda").peak
+            sent = traffic(shape)
             row = [f"{k} ({k or world} GPUs)", "3" if reshard else "2"]
             row += [f"{b / 1e9:.1f}" for b in (memory, sent.shard_group, sent.replica_group, sent.cross_node)]
             print(" | ".join(row))

@@ -10,6 +10,8 @@ B' - 1 samples of that epoch are seen twice; logged).
 import dataclasses
 import logging
 
+from vistrain.checkpoint.identity import OtherRunError
+
 logger = logging.getLogger("vistrain")
 
 
@@ -38,7 +40,7 @@ class EpochLayout:
 def resume_iteration(meta: dict, now: EpochLayout, path: str) -> int:
     """The iteration of this run equivalent to where checkpoint ``meta`` stopped (module docstring)."""
     if meta.get("num_samples") not in (None, now.num_samples):
-        raise ValueError(
+        raise OtherRunError(  # the launcher and resume() say it first, naming a free folder
             f"{path} was trained on {meta['num_samples']} samples, this run has "
             f"{now.num_samples} (the data changed); start a new CHECKPOINT.DIR"
         )

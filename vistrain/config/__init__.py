@@ -16,6 +16,7 @@ from vistrain.config.loader import (  # noqa: F401
     available_configs,
     explicit_keys,
     load_config,
+    require_recipe,
     resolve_config_path,
     save_config,
 )

@@ -234,15 +234,18 @@ def check_config(
     catalog: Union[Catalog, Callable[[], Catalog]],
     rules: Optional[Rules] = None,
     cross_rules: Sequence[CrossRule] = (),
+    files: bool = True,
 ) -> None:
     """Raise ConfigError (one line: key, problem, allowed values) for the first bad value.
 
     ``catalog`` may be a function building it: rules that need no registry run first, so most bad
     values are answered before the registries (and torch) are imported. ``rules`` and
     ``cross_rules`` are checked after :data:`RULES` and :data:`CROSS_RULES`: the methods' own
-    (``vistrain.methods.check_config`` passes them).
+    (``vistrain.methods.check_config`` passes them). ``files=False`` skips the rules that read the
+    file system (:data:`FILE_RULES`: the data paths and their samples, the run folder, the weights
+    file): the planner plans a recipe from its config alone, on any machine.
     """
-    deferred = _first_pass(cfg, rules or {}, cross_rules)
+    deferred = _first_pass(cfg, rules or {}, cross_rules, files)
     if deferred:
         catalog = catalog() if callable(catalog) else catalog
         for check in deferred:
@@ -255,10 +258,10 @@ def check_plain_values(cfg: CfgNode) -> None:
     _first_pass(cfg, {}, ())
 
 
-def _first_pass(cfg: CfgNode, rules: Rules, cross_rules: Sequence[CrossRule]) -> list:
+def _first_pass(cfg: CfgNode, rules: Rules, cross_rules: Sequence[CrossRule], files: bool = True) -> list:
     """Apply every check that needs no catalog; return those that do."""
     deferred = []
-    for check in _checks(cfg, rules, cross_rules):
+    for check in _checks(cfg, rules, cross_rules, files):
         try:
             _raise_problem(check(_NoCatalog()))
         except _NeedsCatalog:
@@ -287,15 +290,18 @@ class _NoCatalog:
 
 
 def _checks(
-    cfg: CfgNode, rules: Rules, cross_rules: Sequence[CrossRule]
+    cfg: CfgNode, rules: Rules, cross_rules: Sequence[CrossRule], files: bool = True
 ) -> Iterable[Callable[[Catalog], Problem]]:
-    """Every rule applied to ``cfg``, in table order: functions of the catalog."""
+    """Every rule applied to ``cfg``, in table order: functions of the catalog (without those of
+    :data:`FILE_RULES` unless ``files``)."""
     for pattern, key_rules in (*RULES.items(), *rules.items()):
         for key in _expand(pattern):
             for rule in key_rules:
-                yield functools.partial(_keyed, rule, key, get_key(cfg, key))
+                if files or rule not in FILE_RULES:
+                    yield functools.partial(_keyed, rule, key, get_key(cfg, key))
     for cross_rule in (*CROSS_RULES, *cross_rules):
-        yield functools.partial(cross_rule, cfg)
+        if files or cross_rule not in FILE_RULES:
+            yield functools.partial(cross_rule, cfg)
 
 
 def _keyed(rule: Callable, key: str, value, catalog: Catalog) -> Problem:
@@ -332,8 +338,7 @@ def _splits_read(cfg: CfgNode) -> Sequence[str]:
 
 
 def _data_sources(cfg: CfgNode, catalog: Catalog) -> Problem:
-    """Every split the job reads names known sources, one DATA_PATHS entry each, and the paths
-    that a source reads exist and are not empty."""
+    """Every split the job reads names known sources and one DATA_PATHS entry each."""
     for split in _splits_read(cfg):
         split_cfg, key = cfg.DATA[split], f"DATA.{split}"
         problem = each_one_of("data sources")(split_cfg.DATA_SOURCES, catalog)
@@ -344,6 +349,13 @@ def _data_sources(cfg: CfgNode, catalog: Catalog) -> Problem:
                 f"{key}.DATA_PATHS has {len(split_cfg.DATA_PATHS)} entries for "
                 f"{len(split_cfg.DATA_SOURCES)} DATA_SOURCES; give one path per source"
             )
+    return None
+
+
+def _data_paths(cfg: CfgNode, _: Catalog) -> Problem:
+    """The paths that a source reads exist and are not empty."""
+    for split in _splits_read(cfg):
+        split_cfg, key = cfg.DATA[split], f"DATA.{split}"
         for source, path in zip(split_cfg.DATA_SOURCES, split_cfg.DATA_PATHS):
             problem = _data_path_problem(PATH_KINDS.get(source), path)
             if problem:
@@ -433,13 +445,6 @@ def _one_global_batch(cfg: CfgNode, catalog: Catalog) -> Problem:
     return None
 
 
-def _warmup_within_training(cfg: CfgNode, _: Catalog) -> Problem:
-    warmup, epochs = cfg.OPTIMIZER.param_schedulers.lr.warmup_epochs, cfg.OPTIMIZER.num_epochs
-    if warmup >= epochs and cfg.JOB in ("train", "linear_eval", "finetune"):
-        return f"OPTIMIZER.param_schedulers.lr.warmup_epochs ({warmup}) must be below num_epochs ({epochs})"
-    return None
-
-
 def _feature_banks_complete(cfg: CfgNode, _: Catalog) -> Problem:
     """kNN and feature extraction need every image: a dropped last batch would lose some."""
     if cfg.JOB not in ("knn", "extract_features"):
@@ -505,12 +510,15 @@ def _step_in_backward_is_exact(cfg: CfgNode, _: Catalog) -> Problem:
 
 CROSS_RULES = (
     _data_sources,
+    _data_paths,
     _one_global_batch,
     _trunk_features,
     _head_fits_trunk,
-    _warmup_within_training,
     _feature_banks_complete,
     _one_view_for_linear_eval,
     _labels_only_where_used,
     _step_in_backward_is_exact,
 )
+
+# rules that read the file system (skipped by ``check_config(..., files=False)``)
+FILE_RULES = frozenset((writable_folder, loadable_weights, _data_paths, _one_global_batch))

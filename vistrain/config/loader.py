@@ -88,6 +88,17 @@ def load_config(argv: Sequence[str], methods: Optional[CfgNode] = None) -> CfgNo
     return cfg
 
 
+def require_recipe(argv: Sequence[str]) -> None:
+    """ConfigError (one line, listing the shipped recipes) unless ``argv`` names one with
+    ``config=``: overrides alone would silently train the defaults (synthetic images, one rank).
+    The commands call it; :func:`load_config` itself accepts overrides alone (tests, notebooks)."""
+    if _parse_argv(argv)[0] is None:
+        raise ConfigError(
+            f"no recipe given: add config=NAME, one of {', '.join(available_configs())} "
+            "(config=regnet_fsdp is the quick start); overrides alone would train the defaults on synthetic images"
+        )
+
+
 def explicit_keys(argv: Sequence[str]) -> Set[str]:
     """Dotted keys that ``argv`` sets: in the recipe, its ``_BASE_`` chain, or an override (what
     the auto-tuner keeps as set). Call after :func:`load_config` accepted ``argv``."""

@@ -30,6 +30,7 @@ from vistrain.methods.configuration import (
     method_keys,
     method_problem,
     method_rules,
+    method_warmups,
 )
 from vistrain.methods.registry import DEFAULT_METHOD, HEADS, METHODS, head_of, method_of
 
@@ -55,4 +56,5 @@ __all__ = [
     "method_of",
     "method_problem",
     "method_rules",
+    "method_warmups",
 ]

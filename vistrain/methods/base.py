@@ -13,6 +13,7 @@ from fvcore.common.config import CfgNode
 from torch import nn
 
 from vistrain.config.checks import Problem
+from vistrain.config.warmups import Warmup
 
 
 class Criterion(nn.Module):
@@ -124,7 +125,9 @@ class Method:
     problem or None, run for the chosen method before the ranks start and when it is built.
     ``teacher``: it trains a momentum teacher (built and wrapped like the student; the planner
     counts its shards). ``min_crops`` / ``max_crops``: the crops per image it takes.
-    ``collectives(cfg, world)``: the loss's own collectives in one step.
+    ``collectives(cfg, world)``: the loss's own collectives in one step. ``warmups``: keys of its
+    section that are warm-up lengths (``vistrain.config.warmups.Warmup``, the key within the
+    section): a short run shortens those that would outlast it.
     """
 
     name: str
@@ -137,6 +140,7 @@ class Method:
     min_crops: int = 2
     max_crops: Optional[int] = None
     collectives: Callable[[CfgNode, int], List[LossCollective]] = no_collectives
+    warmups: Tuple[Warmup, ...] = ()
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ where a run's config comes from: ``load_config(argv)``, ``get_defaults()``, ``ch
 catalog)``.
 """
 
-from typing import Callable, Sequence, Union
+from typing import Callable, Sequence, Tuple, Union
 
 from fvcore.common.config import CfgNode
 
@@ -16,6 +16,7 @@ from vistrain.config import checks as config_checks
 from vistrain.config import defaults as config_defaults
 from vistrain.config import loader as config_loader
 from vistrain.config.checks import Catalog, Problem
+from vistrain.config.warmups import Warmup
 from vistrain.methods.registry import DEFAULT_METHOD, HEADS, METHODS
 
 
@@ -49,10 +50,20 @@ def load_config(argv: Sequence[str]) -> CfgNode:
     return config_loader.load_config(argv, method_keys())
 
 
-def check_config(cfg: CfgNode, catalog: Union[Catalog, Callable[[], Catalog]]) -> None:
+def check_config(cfg: CfgNode, catalog: Union[Catalog, Callable[[], Catalog]], files: bool = True) -> None:
     """``vistrain.config.checks.check_config`` with every method's rules and the run's method's
-    checks (:func:`method_problem`); ConfigError (one line) for the first bad value."""
-    config_checks.check_config(cfg, catalog, method_rules(), (_method_fits,))
+    checks (:func:`method_problem`); ConfigError (one line) for the first bad value.
+    ``files=False``: not the rules that read the file system (the planner's check)."""
+    config_checks.check_config(cfg, catalog, method_rules(), (_method_fits,), files=files)
+
+
+def method_warmups(cfg: CfgNode) -> Tuple[Warmup, ...]:
+    """The run's method's warm-ups (``Method.warmups``) by their dotted keys, ``LOSS.<name>.<key>``;
+    none for a name the registry does not hold."""
+    method = METHODS.get(cfg.LOSS.NAME)
+    if method is None:
+        return ()
+    return tuple(warmup._replace(key=f"LOSS.{method.name}.{warmup.key}") for warmup in method.warmups)
 
 
 def method_rules() -> config_checks.Rules:

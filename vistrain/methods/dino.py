@@ -10,6 +10,7 @@ from fvcore.common.config import CfgNode
 from torch import nn
 
 from vistrain.config.errors import ConfigError
+from vistrain.config.warmups import Warmup
 from vistrain.fsdp import params_of
 from vistrain.losses.dino import DINOLoss, teacher_temperature
 from vistrain.methods.base import Criterion, Head, LossCollective, Method, global_crops_fit, modules_of
@@ -159,4 +160,6 @@ METHOD = Method(
     checks=(global_crops_fit,),
     teacher=True,
     collectives=collectives,
+    # linspace(warmup, final, W)[epoch]: the final temperature from epoch W - 1 on
+    warmups=(Warmup("warmup_teacher_temp_epochs", "epochs", 1), Warmup("freeze_last_layer_epochs", "epochs")),
 )

@@ -11,6 +11,7 @@ from fvcore.common.config import CfgNode
 from torch import nn
 
 from vistrain.config.errors import ConfigError
+from vistrain.config.warmups import Warmup
 from vistrain.fsdp import gathered, params_of
 from vistrain.losses.swav import SwAVLoss
 from vistrain.methods.base import Criterion, Head, LossCollective, Method
@@ -181,4 +182,5 @@ METHOD = Method(
     head=HEAD,
     section=section,
     collectives=collectives,
+    warmups=(Warmup("freeze_prototypes_niters", "iterations"),),
 )

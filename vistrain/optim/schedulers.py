@@ -1,17 +1,21 @@
 """Learning-rate schedules on fvcore's param schedulers, evaluated per global iteration.
 
 fvcore schedulers map training progress ``where`` in [0, 1) to a value. We convert a global
-iteration to ``where = iteration / (num_epochs * iterations_per_epoch)`` and compose an optional
-linear warmup with the main schedule (cosine, multistep or constant).
+iteration to ``where = iteration / (num_epochs * iterations_per_epoch)`` and put an optional
+linear warm-up before the main schedule (cosine, multistep or constant).
+
+The warm-up is indexed by the step it ends with: of W warm-up iterations (fractions allowed),
+step ``t`` trains at ``start + (base - start) * min((t + 1) / W, 1)``, so the first step already
+moves (``start_warmup_value`` is 0 by default: indexed by its start, a one-step run would train at
+lr 0 throughout) and the last warm-up step trains at ``base_value``.
 """
 
-from typing import Callable, Dict
+import dataclasses
+from typing import Callable, Dict, Optional
 
 from fvcore.common.param_scheduler import (
-    CompositeParamScheduler,
     ConstantParamScheduler,
     CosineParamScheduler,
-    LinearParamScheduler,
     MultiStepParamScheduler,
     ParamScheduler,
 )
@@ -45,35 +49,66 @@ def _constant(lr_cfg, num_epochs: float, iters_per_epoch: int) -> ParamScheduler
     return ConstantParamScheduler(float(lr_cfg.base_value))
 
 
-# name -> (builder(lr_cfg, num_epochs, iters_per_epoch), fvcore interval scaling after a warmup).
-# Cosine is "rescaled" so it starts at base_value when warmup ends; multistep is "fixed" so its
+# name -> (builder(lr_cfg, num_epochs, iters_per_epoch), whether it is rescaled after a warm-up).
+# Cosine is rescaled so it starts at base_value when the warm-up ends; multistep is not, so its
 # milestones stay absolute epochs.
 SCHEDULES: Dict[str, tuple] = {
-    "cosine": (_cosine, "rescaled"),
-    "multistep": (_multistep, "fixed"),
-    "constant": (_constant, "fixed"),
+    "cosine": (_cosine, True),
+    "multistep": (_multistep, False),
+    "constant": (_constant, False),
 }
 
 
-class LRSchedule:
-    """Callable ``iteration -> lr`` over ``total_iters`` iterations (later ones: the final lr)."""
+@dataclasses.dataclass(frozen=True)
+class Warmup:
+    """A linear ramp from ``start`` to ``peak`` over ``iterations`` (fractions allowed)."""
 
-    def __init__(self, scheduler: ParamScheduler, total_iters: int):
+    iterations: float
+    start: float
+    peak: float
+
+    def __call__(self, iteration: int) -> float:
+        """The lr of step ``iteration`` (0-based): the ramp's value where that step ends."""
+        return self.start + (self.peak - self.start) * min((iteration + 1) / self.iterations, 1.0)
+
+
+class LRSchedule:
+    """Callable ``iteration -> lr`` over ``total_iters`` iterations (later ones: the final lr):
+    ``warmup`` for the iterations below its length, then ``scheduler`` at the progress since the
+    warm-up's end (``rescaled``) or since the start."""
+
+    def __init__(
+        self,
+        scheduler: ParamScheduler,
+        total_iters: int,
+        warmup: Optional[Warmup] = None,
+        rescaled: bool = True,
+    ):
         self.scheduler = scheduler
         self.total_iters = total_iters
+        self.warmup = warmup
+        self.rescaled = rescaled
 
     def __call__(self, iteration: int) -> float:
         if iteration < 0:
             raise ValueError(f"iteration must be >= 0, got {iteration}")
-        return float(self.scheduler(min(iteration / self.total_iters, _LAST_WHERE)))
+        done = self.warmup.iterations if self.warmup is not None else 0.0
+        if iteration < done:
+            return self.warmup(iteration)
+        if self.rescaled:
+            where = (iteration - done) / (self.total_iters - done)
+        else:
+            where = iteration / self.total_iters
+        return float(self.scheduler(min(where, _LAST_WHERE)))
 
 
 def build_lr_schedule(opt_cfg, iterations_per_epoch: int) -> Callable[[int], float]:
     """lr at a global iteration from ``opt_cfg.param_schedulers.lr`` (``cfg.OPTIMIZER``).
 
-    Linear warmup from ``start_warmup_value`` to ``base_value`` over ``warmup_epochs`` (fractions
-    allowed), then ``name``: cosine ``base_value -> end_value`` at the last iteration, multistep
-    (``lr = base_value * gamma**k`` once ``k`` milestones, in epochs, have passed) or constant.
+    Linear warm-up from ``start_warmup_value`` to ``base_value`` over ``warmup_epochs`` (fractions
+    allowed; indexed as the module docstring says), then ``name``: cosine ``base_value -> end_value``
+    at the last iteration, multistep (``lr = base_value * gamma**k`` once ``k`` milestones, in
+    epochs, have passed) or constant.
     """
     lr_cfg, num_epochs = opt_cfg.param_schedulers.lr, float(opt_cfg.num_epochs)
     if iterations_per_epoch <= 0 or num_epochs <= 0:
@@ -83,16 +118,19 @@ def build_lr_schedule(opt_cfg, iterations_per_epoch: int) -> Callable[[int], flo
         )
     if lr_cfg.name not in SCHEDULES:
         raise ValueError(f"unknown lr schedule '{lr_cfg.name}'; valid: {sorted(SCHEDULES)}")
-    build, scaling = SCHEDULES[lr_cfg.name]
+    build, rescaled = SCHEDULES[lr_cfg.name]
     main = build(lr_cfg, num_epochs, iterations_per_epoch)
-    warmup = float(lr_cfg.warmup_epochs)
-    if not 0 <= warmup < num_epochs:
-        raise ValueError(f"warmup_epochs must be in [0, num_epochs={opt_cfg.num_epochs}), got {warmup}")
-    if warmup > 0:
-        ramp = LinearParamScheduler(float(lr_cfg.start_warmup_value), float(lr_cfg.base_value))
-        frac = warmup / num_epochs
-        main = CompositeParamScheduler([ramp, main], [frac, 1.0 - frac], ["rescaled", scaling])
-    return LRSchedule(main, round(num_epochs * iterations_per_epoch))
+    warmup_epochs = float(lr_cfg.warmup_epochs)
+    if not 0 <= warmup_epochs < num_epochs:
+        raise ValueError(
+            f"warmup_epochs must be in [0, num_epochs={opt_cfg.num_epochs}), got {warmup_epochs}"
+        )
+    warmup = None
+    if warmup_epochs > 0:
+        warmup = Warmup(
+            warmup_epochs * iterations_per_epoch, float(lr_cfg.start_warmup_value), float(lr_cfg.base_value)
+        )
+    return LRSchedule(main, round(num_epochs * iterations_per_epoch), warmup, rescaled)
 
 
 def set_lr(optimizer: Optimizer, lr: float) -> None:

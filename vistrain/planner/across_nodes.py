@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from vistrain.planner.compute import compute_seconds
 from vistrain.planner.knobs import with_knobs
-from vistrain.planner.shape import MIB, ModelShapes
+from vistrain.planner.shape import MIB, run_shape
 from vistrain.planner.traffic import predicted_step_seconds
 
 Setting = Dict[str, object]
@@ -60,17 +60,14 @@ def choose_across_nodes(
 ):
     """``(cfg with the fastest of ``candidates``' knobs, the log line)``; ``layout``: the job's
     nodes and ranks (``auto_tune.Tuned.layout``). Collective over the world."""
-    planned = with_knobs(cfg, layout)
-    per_node = planned.DISTRIBUTED.NUM_PROC_PER_NODE
+    shape = run_shape(with_knobs(cfg, layout))
     given = cfg.MACHINE.INTER_NODE_GBPS
-    bandwidth = given * 1e9 / 8 if given > 0 else measure_link(per_node, device)
+    bandwidth = given * 1e9 / 8 if given > 0 else measure_link(shape.ranks_per_node, device)
     decision: List[object] = [None]
     if dist.get_rank() == 0:
-        shapes = ModelShapes(cfg.MODEL)
-        compute = compute_seconds(cfg, device, shapes)
+        compute = compute_seconds(shape, device)
         predicted = [
-            predicted_step_seconds(with_knobs(planned, knobs), bandwidth, compute, shapes)
-            for knobs, _ in candidates
+            predicted_step_seconds(shape.with_knobs(knobs), bandwidth, compute) for knobs, _ in candidates
         ]
         best = min(range(len(candidates)), key=predicted.__getitem__)
         decision = [(best, _line(candidates, predicted, best, bandwidth, given > 0, compute))]

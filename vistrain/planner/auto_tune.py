@@ -24,7 +24,7 @@ from vistrain.fsdp.collectives import shard_group_size_problem
 from vistrain.fsdp.memory import current_rss_mib
 from vistrain.planner.knobs import EXACT_KNOBS, current_knobs, exact_settings, speed_cost, with_knobs
 from vistrain.planner.memory import forked_ranks, plan
-from vistrain.planner.shape import MIB, ModelShapes
+from vistrain.planner.shape import MIB, ModelShapes, RunShape, run_shape, spawns_ranks
 
 MARGIN = 0.10  # of the machine's memory, left for what the plan does not hold (page cache, spikes)
 Setting = Dict[str, object]
@@ -78,16 +78,16 @@ def speed_groups(settings: Sequence[Setting], device: str) -> List[List[int]]:
 
 
 class LazyPeaks:
-    """Planned peak bytes of ``settings[i]`` (``cfg`` with its knobs), planned on first use: a
+    """Planned peak bytes of ``settings[i]`` (``shape`` with its knobs), planned on first use: a
     choice reads a handful of the hundreds of settings."""
 
-    def __init__(self, cfg, settings: Sequence[Setting], device: str, shapes: ModelShapes):
-        self.cfg, self.settings, self.device, self.shapes = cfg, settings, device, shapes
+    def __init__(self, shape: RunShape, settings: Sequence[Setting], device: str):
+        self.shape, self.settings, self.device = shape, settings, device
         self.planned: Dict[int, float] = {}
 
     def __getitem__(self, i: int) -> float:
         if i not in self.planned:
-            self.planned[i] = plan(with_knobs(self.cfg, self.settings[i]), self.device, self.shapes).peak
+            self.planned[i] = plan(self.shape.with_knobs(self.settings[i]), self.device).peak
         return self.planned[i]
 
     def __len__(self) -> int:
@@ -133,6 +133,7 @@ class Tuned:
     line: str
     across_nodes: Tuple[Tuple[Setting, float], ...] = ()
     layout: Optional[Setting] = None
+    fits: bool = True  # False: nothing fits (``refuse=False``): ``cfg`` has the smallest peak's knobs
 
 
 def tune_job(cfg, argv: Sequence[str], launcher: bool = False) -> Tuned:
@@ -151,7 +152,8 @@ def tune_job(cfg, argv: Sequence[str], launcher: bool = False) -> Tuned:
     else:
         budget = machine_budget(device, per_node)
     world = planned_world_size(cfg.DISTRIBUTED, os.environ)
-    baseline_mib = current_rss_mib(anonymous_only=forked_ranks(cfg, device)) if launcher else None
+    forked = forked_ranks(spawns_ranks(cfg.DISTRIBUTED), device)
+    baseline_mib = current_rss_mib(anonymous_only=forked) if launcher else None
     return tune_settings(cfg, explicit_keys(argv), world, budget, device, baseline_mib, per_node)
 
 
@@ -163,27 +165,35 @@ def tune_settings(
     device: str,
     baseline_mib: Optional[float] = None,
     ranks_per_node: Optional[int] = None,
+    refuse: bool = True,
+    shapes: Optional[ModelShapes] = None,
 ) -> Tuned:
     """The config with the chosen knobs and the log line (:class:`Tuned`; across nodes also the
-    candidates the ranks choose from); ConfigError (one line) when nothing fits.
+    candidates the ranks choose from); ConfigError (one line) when nothing fits, or with
+    ``refuse=False`` the setting of the smallest peak and that line as ``Tuned.line``.
 
     ``explicit``: the dotted keys the recipe chain or the command line set (kept as set);
     ``world``: the job's ranks (the planner shards over them); ``baseline_mib``: the RSS of a
     process that imported what a rank imports (the launcher's own, before planning), else the
     planner measures one in a subprocess; ``ranks_per_node``: the job's (torchrun may decide it),
-    else the config's.
+    else the config's; ``shapes``: the measurements of ``cfg.MODEL``, when the caller has them.
+    The config is read once (its :class:`RunShape`); every setting is a setting of that shape.
     """
     planned = _for_world(cfg, world, ranks_per_node or cfg.DISTRIBUTED.NUM_PROC_PER_NODE)
     fixed = [name for name, key in EXACT_KNOBS.items() if key in explicit]
-    shapes = ModelShapes(cfg.MODEL, baseline_mib)
-    settings = exact_settings(planned, device, fixed)
-    peaks = LazyPeaks(planned, settings, device, shapes)
+    shapes = shapes if shapes is not None else ModelShapes(cfg.MODEL, baseline_mib)
+    shape = run_shape(planned, shapes)
+    settings = exact_settings(shape, device, fixed)
+    peaks = LazyPeaks(shape, settings, device)
     choice = choose(settings, peaks, budget.mib * MIB, device)
     if choice.knobs is None:
-        raise ConfigError(_refusal(planned, choice, budget, device, fixed, shapes))
+        refusal = _refusal(planned, choice, budget, device, fixed, shapes)
+        if refuse:
+            raise ConfigError(refusal)
+        return Tuned(with_knobs(cfg, choice.smallest), refusal, fits=False)
     kept, note = _replanned_for_world(_resumed_knobs(cfg, settings[0].keys(), fixed), choice.knobs, world)
     if kept is not None:
-        peak = plan(with_knobs(planned, kept), device, shapes).peak
+        peak = plan(shape.with_knobs(kept), device).peak
         if peak <= budget.mib * MIB:
             line = f"auto-tune: kept the resumed run's {_show(kept)} (planned {peak / MIB:,.0f} MiB"
             return Tuned(
@@ -192,7 +202,7 @@ def tune_settings(
             )
         note += f"; the resumed run's {_show(_changed(kept, choice.knobs))} no longer fits ({peak / MIB:,.0f} MiB)"
     line = _chosen_line(choice, budget, device, fixed) + note
-    spans_nodes = planned.DISTRIBUTED.NUM_NODES > 1 and "shard_group_size" not in fixed
+    spans_nodes = shape.nodes > 1 and "shard_group_size" not in fixed
     candidates = _per_shard_group(settings, peaks, budget.mib * MIB, device) if spans_nodes else []
     if len(candidates) < 2:
         return Tuned(with_knobs(cfg, choice.knobs), line)
@@ -231,11 +241,10 @@ def summary_line(before, tuned, details: str) -> str:
     return f"auto-tune: {chose}, the fastest that fits the memory per rank (details in log.txt)"
 
 
-def planned_settings(cfg, device: str, fixed: Sequence[str] = (), shapes: Optional[ModelShapes] = None):
-    """``(settings, planned peak bytes of each)``: every exact setting with ``fixed`` kept."""
-    shapes = shapes if shapes is not None else ModelShapes(cfg.MODEL)
-    settings = exact_settings(cfg, device, fixed)
-    return settings, [plan(with_knobs(cfg, knobs), device, shapes).peak for knobs in settings]
+def planned_settings(shape: RunShape, device: str, fixed: Sequence[str] = ()):
+    """``(settings, planned peak bytes of each)``: every exact setting of ``shape`` with ``fixed`` kept."""
+    settings = exact_settings(shape, device, fixed)
+    return settings, [plan(shape.with_knobs(knobs), device).peak for knobs in settings]
 
 
 def check_same_knobs(gathered: List[Setting]) -> None:
@@ -378,4 +387,4 @@ def _smallest_peak_with(
         changed = with_knobs(cfg, {"DISTRIBUTED.NUM_NODES": 1, "ranks": value})
     else:
         changed = with_knobs(cfg, {name: value})
-    return min(planned_settings(changed, device, fixed, shapes)[1])
+    return min(planned_settings(run_shape(changed, shapes), device, fixed)[1])

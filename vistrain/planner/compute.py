@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from vistrain.models.units import unit_classes
-from vistrain.planner.shape import ModelShapes, meta_crops
+from vistrain.planner.shape import RunShape, meta_crops
 from vistrain.torch_compat import BatchNormBase
 
 
@@ -76,10 +76,8 @@ def time_unit(meta_unit: nn.Module, shape: torch.Size, device: torch.device, fir
     return seconds
 
 
-def compute_seconds(cfg, device: torch.device, shapes: ModelShapes = None) -> float:
-    """Seconds of one step's forward and backward on one rank of ``cfg`` (its batch per rank and
+def compute_seconds(shape: RunShape, device: torch.device) -> float:
+    """Seconds of one step's forward and backward on one rank of ``shape`` (its batch per rank and
     crops) on ``device`` with this process's threads, measured unit by unit."""
-    shapes = shapes if shapes is not None else ModelShapes(cfg.MODEL)
-    crops = meta_crops(cfg.DATA.TRAIN, cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA)
-    calls = unit_calls(shapes.model, crops, shapes.head_units)
+    calls = unit_calls(shape.model.model, meta_crops(shape.crops, shape.batch), shape.model.head_units)
     return sum(time_unit(unit, shape, device, first=i == 0) for i, (unit, shape) in enumerate(calls))

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from vistrain.config.checks import get_key
 from vistrain.planner.memory import MemoryPlan, plan
-from vistrain.planner.shape import MIB, ModelShapes
+from vistrain.planner.shape import MIB, ModelShapes, RunShape, run_shape
 
 # knob -> config key. Exact: the tuner may set these.
 EXACT_KNOBS = {
@@ -98,18 +98,17 @@ def speed_cost(knobs: Dict[str, object], device: str) -> float:
     return cost / knobs.get("ranks", 1)
 
 
-def exact_choices(cfg, device: str) -> Dict[str, tuple]:
-    """The values each exact knob may take for ``cfg`` on ``device``, the preferred one first."""
+def exact_choices(shape: RunShape, device: str) -> Dict[str, tuple]:
+    """The values each exact knob may take for ``shape`` on ``device``, the preferred one first."""
     choices = {"activation_checkpointing": (False, True), "checkpointing_granularity": ("block", "stage")}
-    fsdp = cfg.MODEL.FSDP_CONFIG
-    if not (fsdp.AUTO_SETUP_FSDP and fsdp.BACKEND == "builtin"):
+    if not shape.builtin:
         return choices
     choices.update(
-        shard_group_size=shard_group_choices(cfg),
+        shard_group_size=shard_group_choices(shape),
         wrap_granularity=("model", "stage", "block"),
         reshard_after_forward=(False, True),
         prefetch_depth=(1, 0, 2),
-        step_in_backward=(False, True) if step_in_backward_allowed(cfg) else (False,),
+        step_in_backward=(False, True) if shape.step_in_backward_allowed else (False,),
     )
     if device == "cuda":
         choices["move_params_to_cpu"] = (False, True)
@@ -118,11 +117,11 @@ def exact_choices(cfg, device: str) -> Dict[str, tuple]:
     return choices
 
 
-def shard_group_choices(cfg) -> tuple:
+def shard_group_choices(shape: RunShape) -> tuple:
     """``shard_group_size`` values worth planning: 0 (shard over all ranks), a node's ranks
     (hybrid sharding) when the job spans nodes, and 1 (every rank holds everything, DDP's
     replication through the engine)."""
-    per_node, nodes = cfg.DISTRIBUTED.NUM_PROC_PER_NODE, cfg.DISTRIBUTED.NUM_NODES
+    per_node, nodes = shape.ranks_per_node, shape.nodes
     choices = [0]
     if nodes > 1 and per_node > 1:
         choices.append(per_node)
@@ -131,29 +130,22 @@ def shard_group_choices(cfg) -> tuple:
     return tuple(choices)
 
 
-def step_in_backward_allowed(cfg) -> bool:
-    """The step inside backward is exact unless the run needs every gradient before it
-    (global clipping, fp16 loss scaling; vistrain.config.checks refuses those pairs)."""
-    amp = cfg.MODEL.AMP_PARAMS
-    return not (cfg.OPTIMIZER.clip_grad_norm > 0 or (amp.USE_AMP and amp.AMP_DTYPE == "float16"))
-
-
 def current_knobs(cfg, names: Sequence[str]) -> Dict[str, object]:
     """The values ``cfg`` holds for the knobs ``names``."""
     return {name: get_key(cfg, KNOB_KEYS[name]) for name in names}
 
 
-def exact_settings(cfg, device: str, fixed: Sequence[str] = ()) -> List[Dict[str, object]]:
-    """Every combination of exact knob values; the knobs in ``fixed`` keep ``cfg``'s value.
+def exact_settings(shape: RunShape, device: str, fixed: Sequence[str] = ()) -> List[Dict[str, object]]:
+    """Every combination of exact knob values; the knobs in ``fixed`` keep ``shape``'s value.
     The checkpointing granularity only varies when checkpointing is on."""
-    choices = exact_choices(cfg, device)
-    held = current_knobs(cfg, [name for name in choices if name in fixed])
+    choices = exact_choices(shape, device)
+    held = shape.knobs([name for name in choices if name in fixed])
     names = list(choices)
     settings, seen = [], set()
     for values in itertools.product(*((held[n],) if n in held else choices[n] for n in names)):
         knobs = dict(zip(names, values))
         if not knobs["activation_checkpointing"] and "checkpointing_granularity" not in held:
-            knobs["checkpointing_granularity"] = cfg.MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY
+            knobs["checkpointing_granularity"] = shape.checkpointing_granularity
         key = tuple(knobs.items())
         if key not in seen:
             seen.add(key)
@@ -194,26 +186,26 @@ def search(
 ) -> Tuple[Optional[Dict[str, object]], MemoryPlan]:
     """The fastest setting of every knob, result knobs included, whose plan fits ``budget_mib``:
     (knobs, plan), or (None, the smallest plan reached). Fewer ranks and a larger batch per
-    replica are tried first; ``step_in_backward`` True/False fixes that knob."""
+    replica are tried first; ``step_in_backward`` True/False fixes that knob. The config is read
+    once per (ranks, batch): every other knob is a setting of that :class:`RunShape`."""
     world = cfg.DISTRIBUTED.NUM_NODES * cfg.DISTRIBUTED.NUM_PROC_PER_NODE
     ranks = [world * 2**i for i in range(8) if world * 2**i <= (max_ranks or world)]
     batch = cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA
     batches = [b for b in (batch, batch // 2, batch // 4) if b >= 1]
-    sharded = copy.deepcopy(cfg)
-    sharded.defrost()
-    sharded.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP = True
+    sharded = {"MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP": True}
     if step_in_backward is not None:
-        sharded.OPTIMIZER.step_in_backward = step_in_backward
-    sharded.freeze()
+        sharded["step_in_backward"] = step_in_backward
     fixed = ("step_in_backward",) if step_in_backward is not None else ()
     smallest, shapes = None, ModelShapes(cfg.MODEL)
     for r, b in itertools.product(ranks, batches):
+        shape = run_shape(with_knobs(cfg, {**sharded, "batch_per_replica": b, "ranks": r}), shapes)
         settings = [
-            {**knobs, "mixed_precision": mixed, "batch_per_replica": b, "ranks": r}
+            {**knobs, "mixed_precision": mixed}
             for mixed in (False, True)
-            for knobs in exact_settings(sharded, device, fixed)
+            for knobs in exact_settings(shape, device, fixed)
         ]
-        plans = [plan(with_knobs(sharded, knobs), device, shapes) for knobs in settings]
+        plans = [plan(shape.with_knobs(knobs), device) for knobs in settings]
+        settings = [{**knobs, "batch_per_replica": b, "ranks": r} for knobs in settings]
         by_setting = {tuple(knobs.items()): p for knobs, p in zip(settings, plans)}
         for knobs, peak in ranked(settings, [p.peak for p in plans], device):
             if smallest is None or peak < smallest[1].peak:

@@ -36,15 +36,13 @@ Which knobs fit a budget and which of them is fastest: ``knobs.py`` and ``auto_t
 """
 
 import functools
-import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 from vistrain.fsdp.flat_param import shard_size
-from vistrain.methods import method_of
-from vistrain.planner.shape import MIB, ModelShapes, RunShape, meta_crops, run_shape, shapes_for
+from vistrain.planner.shape import MIB, RunShape, meta_crops
 
 # gloo threads and buffers, data loader, glibc arenas: what the quick start's peak RSS holds beyond
 # the import baseline and its model terms (docs/notes/memory.md)
@@ -54,7 +52,6 @@ CPU_ALLOWANCE_MIB = 75
 # here (2 and 4 ranks) and the 2-rank test; 42 keeps them within 10%, but for RegNetY-3.2GF with
 # AdamW and checkpointing, 11% under (6% with spawned ranks; docs/notes/memory.md)
 FORKED_LIBRARY_MIB = 42
-OPTIMIZER_STATES = {"sgd": 1, "lars": 1, "adamw": 2}
 # A unit's full gradient at its backward peak: per parameter, concatenated, and half of it again
 # for what glibc keeps until the next trim (fitted at glibc's default, docs/notes/memory.md).
 GRADIENT_COPIES = 2.5
@@ -147,31 +144,24 @@ def checkpointed_activations(total: int, per_module: Sequence[int], inputs: Sequ
     return total - sum(per_module) + sum(inputs) + max(per_module)
 
 
-def plan(cfg, device: str = "cpu", shapes: Optional[ModelShapes] = None) -> MemoryPlan:
-    """Peak memory per rank of a training run of ``cfg`` on ``device`` ("cpu" or "cuda"): the
-    larger of the worst moment of backward and (the ordinary step) the moment after it.
-
-    ``shapes`` shares the meta model and its measurements between plans of one model (a search).
-    """
-    shapes = shapes_for(cfg, shapes)
-    shape = run_shape(cfg, shapes)
-    states = optimizer_states(cfg.OPTIMIZER)
-    state = sharded_state_bytes(shape.unit_sizes, shape.groups.shard_ranks, states, shape.sharded)
+def plan(shape: RunShape, device: str = "cpu") -> MemoryPlan:
+    """Peak memory per rank of a training run of ``shape`` on ``device`` ("cpu" or "cuda"): the
+    larger of the worst moment of backward and (the ordinary step) the moment after it."""
+    state = sharded_state_bytes(
+        shape.unit_sizes, shape.groups.shard_ranks, shape.optimizer_states, shape.sharded
+    )
     all_grads = state["grads"]
-    state["teacher_params"] = state["params"] if method_of(cfg.LOSS).teacher else 0
-    if device == "cuda" and shape.sharded and cfg.MODEL.FSDP_CONFIG.move_params_to_cpu:
+    state["teacher_params"] = state["params"] if shape.teacher else 0
+    if device == "cuda" and shape.sharded and shape.move_params_to_cpu:
         state = dict.fromkeys(state, 0)
     gathered = 0
     if shape.sharded:
-        gathered, state["grads"] = _backward_moment(cfg, shape, device)
-    runtime = runtime_bytes(cfg, device, shapes) + gather_arena_bytes(cfg, shape, device)
+        gathered, state["grads"] = _backward_moment(shape, device)
+    runtime = runtime_bytes(shape, device) + gather_arena_bytes(shape, device)
     backward_peak = MemoryPlan(
-        gathered_units=gathered,
-        activations=activation_bytes(cfg, shapes, shape.precision.low),
-        runtime_overhead=runtime,
-        **state,
+        gathered_units=gathered, activations=activation_bytes(shape), runtime_overhead=runtime, **state
     )
-    if not shape.sharded or cfg.OPTIMIZER.step_in_backward:
+    if not shape.sharded or shape.step_in_backward:
         return backward_peak
     # the ordinary step, after backward: every shard gradient, one update temporary, no weights
     # gathered and the activations freed
@@ -181,43 +171,33 @@ def plan(cfg, device: str = "cpu", shapes: Optional[ModelShapes] = None) -> Memo
     return max(backward_peak, step_peak, key=lambda plan: plan.peak)
 
 
-def optimizer_states(optim_cfg) -> int:
-    """Optimizer state tensors per parameter: momentum buffers, AdamW's two moments."""
-    momentum = optim_cfg.momentum > 0 or optim_cfg.name == "adamw"
-    return OPTIMIZER_STATES.get(optim_cfg.name, 1) if momentum else 0
-
-
-def _backward_moment(cfg, shape: RunShape, device: str) -> Tuple[int, int]:
-    """:func:`backward_peak_bytes` with ``cfg``'s knobs."""
-    fsdp = cfg.MODEL.FSDP_CONFIG
-    mmapped = device == "cpu" and cfg.MACHINE.CPU_MMAP_THRESHOLD_MIB > 0
+def _backward_moment(shape: RunShape, device: str) -> Tuple[int, int]:
+    """:func:`backward_peak_bytes` with ``shape``'s knobs."""
+    mmapped = device == "cpu" and shape.cpu_mmap_threshold_mib > 0
     return backward_peak_bytes(
         shape.unit_sizes, shape.groups.shard_ranks, shape.precision.compute_bytes,
-        shape.precision.reduce_bytes, shape.reshard_after_forward, bool(cfg.OPTIMIZER.step_in_backward),
-        fsdp.prefetch_depth, GRADIENT_COPIES_MMAPPED if mmapped else GRADIENT_COPIES,
+        shape.precision.reduce_bytes, shape.reshard_after_forward, shape.step_in_backward,
+        shape.prefetch_depth, GRADIENT_COPIES_MMAPPED if mmapped else GRADIENT_COPIES,
     )  # fmt: skip
 
 
-def activation_bytes(cfg, shapes: ModelShapes, low: bool) -> float:
+def activation_bytes(shape: RunShape) -> float:
     """Autograd's saved bytes of one forward (halved in 16 bits) plus the batch itself."""
-    checkpointing = cfg.MODEL.ACTIVATION_CHECKPOINTING
-    granularity = checkpointing.GRANULARITY if checkpointing.USE_ACTIVATION_CHECKPOINTING else None
-    data, batch = cfg.DATA.TRAIN, cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA
-    total, per_module, inputs = shapes.activations(data, batch, granularity)
-    saved = checkpointed_activations(total, per_module, inputs) * (0.5 if low else 1.0)
-    return saved + sum(c.numel() * 4 for c in meta_crops(data, batch))
+    total, per_module, inputs = shape.model.activations(shape.crops, shape.batch, shape.checkpointed)
+    saved = checkpointed_activations(total, per_module, inputs) * (0.5 if shape.precision.low else 1.0)
+    return saved + sum(c.numel() * 4 for c in meta_crops(shape.crops, shape.batch))
 
 
-def runtime_bytes(cfg, device: str, shapes: ModelShapes) -> float:
+def runtime_bytes(shape: RunShape, device: str) -> float:
     """CPU: the import baseline plus ``CPU_ALLOWANCE_MIB``; CUDA: 0."""
     if device != "cpu":
         return 0
-    forked = forked_ranks(cfg, device)
-    baseline = shapes.baseline_mib or import_baseline_mib(forked)
+    forked = forked_ranks(shape.spawns_ranks, device)
+    baseline = shape.model.baseline_mib or import_baseline_mib(forked)
     return (baseline + CPU_ALLOWANCE_MIB + (FORKED_LIBRARY_MIB if forked else 0)) * MIB
 
 
-def gather_arena_bytes(cfg, shape: RunShape, device: str) -> int:
+def gather_arena_bytes(shape: RunShape, device: str) -> int:
     """CPU, sharded, glibc's default threshold: the all-gather buffers gloo's workers keep.
 
     gloo's list all-gather stages through one flat buffer of the full unit (W * ceil(n / W)
@@ -231,23 +211,21 @@ def gather_arena_bytes(cfg, shape: RunShape, device: str) -> int:
     """
     if device != "cpu" or not shape.sharded or shape.groups.shard_ranks == 1:
         return 0
-    if cfg.MACHINE.CPU_MMAP_THRESHOLD_MIB > 0:
+    if shape.cpu_mmap_threshold_mib > 0:
         return 0
     world = shape.groups.shard_ranks
     buffers = [world * shard_size(n, world) * shape.precision.compute_bytes for n in shape.unit_sizes]
     largest = max((b for b in buffers if b < GLIBC_MMAP_THRESHOLD_MAX), default=0)
-    groups = 2 if method_of(cfg.LOSS).teacher else 1
+    groups = 2 if shape.teacher else 1
     return groups * GLOO_WORKER_THREADS * largest
 
 
-def forked_ranks(cfg, device: str) -> bool:
-    """Whether the command line's launcher forks this run's ranks (CPU, several per node, Linux:
-    ``vistrain.distributed.spawn``). A forked rank holds of the launcher's pages only its anonymous
-    memory and the library pages it touches, not every page the imports mapped in."""
-    from vistrain.distributed.join import joined_job  # torchrun / srun start the ranks themselves
-
-    several = cfg.DISTRIBUTED.NUM_PROC_PER_NODE > 1 and joined_job(cfg.DISTRIBUTED, os.environ) is None
-    return device == "cpu" and several and sys.platform.startswith("linux")
+def forked_ranks(spawns_ranks: bool, device: str) -> bool:
+    """Whether the command line's launcher forks a run's ranks (``spawns_ranks``: it starts
+    several on this node, ``shape.spawns_ranks``; on CPU, Linux: ``vistrain.distributed.spawn``).
+    A forked rank holds of the launcher's pages only its anonymous memory and the library pages
+    it touches, not every page the imports mapped in."""
+    return device == "cpu" and spawns_ranks and sys.platform.startswith("linux")
 
 
 def import_baseline_mib(forked: bool = False) -> float:

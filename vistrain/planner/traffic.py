@@ -15,19 +15,19 @@ reduce-scatter) and with replicas the all-reduce of its P_u / k shard over the r
 DDP the all-reduce of its gradient buckets over the world. Both: synchronised BatchNorm's two
 all-reduces per layer (forward statistics, backward sums), the buffer broadcasts without it, and
 the loss's collectives (the method's own: ``Method.collectives``, e.g. SimCLR's all-gather of the
-embeddings and the all-reduce of their gradient). ``collectives.py`` turns each into what every node sends over its link.
+embeddings and the all-reduce of their gradient). ``collectives.py`` turns each into what every node
+sends over its link. Everything is read from the run's :class:`~vistrain.planner.shape.RunShape`.
 """
 
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 from vistrain.distributed.sync_batchnorm import sync_bn_group_ranks
 from vistrain.fsdp.collectives import replica_group_ranks, shard_group_ranks
 from vistrain.fsdp.flat_param import shard_size
-from vistrain.methods import method_of
 from vistrain.planner.collectives import Collective, busiest_link_bytes, node_link_bytes
-from vistrain.planner.knobs import EXACT_KNOBS, current_knobs, speed_cost
-from vistrain.planner.shape import MIB, ModelShapes, RunShape, run_shape, shapes_for
+from vistrain.planner.knobs import EXACT_KNOBS, speed_cost
+from vistrain.planner.shape import MIB, RunShape
 from vistrain.torch_compat import BatchNormBase
 
 DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES = 25 * MIB, 1 * MIB  # DDP's defaults
@@ -69,10 +69,8 @@ def traffic_bytes(
     return {"shard_group": inside, "replica_group": across}
 
 
-def traffic(cfg, shapes: Optional[ModelShapes] = None) -> Traffic:
-    """The :class:`Traffic` of a training run of ``cfg`` (DDP or the sharded engine)."""
-    shapes = shapes_for(cfg, shapes)
-    shape = run_shape(cfg, shapes)
+def traffic(shape: RunShape) -> Traffic:
+    """The :class:`Traffic` of a training run of ``shape`` (DDP or the sharded engine)."""
     groups, precision = shape.groups, shape.precision
     if shape.sharded:
         by_group = traffic_bytes(
@@ -81,51 +79,45 @@ def traffic(cfg, shapes: Optional[ModelShapes] = None) -> Traffic:
         )  # fmt: skip
     else:  # DDP: every rank holds everything; its gradients are all-reduced over the world
         by_group = traffic_bytes(shape.unit_sizes, groups.world, 1, 4, 4, False)
-    link = busiest_link_bytes(step_collectives(cfg, shapes), groups.ranks_per_node)
+    link = busiest_link_bytes(step_collectives(shape), groups.ranks_per_node)
     return Traffic(cross_node=link / groups.ranks_per_node, **by_group)
 
 
-def predicted_step_seconds(
-    cfg, link_bytes_per_second: float, compute_seconds: float, shapes: Optional[ModelShapes] = None
-) -> float:
-    """Seconds per training step of ``cfg`` on a link of ``link_bytes_per_second`` each way:
+def predicted_step_seconds(shape: RunShape, link_bytes_per_second: float, compute_seconds: float) -> float:
+    """Seconds per training step of ``shape`` on a link of ``link_bytes_per_second`` each way:
     ``compute_seconds`` (one step's forward and backward, ``compute.compute_seconds``) times the
     setting's measured cost over DDP's (``knobs.speed_cost``, on one node), plus the bytes the
     busiest node's link carries per step at that speed (the link is not overlapped with compute:
     dev/nodes/bench_two_hosts.py measures how far a setting is from this)."""
-    shapes = shapes_for(cfg, shapes)
-    engine = cfg.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP and cfg.MODEL.FSDP_CONFIG.BACKEND == "builtin"
-    knobs = current_knobs(cfg, EXACT_KNOBS) if engine else {}
-    device = "cuda" if cfg.MACHINE.DEVICE == "cuda" else "cpu"
-    link = traffic(cfg, shapes).cross_node * cfg.DISTRIBUTED.NUM_PROC_PER_NODE
+    knobs = shape.knobs(list(EXACT_KNOBS)) if shape.builtin else {}
+    device = "cuda" if shape.cuda else "cpu"
+    link = traffic(shape).cross_node * shape.ranks_per_node
     return compute_seconds * speed_cost(knobs, device) + link / link_bytes_per_second
 
 
-def link_breakdown(cfg, shapes: Optional[ModelShapes] = None) -> Dict[str, float]:
+def link_breakdown(shape: RunShape) -> Dict[str, float]:
     """Bytes node 0 sends over its link per step, by kind of collective."""
-    per_node = cfg.DISTRIBUTED.NUM_PROC_PER_NODE
+    per_node = shape.ranks_per_node
     out: Dict[str, float] = {}
-    for collective in step_collectives(cfg, shapes_for(cfg, shapes)):
+    for collective in step_collectives(shape):
         sent = node_link_bytes(collective, lambda r: r // per_node).get(0, 0.0)
         out[collective.what] = out.get(collective.what, 0.0) + sent
     return out
 
 
-def step_collectives(cfg, shapes: ModelShapes) -> List[Collective]:
-    """Every collective of one training step of ``cfg`` (see the module docstring)."""
-    shape = run_shape(cfg, shapes)
-    nccl = cfg.MACHINE.DEVICE == "cuda" and cfg.DISTRIBUTED.BACKEND != "gloo"
-    out = _engine(shape, nccl) if shape.sharded else _ddp(shape)
+def step_collectives(shape: RunShape) -> List[Collective]:
+    """Every collective of one training step of ``shape`` (see the module docstring)."""
+    out = _engine(shape, shape.nccl) if shape.sharded else _ddp(shape)
     world = shape.groups.world
-    norms = [m.num_features for m in shapes.model.modules() if isinstance(m, BatchNormBase)]
-    if cfg.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN:
-        bn_groups = tuple(map(tuple, sync_bn_group_ranks(world, cfg.MODEL.SYNC_BN_CONFIG.GROUP_SIZE)))
+    norms = [m.num_features for m in shape.model.model.modules() if isinstance(m, BatchNormBase)]
+    if shape.sync_bn:
+        bn_groups = tuple(map(tuple, sync_bn_group_ranks(world, shape.sync_bn_group_size)))
         for channels in norms:  # forward: sums, squares, count; backward: two sums
             out.append(Collective("all_reduce", (2 * channels + 1) * 4, bn_groups, what="sync BN"))
             out.append(Collective("all_reduce", 2 * channels * 4, bn_groups, what="sync BN"))
     else:
-        out += _buffer_broadcasts(shapes, shape)
-    return out + _loss(cfg, world)
+        out += _buffer_broadcasts(shape)
+    return out + list(shape.loss)
 
 
 def _engine(shape: RunShape, nccl: bool) -> List[Collective]:
@@ -159,12 +151,12 @@ def _ddp(shape: RunShape) -> List[Collective]:
     return [Collective("all_reduce", size, world, 1, "gradient reductions") for size in buckets]
 
 
-def _buffer_broadcasts(shapes: ModelShapes, shape: RunShape) -> List[Collective]:
+def _buffer_broadcasts(shape: RunShape) -> List[Collective]:
     """Without synchronised BatchNorm every training forward starts from the first rank's buffers:
     one broadcast per dtype (DDP: over the world; the engine: the shard group, then the replica
     group)."""
     by_dtype: Dict[object, int] = {}
-    for buffer in shapes.model.buffers():
+    for buffer in shape.model.model.buffers():
         by_dtype[buffer.dtype] = by_dtype.get(buffer.dtype, 0) + buffer.numel() * buffer.element_size()
     world, k = shape.groups.world, shape.groups.shard_ranks
     layouts = [(tuple(range(world)),)]
@@ -174,13 +166,4 @@ def _buffer_broadcasts(shapes: ModelShapes, shape: RunShape) -> List[Collective]
         Collective("broadcast", b, layout, 1, "buffer broadcasts")
         for layout in layouts
         for b in by_dtype.values()
-    ]
-
-
-def _loss(cfg, world: int) -> List[Collective]:
-    """The method's own collectives over every rank (``Method.collectives``)."""
-    everyone = (tuple(range(world)),)
-    return [
-        Collective(c.op, c.nbytes, everyone, c.calls, "loss")
-        for c in method_of(cfg.LOSS).collectives(cfg, world)
     ]

@@ -7,18 +7,22 @@ from typing import List, Optional, Tuple
 from vistrain.checkpoint import (
     find_latest_checkpoint,
     load_sharded_checkpoint,
+    read_metadata,
     restore_rng,
     resume_iteration,
     set_aside,
 )
+from vistrain.checkpoint.identity import check_same_run
 from vistrain.config.words import plural
 from vistrain.distributed import comm
 from vistrain.runtime.logger import logger
 
 
-def resume(run_dir: str, run) -> Tuple[int, int]:
+def resume(run_dir: str, run, cfg=None) -> Tuple[int, int]:
     """Load the most advanced complete checkpoint of ``run_dir`` (saved on any world size) into
     ``run`` (the trainer's: its models, optimizer, criterion, epoch layout and loss scaling).
+    ``cfg``, when given: the run's config, refused in one line before anything is loaded when the
+    folder trains other data, another method or model (``vistrain.checkpoint.identity``).
 
     Returns (the iteration to continue from, the resumed checkpoint's own iteration); (0, 0) when
     there is none.
@@ -27,6 +31,8 @@ def resume(run_dir: str, run) -> Tuple[int, int]:
     path = comm.all_gather_object(pick_checkpoint(run_dir) if comm.is_main_process() else None)[0]
     if path is None:
         return 0, 0
+    if cfg is not None:  # every rank reads the same metadata: the same answer everywhere
+        check_same_run(run_dir, read_metadata(path), cfg, run.layout.num_samples, agreed=True)
     state = load_sharded_checkpoint(path, run.checkpointed_models(), run.optimizer)
     meta, extra = state["metadata"], state["extra"]
     iteration = resume_iteration(meta, run.layout, path)

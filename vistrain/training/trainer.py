@@ -121,7 +121,7 @@ def train(cfg, notes: Sequence[str] = (), across_nodes=None) -> None:
     run = _build(cfg, device)
     iteration, resumed_from = 0, 0
     if cfg.CHECKPOINT.AUTO_RESUME:
-        iteration, resumed_from = resume(cfg.CHECKPOINT.DIR, run)
+        iteration, resumed_from = resume(cfg.CHECKPOINT.DIR, run, cfg)
     iters_per_epoch = run.layout.iters_per_epoch
     if iteration >= run.total_iterations:
         logger.info(
