@@ -98,6 +98,9 @@ def test_channels_last_batches_reach_the_model():
         def student_crops(self, crops):
             return crops
 
+        def masking(self, crops):
+            return {}
+
         def __call__(self, out, num_crops, targets):
             return out
 

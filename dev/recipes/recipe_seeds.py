@@ -57,7 +57,10 @@ METHODS = {
     "BYOL": "pretrain/byol_regnet_demo",
     "MAE-ViT": "pretrain/mae_vit_demo",
 }
-EVAL_CONFIGS = {"DINO-ViT": "benchmark/linear_eval_vit", "MAE-ViT": "benchmark/finetune_vit"}  # the others: benchmark/linear_eval_regnet
+EVAL_CONFIGS = {
+    "DINO-ViT": "benchmark/linear_eval_vit",
+    "MAE-ViT": "benchmark/finetune_vit",
+}  # the others: benchmark/linear_eval_regnet
 # mean margin over the pixel logistic regression: issue 36 (SimCLR, SwAV), issue 44 (DINO ViT)
 CLAIM_MARGIN = {"SimCLR": 1.0, "SwAV": 0.5, "DINO-ViT": 1.0, "DINO": 0.5, "BYOL": 0.5, "MAE-ViT": 0.0}
 

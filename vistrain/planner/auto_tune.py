@@ -181,7 +181,7 @@ def tune_settings(
     """
     planned = _for_world(cfg, world, ranks_per_node or cfg.DISTRIBUTED.NUM_PROC_PER_NODE)
     fixed = [name for name, key in EXACT_KNOBS.items() if key in explicit]
-    shapes = shapes if shapes is not None else ModelShapes(cfg.MODEL, baseline_mib)
+    shapes = shapes if shapes is not None else ModelShapes(cfg.MODEL, baseline_mib, cfg.LOSS)
     shape = run_shape(planned, shapes)
     settings = exact_settings(shape, device, fixed)
     peaks = LazyPeaks(shape, settings, device)

@@ -196,7 +196,7 @@ def search(
     if step_in_backward is not None:
         sharded["step_in_backward"] = step_in_backward
     fixed = ("step_in_backward",) if step_in_backward is not None else ()
-    smallest, shapes = None, ModelShapes(cfg.MODEL)
+    smallest, shapes = None, ModelShapes(cfg.MODEL, loss_cfg=cfg.LOSS)
     for r, b in itertools.product(ranks, batches):
         shape = run_shape(with_knobs(cfg, {**sharded, "batch_per_replica": b, "ranks": r}), shapes)
         settings = [

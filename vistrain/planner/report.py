@@ -71,7 +71,7 @@ class PlannedRun:
 def planned_run(cfg, device: str, budget: Optional[Budget], explicit: Sequence[str]) -> PlannedRun:
     """Plan ``cfg`` on ``device``; with AUTO_TUNE and a ``budget``, for the knobs the run would
     choose (``explicit``: the keys the recipe or command line set, kept)."""
-    shapes = ModelShapes(cfg.MODEL)
+    shapes = ModelShapes(cfg.MODEL, loss_cfg=cfg.LOSS)
     tuned, line, summary, fits, chosen = cfg, None, None, True, ()
     if cfg.MODEL.FSDP_CONFIG.AUTO_TUNE and budget is not None:
         world = cfg.DISTRIBUTED.NUM_NODES * cfg.DISTRIBUTED.NUM_PROC_PER_NODE

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from vistrain.distributed.join import joined_job
-from vistrain.methods import build_meta_model, fp32_units, method_of
+from vistrain.methods import build_loss, build_meta_model, fp32_units, method_of
 from vistrain.models.units import CHECKPOINTED
 from vistrain.planner.collectives import Collective
 from vistrain.runtime.sharding import wrap_policy
@@ -80,11 +80,14 @@ class ModelShapes:
     (low precision, wrap granularity) and its saved activations per (batch, checkpointing).
 
     ``baseline_mib``: the RSS of a process that imported what a rank imports (the launcher's
-    own), else measured once in a subprocess (``memory.import_baseline_mib``).
+    own), else measured once in a subprocess (``memory.import_baseline_mib``). ``loss_cfg``: the
+    run's LOSS, whose method may mask the student's crops (MAE: the encoder's shorter sequence);
+    the traced forward draws its masks as a step does.
     """
 
-    def __init__(self, model_cfg, baseline_mib: Optional[float] = None):
+    def __init__(self, model_cfg, baseline_mib: Optional[float] = None, loss_cfg=None):
         self.model = build_meta_model(model_cfg)
+        self.masking = build_loss(loss_cfg, model_cfg).masking if loss_cfg is not None else None
         self.head_units = fp32_units(model_cfg)  # the head's fp32 units of the wrap policy
         self.baseline_mib = baseline_mib
         self._units: Dict[Tuple[bool, str], Tuple[int, ...]] = {}
@@ -102,11 +105,18 @@ class ModelShapes:
         """:func:`measure_activations` of a forward of ``batch`` images of ``crops``."""
         key = (crops, batch, granularity)
         if key not in self._activations:
-            self._activations[key] = measure_activations(self.model, meta_crops(crops, batch), granularity)
+            self._activations[key] = measure_activations(
+                self.model, meta_crops(crops, batch), granularity, self.masking
+            )
         return self._activations[key]
 
 
-def measure_activations(model: nn.Module, crops: List[torch.Tensor], granularity: Optional[str]):
+def measure_activations(
+    model: nn.Module,
+    crops: List[torch.Tensor],
+    granularity: Optional[str],
+    masking: Optional[Callable] = None,
+):
     """(total saved bytes, [saved bytes per checkpoint module], [input bytes per module]) of one
     forward on the meta device: autograd's saved tensors, each storage once, weights excluded."""
     weights = {storage_id(p) for p in model.parameters()}
@@ -134,7 +144,7 @@ def measure_activations(model: nn.Module, crops: List[torch.Tensor], granularity
         if target is not None and isinstance(m, target):
             handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(crops)
+        model(crops, **(masking(crops) if masking is not None else {}))
     for h in handles:
         h.remove()
     return counter[0], per_module, inputs
@@ -251,7 +261,7 @@ KNOB_FIELDS = frozenset(
 def run_shape(cfg, shapes: Optional[ModelShapes] = None) -> RunShape:
     """The :class:`RunShape` of a training run of ``cfg``: the one place the planner reads a
     config (``shapes``: the measurements of ``cfg.MODEL``, shared between configs of one model)."""
-    shapes = shapes if shapes is not None else ModelShapes(cfg.MODEL)
+    shapes = shapes if shapes is not None else ModelShapes(cfg.MODEL, loss_cfg=cfg.LOSS)
     dist, fsdp, amp = cfg.DISTRIBUTED, cfg.MODEL.FSDP_CONFIG, cfg.MODEL.AMP_PARAMS
     checkpointing, optim = cfg.MODEL.ACTIVATION_CHECKPOINTING, cfg.OPTIMIZER
     world = dist.NUM_NODES * dist.NUM_PROC_PER_NODE
