@@ -18,13 +18,12 @@ from vistrain.data import (
     DistributedSampler,
     build_dataset,
     build_loader,
-    collate_multicrop,
     ensure_demo_digits,
     rank_indices,
     set_epoch,
 )
 from vistrain.data.datasets import count_samples
-from vistrain.data.transforms import MultiCropTransform, geometric_ops
+from vistrain.data.transforms import MultiCropTransform
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.methods import get_defaults
 
@@ -153,11 +152,15 @@ def test_views_depend_only_on_seed_epoch_index():
     cfg = _small_multicrop(_data_cfg(SYNTHETIC_SIZE=8, IMAGE_SIZE=16).TRAIN)
     dataset = build_dataset(cfg, seed=5)
     state = torch.get_rng_state()
-    first = dataset[(3, 1)]["crops"]
+    first = dataset.views((3, 1))
     assert torch.equal(torch.get_rng_state(), state), "the global RNG must be left untouched"
-    assert all(torch.equal(a, b) for a, b in zip(first, dataset[(3, 1)]["crops"]))
-    assert not torch.equal(first[0], dataset[(3, 2)]["crops"][0])
-    assert not torch.equal(first[0], build_dataset(cfg, seed=6)[(3, 1)]["crops"][0])
+    assert all(torch.equal(a, b) for a, b in zip(first, dataset.views((3, 1))))
+    assert not torch.equal(first[0], dataset.views((3, 2))[0])
+    assert not torch.equal(first[0], build_dataset(cfg, seed=6).views((3, 1))[0])
+    # a view is the same in any batch: alone, or among others
+    batch = dataset.collate([dataset[(i, 1)] for i in (5, 3, 0)])
+    for k, view in enumerate(first):
+        torch.testing.assert_close(batch["crops"][k][1], view, rtol=0, atol=1e-6)
 
 
 def test_worker_processes_give_the_same_batches():
@@ -177,13 +180,22 @@ def test_worker_processes_give_the_same_batches():
     assert all(torch.equal(a, b) for a, b in zip(epochs[0], epochs[2]))
 
 
-def test_collate_rejects_mismatched_samples():
-    a = {"crops": [torch.zeros(3, 4, 4)], "label": 0, "index": 0}
-    b = {"crops": [torch.zeros(3, 5, 5)], "label": 1, "index": 1}
-    with pytest.raises(ValueError, match="different shapes"):
-        collate_multicrop([a, b])
-    with pytest.raises(ValueError, match="different crop counts"):
-        collate_multicrop([a, {**b, "crops": []}])
+def test_batches_of_mixed_sizes_and_modes(tmp_path):
+    # RGB and grayscale images of three sizes in one batch: each view as it would be alone
+    for i, (side, mode) in enumerate([(12, "RGB"), (20, "L"), (12, "L"), (31, "RGB"), (20, "RGB")]):
+        os.makedirs(tmp_path / "c", exist_ok=True)
+        Image.fromarray(np.random.default_rng(i).integers(0, 256, (side, side + i, 3), np.uint8)).convert(
+            mode
+        ).save(tmp_path / "c" / f"{i}.png")
+    cfg = _small_multicrop(_data_cfg(DATA_SOURCES=["disk_folder"], DATA_PATHS=[str(tmp_path)]).TRAIN)
+    dataset = build_dataset(cfg, seed=2)
+    batch = dataset.collate([dataset[(i, 0)] for i in range(5)])
+    assert [tuple(c.shape) for c in batch["crops"]] == [(5, 3, 16, 16)] * 2 + [(5, 3, 8, 8)] * 3
+    for i in range(5):
+        for k, view in enumerate(dataset.views((i, 0))):
+            torch.testing.assert_close(batch["crops"][k][i], view, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="empty batch"):
+        dataset.collate([])
 
 
 def test_bad_config_names_valid_choices():
@@ -460,7 +472,7 @@ def test_loader_on_gloo_ranks_matches_single_process():
 def _square_image(side=32, lo=12, hi=20):
     pixels = np.zeros((side, side, 3), dtype=np.uint8)
     pixels[lo:hi, lo:hi] = 255
-    return Image.fromarray(pixels)
+    return pixels
 
 
 def _whole_image_views(**geometric):
@@ -468,6 +480,11 @@ def _whole_image_views(**geometric):
     cfg.update(NUM_CROPS=[1], SIZE_CROPS=[32], CROP_SCALES=[[1.0, 1.0]], HORIZONTAL_FLIP=0.0)
     cfg.update(COLOR_DISTORTION=0.0, BLUR_PROB=0.0, MEAN=[0.0] * 3, STD=[1.0] * 3, **geometric)
     return MultiCropTransform(cfg)
+
+
+def _view(transform, image, seed=0):
+    """The first view (3, h, w) of ``image`` (uint8 array) with the draws of generator ``seed``."""
+    return transform([transform.prepare(image, torch.Generator().manual_seed(seed))])[0][0]
 
 
 def _centroid(view):
@@ -479,16 +496,18 @@ def _centroid(view):
 def test_geometric_augmentations_move_the_glyph_within_their_bounds():
     image = _square_image()
     plain = _whole_image_views()
-    assert geometric_ops(get_defaults().DATA.TRAIN.TRANSFORMS) == []  # off by default
-    torch.manual_seed(0)
-    reference = plain(image)[0]
-    assert torch.equal(reference, plain(image)[0])  # no geometric step: the whole image, unchanged
+    assert plain.affine is None and plain.elastic is None  # off by default
+    reference = _view(plain, image)
+    assert torch.equal(reference, _view(plain, image, seed=1))  # no geometric step: the whole image
+    assert torch.equal(reference, torch.from_numpy(image).permute(2, 0, 1) / 255)  # unchanged
     shifted = _whole_image_views(AFFINE_TRANSLATE=0.25)
-    shifts = torch.stack([_centroid(shifted(image)[0]) - _centroid(reference) for _ in range(20)])
+    shifts = torch.stack(
+        [_centroid(_view(shifted, image, seed)) - _centroid(reference) for seed in range(20)]
+    )
     assert shifts.abs().max() <= 0.25 * 32 + 0.5 and shifts.abs().max() > 2  # moved, up to 8 px
-    rotated = _whole_image_views(AFFINE_DEGREES=45.0)(image)[0]
+    rotated = _view(_whole_image_views(AFFINE_DEGREES=45.0), image)
     assert rotated.min() == 0 and not torch.equal(rotated, reference)  # black fill, new pose
-    elastic = _whole_image_views(ELASTIC_PROB=1.0, ELASTIC_ALPHA=30.0, ELASTIC_SIGMA=3.0)(image)[0]
+    elastic = _view(_whole_image_views(ELASTIC_PROB=1.0, ELASTIC_ALPHA=30.0, ELASTIC_SIGMA=3.0), image)
     assert not torch.equal(elastic, reference)
     assert abs(elastic.sum() - reference.sum()) < 0.25 * reference.sum()  # distorted, not erased
 

@@ -220,7 +220,7 @@ def test_elpv_through_the_config(tmp_path):
     assert (len(train), len(test)) == (40, 13) == (count_samples(cfg.TRAIN), count_samples(cfg.TEST))
     assert not set(train.sources[0].paths) & set(test.sources[0].paths)
     assert common.num_classes(train, test) == 4
-    views = train[(0, 0)]["crops"]  # made on one channel, handed to the trunk as three
+    views = train.views((0, 0))  # made on one channel, handed to the trunk as three
     mean, std = (
         torch.tensor(v)[:, None, None] for v in (cfg.TRAIN.TRANSFORMS.MEAN, cfg.TRAIN.TRANSFORMS.STD)
     )

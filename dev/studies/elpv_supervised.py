@@ -56,8 +56,10 @@ def batches(num_samples: int, batch_size: int, epoch: int, seed: int):
         yield [(int(i), epoch) for i in order[start : start + batch_size]]
 
 
-def collate(samples):
-    return torch.stack([s["crops"][0] for s in samples]), torch.tensor([s["label"] for s in samples])
+def collate(data, keys):
+    """(views (B, 3, h, w), labels (B,)) of the samples ``keys`` of ``data``, one view each."""
+    batch = data.collate([data[k] for k in keys])
+    return batch["crops"][0], batch["label"]
 
 
 class Classifier(nn.Module):
@@ -79,7 +81,7 @@ def test_top1(model: nn.Module, cfg) -> dict:
     model.eval()
     center, averaged, labels = [], [], []
     for start in range(0, len(data), 128):
-        images, target = collate([data[i] for i in range(start, min(start + 128, len(data)))])
+        images, target = collate(data, range(start, min(start + 128, len(data))))
         center.append(model(images).softmax(1))
         averaged.append(torch.stack([model(view_of(images, *v)).softmax(1) for v in DIHEDRAL]).mean(0))
         labels.append(target)
@@ -111,7 +113,7 @@ def train(args, cfg) -> dict:
         model.train()
         loss_sum = correct = seen = 0
         for keys in batches(len(data), args.batch_size, epoch, cfg.SEED_VALUE):
-            images, labels = collate([data[k] for k in keys])
+            images, labels = collate(data, keys)
             scale = (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * step / total))
             for group in optimizer.param_groups:
                 group["lr"] = args.lr * scale

@@ -141,7 +141,7 @@ def whole_data_set(dataset):
 
 
 def _image(dataset, index: int, transforms) -> np.ndarray:
-    return pictures.to_pixels(dataset[(index, 0)]["crops"][0], transforms.MEAN, transforms.STD)
+    return pictures.to_pixels(dataset.views((index, 0))[0], transforms.MEAN, transforms.STD)
 
 
 def class_names(dataset) -> Sequence[str]:

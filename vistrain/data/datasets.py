@@ -1,7 +1,8 @@
 """Data sources (flat registry) and the dataset that turns a sample key into augmented views.
 
 Sources (``DATA.<split>.DATA_SOURCES``, one ``DATA_PATHS`` entry each; the entry is ignored by
-``synthetic`` and ``demo_digits``):
+``synthetic`` and ``demo_digits``). A source's ``load(i)`` gives ``(pixels, label)``: the image as a
+uint8 array, (H, W, 3) RGB or (H, W) grayscale.
 
 * ``disk_folder``: ImageFolder layout ``<path>/<class>/**/<image>``, labels the indices of the
   sorted class folder names; or a flat or nested folder of unlabelled images (label -1), as
@@ -13,7 +14,8 @@ Sources (``DATA.<split>.DATA_SOURCES``, one ``DATA_PATHS`` entry each; the entry
   label ``i % SYNTHETIC_NUM_CLASSES`` and is its class's colour blended with noise seeded by
   ``(SPLIT, i)``, so a linear probe can learn something in a dry run.
 * ``demo_digits``: scikit-learn's 1,797 digits, written once as PNGs (see ``demo_digits.py``) and
-  read through ``disk_folder`` with ``SPLIT`` train (1,437) or val (360).
+  read like ``disk_folder`` with ``SPLIT`` train (1,437) or val (360), as grayscale, each decoded
+  once per process.
 * ``elpv``: the solar-cell images of the installed ``elpv-dataset`` package (or a folder of its
   layout in ``DATA_PATHS``), a 75/25 split drawn from ``DATA.SPLIT_SEED``; ``SPLIT`` train or val
   (the 25% test side), or train_fit / train_select inside train for choosing recipes; see ``elpv.py``.
@@ -28,15 +30,15 @@ import bisect
 import logging
 import os
 import zlib
-from typing import Callable, Dict, List, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import Dataset
 
 from vistrain.config.errors import ConfigError, DataError
 from vistrain.data import elpv
+from vistrain.data.collate import collate_multicrop
 from vistrain.data.demo_digits import demo_split_size, ensure_demo_digits_on_every_node
 from vistrain.data.folders import (
     CorruptImageError,
@@ -54,10 +56,15 @@ MAX_CONSECUTIVE_BAD = 50  # give up when this many images in a row are unreadabl
 
 
 class FileSource:
-    """Image files with integer labels: ``load(i) -> (RGB image, label)``."""
+    """Image files with integer labels: ``load(i) -> (pixels, label)``, pixels a uint8 array
+    (H, W, 3) RGB (``mode`` "RGB") or (H, W) grayscale ("L"). With ``keep_decoded`` each image is
+    decoded once per process and kept in memory (small data sets: the demo digits are 1.5 MB)."""
 
-    def __init__(self, paths: List[str], labels: List[int], name: str):
-        self.paths, self.labels, self.name = paths, labels, name
+    def __init__(
+        self, paths: List[str], labels: List[int], name: str, mode: str = "RGB", keep_decoded: bool = False
+    ):
+        self.paths, self.labels, self.name, self.mode = paths, labels, name, mode
+        self._decoded: Optional[Dict[int, np.ndarray]] = {} if keep_decoded else None
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -65,12 +72,17 @@ class FileSource:
     def describe(self, i: int) -> str:
         return self.paths[i]
 
-    def load(self, i: int) -> Tuple[Image.Image, int]:
-        return read_image(self.paths[i]), self.labels[i]
+    def load(self, i: int) -> Tuple[np.ndarray, int]:
+        pixels = None if self._decoded is None else self._decoded.get(i)
+        if pixels is None:
+            pixels = np.array(read_image(self.paths[i], self.mode))
+            if self._decoded is not None:
+                self._decoded[i] = pixels
+        return pixels, self.labels[i]
 
 
 class SyntheticSource:
-    """Deterministic random RGB images (IMAGE_SIZE x IMAGE_SIZE) with balanced labels."""
+    """Deterministic random RGB images (uint8 (IMAGE_SIZE, IMAGE_SIZE, 3)) with balanced labels."""
 
     def __init__(self, size: int, num_classes: int, image_size: int, split: str):
         if size <= 0 or num_classes <= 0 or image_size <= 0:
@@ -89,14 +101,14 @@ class SyntheticSource:
     def describe(self, i: int) -> str:
         return f"synthetic[{i}]"
 
-    def load(self, i: int) -> Tuple[Image.Image, int]:
+    def load(self, i: int) -> Tuple[np.ndarray, int]:
         label = self.labels[i]
         colour = np.random.default_rng(mix_seed(0xC0105, label)).random(3)
         noise = np.random.default_rng(mix_seed(self.split_tag, i)).random(
             (self.image_size, self.image_size, 3)
         )
         pixels = np.round((0.5 * colour + 0.5 * noise) * 255).astype(np.uint8)
-        return Image.fromarray(pixels), label
+        return pixels, label
 
 
 def _disk_folder(split_cfg, path: str, cache_dir: str, split_seed: int = 0) -> FileSource:
@@ -124,7 +136,8 @@ def _demo_digits(split_cfg, path: str, cache_dir: str, split_seed: int = 0) -> F
     demo_split_size(split_cfg.SPLIT)  # a valid split
     root = ensure_demo_digits_on_every_node(cache_dir)
     paths, labels, _ = scan_image_folder(os.path.join(root, split_cfg.SPLIT))
-    return FileSource(paths, labels, "demo_digits")
+    # gray digits: made into views on one channel, decoded once (1,437 x 32 x 32 bytes)
+    return FileSource(paths, labels, "demo_digits", mode="L", keep_decoded=True)
 
 
 def _elpv(split_cfg, path: str, cache_dir: str, split_seed: int = 0) -> elpv.ElpvSource:
@@ -142,13 +155,14 @@ SOURCES: Dict[str, Callable] = {
 
 
 class SSLDataset(Dataset):
-    """Concatenated sources + a view transform; item ``(index, epoch)`` -> one sample dict.
+    """Concatenated sources + a view transform; item ``(index, epoch)`` -> one prepared sample.
 
-    A sample is ``{"crops": List[Tensor (3, h, w) float32], "label": int, "index": int,
-    "skipped": int}``. Augmentations are seeded per sample with ``mix_seed(seed, epoch, index)``
-    on torch's CPU generator (its state is saved and restored around the call), so the views
-    depend only on (seed, epoch, index): not on the worker count, the rank or the world size.
-    A plain int key means epoch 0.
+    A sample is ``{"prepared": the transform's per-image part (pixels and random draws), "label":
+    int, "index": int, "skipped": int}``; :meth:`collate` turns a list of them into a batch (the
+    views of all its images made at once), :meth:`views` gives one sample's views. The draws come
+    from a generator seeded with ``mix_seed(seed, epoch, index)``, so the views depend only on
+    (seed, epoch, index): not on the batch, the worker count, the rank or the world size. A plain
+    int key means epoch 0.
 
     Unreadable images (missing, truncated, not an image) raise a CorruptImageError naming the file
     and the ``<key>.SKIP_CORRUPT`` switch (``key``: the split's config section), or with
@@ -190,8 +204,8 @@ class SSLDataset(Dataset):
         which = bisect.bisect_right(self.offsets, index) - 1
         return self.sources[which], index - self.offsets[which]
 
-    def _load_readable(self, index: int) -> Tuple[Image.Image, int, int, int]:
-        """(image, label, index actually used, images skipped before it)."""
+    def _load_readable(self, index: int) -> Tuple[np.ndarray, int, int, int]:
+        """(pixels, label, index actually used, images skipped before it)."""
         for skipped in range(min(self.length, MAX_CONSECUTIVE_BAD)):
             current = (index + skipped) % self.length
             source, local = self._locate(current)
@@ -218,11 +232,17 @@ class SSLDataset(Dataset):
         if not 0 <= index < self.length:
             raise IndexError(f"index {index} out of range for a data set of {self.length}")
         image, label, used, skipped = self._load_readable(index)
-        with torch.random.fork_rng(devices=[]):
-            # default_generator only: torch.manual_seed would also reseed the trainer's CUDA RNG
-            torch.default_generator.manual_seed(mix_seed(self.seed, epoch, index))
-            crops = self.transform(image)
-        return {"crops": crops, "label": int(label), "index": used, "skipped": skipped}
+        generator = torch.Generator().manual_seed(mix_seed(self.seed, epoch, index))
+        prepared = self.transform.prepare(image, generator)
+        return {"prepared": prepared, "label": int(label), "index": used, "skipped": skipped}
+
+    def collate(self, samples: List[dict]) -> dict:
+        """A batch of samples (see :func:`vistrain.data.collate.collate_multicrop`)."""
+        return collate_multicrop(samples, self.transform)
+
+    def views(self, key: Union[int, Tuple[int, int]]) -> List[torch.Tensor]:
+        """The views of one sample: List[Tensor (3, h, w)], as its batch would hold them."""
+        return [crops[0] for crops in self.collate([self[key]])["crops"]]
 
 
 class IndexSubset(Dataset):
@@ -250,6 +270,13 @@ class IndexSubset(Dataset):
     def __getitem__(self, key: Union[int, Tuple[int, int]]) -> dict:
         index, epoch = key if isinstance(key, tuple) else (key, 0)
         return self.dataset[(self.indices[index], epoch)]
+
+    def collate(self, samples: List[dict]) -> dict:
+        return self.dataset.collate(samples)
+
+    def views(self, key: Union[int, Tuple[int, int]]) -> List[torch.Tensor]:
+        index, epoch = key if isinstance(key, tuple) else (key, 0)
+        return self.dataset.views((self.indices[index], epoch))
 
 
 def build_dataset(

@@ -130,12 +130,11 @@ def split_side(strata: Sequence, split: str, seed: int) -> List[int]:
 
 
 class ElpvSource:
-    """One side of an ELPV split: ``load(i) -> (grayscale "L" image of DECODE_SIZE, class 0..3)``.
+    """One side of an ELPV split: ``load(i) -> (grayscale uint8 (DECODE_SIZE, DECODE_SIZE), class 0..3)``.
 
     ``labels`` (4 classes) and ``types`` follow the split's order; decoded images are cached per
     process as 8-bit arrays. The views are made on the one channel (a third of the work of RGB;
-    hue and saturation jitter are no-ops on it) and turned into three equal channels last
-    (``transforms.ToRGB``).
+    hue and saturation jitter are no-ops on it) and turned into three equal channels last.
     """
 
     name = "elpv"
@@ -157,11 +156,11 @@ class ElpvSource:
     def describe(self, i: int) -> str:
         return self.paths[i]
 
-    def load(self, i: int) -> Tuple[Image.Image, int]:
+    def load(self, i: int) -> Tuple[np.ndarray, int]:
         pixels = self._decoded.get(i)
         if pixels is None:
             image = read_image(self.paths[i]).convert("L")
             if self.decode_size and image.size != (self.decode_size, self.decode_size):
                 image = image.resize((self.decode_size, self.decode_size), Image.BILINEAR, reducing_gap=None)
-            pixels = self._decoded[i] = np.asarray(image)
-        return Image.fromarray(pixels, "L"), self.labels[i]
+            pixels = self._decoded[i] = np.array(image)
+        return pixels, self.labels[i]

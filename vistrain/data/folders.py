@@ -32,11 +32,11 @@ class CorruptImageError(DataError):
     """An image file cannot be read (missing, truncated, not an image); the message names the file."""
 
 
-def read_image(path: str) -> Image.Image:
-    """Decode ``path`` fully into an RGB PIL image (truncated files fail here, not later)."""
+def read_image(path: str, mode: str = "RGB") -> Image.Image:
+    """Decode ``path`` fully into a PIL image of ``mode`` (truncated files fail here, not later)."""
     try:
         with open(path, "rb") as handle:
-            return Image.open(handle).convert("RGB")  # convert() forces the full decode
+            return Image.open(handle).convert(mode)  # convert() forces the full decode
     except FileNotFoundError:
         raise CorruptImageError(f"image file not found: {path}") from None
     except UnidentifiedImageError:  # its message names a file handle, not the file

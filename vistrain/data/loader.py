@@ -8,7 +8,6 @@ from typing import Optional, Sequence
 import torch
 from torch.utils.data import DataLoader
 
-from vistrain.data.collate import collate_multicrop
 from vistrain.data.datasets import IndexSubset, build_dataset
 from vistrain.data.sampler import DistributedSampler
 from vistrain.distributed import comm
@@ -38,7 +37,7 @@ def build_loader(
         indices: use only these samples of the split (e.g. a held-out part), see ``IndexSubset``.
 
     Returns:
-        A DataLoader yielding ``collate_multicrop`` dicts. ``len(loader)`` is the number of
+        A DataLoader yielding ``collate_multicrop`` dicts (``dataset.collate``). ``len(loader)`` is the number of
         iterations of a full epoch on this rank (equal on all ranks). Call
         ``loader.sampler.set_epoch(epoch, start_iteration)`` (or ``vistrain.data.set_epoch``)
         before iterating each epoch; after ``start_iteration=k`` the pass yields
@@ -73,7 +72,7 @@ def build_loader(
         sampler=sampler,
         drop_last=split_cfg.DROP_LAST,  # the sampler already holds whole batches only; kept for clarity
         num_workers=workers,
-        collate_fn=collate_multicrop,
+        collate_fn=dataset.collate,  # the views of a batch are made together
         pin_memory=bool(data_cfg.PIN_MEMORY) and torch.device(device).type == "cuda",
         persistent_workers=workers > 0,
         worker_init_fn=leave_stop_signals_to_the_rank if workers > 0 else None,

@@ -1,7 +1,9 @@
-"""SSL image transforms (config: ``DATA.<split>.TRANSFORMS``), built from torchvision.transforms.
+"""SSL image transforms (config: ``DATA.<split>.TRANSFORMS``): per image the work that must be
+per image, per batch the rest, as tensor operations on all the batch's views at once (``views.py``).
 
 ``multicrop`` (SimCLR, Chen et al. 2020; SwAV multi-crop, Caron et al. 2020): for every resolution
-``i``, ``NUM_CROPS[i]`` views of side ``SIZE_CROPS[i]``, each made independently by
+``i``, ``NUM_CROPS[i]`` views of side ``SIZE_CROPS[i]``, each made independently by the torchvision
+chain
 
     [RandomAffine(AFFINE_DEGREES, translate, scale, shear)]   (digits: small rotations/shifts, black fill)
     -> [RandomApply([ElasticTransform(ELASTIC_ALPHA, ELASTIC_SIGMA)], p=ELASTIC_PROB)]
@@ -9,78 +11,36 @@
     -> RandomHorizontalFlip(HORIZONTAL_FLIP) -> RandomVerticalFlip(VERTICAL_FLIP)
     -> [rotation by 90, 180 or 270 degrees, p=ROTATE_90]   (images with no up: cells, tiles, slides)
     -> RandomApply([ColorJitter(0.8s, 0.8s, 0.8s, 0.2s)], p=0.8) -> RandomGrayscale(0.2)   (s = COLOR_DISTORTION)
-    -> RandomApply([Gaussian blur, sigma ~ U(BLUR_RADIUS)], p=BLUR_PROB)   (PIL filter, as in SwAV/DINO)
+    -> RandomApply([Gaussian blur, sigma ~ U(BLUR_RADIUS)], p=BLUR_PROB)   (as in SwAV/DINO)
     -> RandomSolarize(128, p=SOLARIZE_PROB)
-    -> [to RGB, if a source gave a grayscale image] -> ToTensor -> Normalize(MEAN, STD)
+    -> ToTensor -> Normalize(MEAN, STD)   (a grayscale source's one channel becomes three here)
 
-The affine step is left out when AFFINE_DEGREES, AFFINE_TRANSLATE and AFFINE_SHEAR are 0 and
-AFFINE_SCALE is [1, 1]; every other step whose probability or strength is 0 is left out too. The
-geometric steps come first so that they act on the whole image, before the crop picks a part. The output is a list of float32 tensors
-(3, SIZE_CROPS[i], SIZE_CROPS[i]) in config order, so views of one resolution are consecutive.
+with the same parameter distributions, in float32 (no rounding to 8 bits between steps;
+``tests/test_data.py`` compares the views' statistics with the PIL chain's). The affine step is left
+out when AFFINE_DEGREES, AFFINE_TRANSLATE and AFFINE_SHEAR are 0 and AFFINE_SCALE is [1, 1]; every
+other step whose probability or strength is 0 is left out too. The geometric steps come first so
+that they act on the whole image, before the crop picks a part. A grayscale source's views are made
+on its one channel (a third of the work; saturation, hue and grayscale are no-ops on it). The output
+is a list of float32 tensors (N, 3, SIZE_CROPS[i], SIZE_CROPS[i]) in config order, so views of one
+resolution are consecutive.
 
-``eval``: Resize(RESIZE) -> CenterCrop(CENTER_CROP) -> ToTensor -> Normalize: a one-element list.
+``eval``: Resize(RESIZE) -> CenterCrop(CENTER_CROP) (PIL, per image) -> ToTensor -> Normalize: a
+one-element list.
 
-Randomness: every op draws from torch's global CPU generator. The dataset seeds it per sample
-(see ``vistrain.data.datasets.SSLDataset``), so the views are a function of (seed, epoch, index).
+Randomness: a view's parameters are uniforms drawn, per image, from the generator the dataset seeds
+with (seed, epoch, index) (``vistrain.data.datasets.SSLDataset``), so the views are a function of
+(seed, epoch, index), whatever the batch, the worker count or the rank.
 """
 
+import math
 from typing import Callable, Dict, List, Sequence
 
+import numpy as np
 import torch
-from PIL import Image, ImageFilter
-from torchvision import transforms as T
+from PIL import Image
+from torchvision.transforms import functional as TF
 
-
-class ToRGB:
-    """A grayscale PIL image (a source may hand one over: ELPV) to RGB, last, so that every view
-    before it was made on one channel (a third of the work) and the trunk still sees three."""
-
-    def __call__(self, image: Image.Image) -> Image.Image:
-        return image if image.mode == "RGB" else image.convert("RGB")
-
-
-def _normalize(cfg) -> List[Callable]:
-    if len(cfg.MEAN) != 3 or len(cfg.STD) != 3:
-        raise ValueError(f"TRANSFORMS.MEAN and STD need 3 values each, got {cfg.MEAN} and {cfg.STD}")
-    return [ToRGB(), T.ToTensor(), T.Normalize(mean=list(cfg.MEAN), std=list(cfg.STD))]
-
-
-class RandomRotate90:
-    """With probability ``p``, rotate by 90, 180 or 270 degrees (equally likely; lossless on a
-    square crop). Solar cells, micrographs and satellite tiles have no "up", so these are views of
-    the same thing. Draws from torch's generator, like the torchvision ops."""
-
-    def __init__(self, p: float):
-        self.p = float(p)
-
-    def __call__(self, image: Image.Image) -> Image.Image:
-        if torch.rand(()).item() >= self.p:
-            return image
-        turns = int(torch.randint(1, 4, ()).item())
-        return image.transpose(
-            (Image.Transpose.ROTATE_90, Image.Transpose.ROTATE_180, Image.Transpose.ROTATE_270)[turns - 1]
-        )
-
-    def __repr__(self) -> str:
-        return f"RandomRotate90(p={self.p})"
-
-
-class GaussianBlurPIL:
-    """Blur with sigma ~ U(lo, hi) via PIL (SwAV/DINO style): 10x faster than the tensor kernel on small crops.
-
-    PIL's ``GaussianBlur(radius)`` takes the standard deviation, so no kernel size is needed.
-    The draw uses torch's generator like the torchvision ops, so per-sample seeding covers it.
-    """
-
-    def __init__(self, sigma: Sequence[float]):
-        self.low, self.high = float(sigma[0]), float(sigma[1])
-
-    def __call__(self, image: Image.Image) -> Image.Image:
-        sigma = self.low + (self.high - self.low) * torch.rand(()).item()
-        return image.filter(ImageFilter.GaussianBlur(radius=sigma))
-
-    def __repr__(self) -> str:
-        return f"GaussianBlurPIL(sigma=({self.low}, {self.high}))"
+from vistrain.data import views as V
 
 
 def _check_multicrop(cfg) -> None:
@@ -97,8 +57,6 @@ def _check_multicrop(cfg) -> None:
             raise ValueError(
                 f"TRANSFORMS.CROP_SCALES entries must be [lo, hi] with 0 < lo <= hi <= 1, got {scale}"
             )
-    if not cfg.COLOR_DISTORTION >= 0:
-        raise ValueError(f"TRANSFORMS.COLOR_DISTORTION must be >= 0, got {cfg.COLOR_DISTORTION}")
     if len(cfg.BLUR_RADIUS) != 2 or not 0 < cfg.BLUR_RADIUS[0] <= cfg.BLUR_RADIUS[1]:
         raise ValueError(f"TRANSFORMS.BLUR_RADIUS must be [lo, hi] with 0 < lo <= hi, got {cfg.BLUR_RADIUS}")
     _check_geometric(cfg)
@@ -130,81 +88,233 @@ def _check_geometric(cfg) -> None:
         )
 
 
-def geometric_ops(cfg) -> List[Callable]:
-    """Shape-changing augmentations for glyph-like images (digits, characters), applied to the whole
-    image: RandomAffine (rotation +-AFFINE_DEGREES, shift up to AFFINE_TRANSLATE of the side, zoom
-    in AFFINE_SCALE, shear +-AFFINE_SHEAR degrees, uncovered pixels black) and, with probability
-    ELASTIC_PROB, an elastic distortion (displacement fields of strength ELASTIC_ALPHA pixels,
-    smoothness ELASTIC_SIGMA, Simard et al. 2003). Empty when all are off."""
-    ops: List[Callable] = []
-    lo, hi = (float(v) for v in cfg.AFFINE_SCALE)
-    if cfg.AFFINE_DEGREES > 0 or cfg.AFFINE_TRANSLATE > 0 or cfg.AFFINE_SHEAR > 0 or (lo, hi) != (1.0, 1.0):
-        translate = (cfg.AFFINE_TRANSLATE, cfg.AFFINE_TRANSLATE) if cfg.AFFINE_TRANSLATE > 0 else None
-        ops.append(
-            T.RandomAffine(
-                degrees=cfg.AFFINE_DEGREES,
-                translate=translate,
-                scale=(lo, hi),
-                shear=cfg.AFFINE_SHEAR or None,
-                interpolation=T.InterpolationMode.BILINEAR,
-            )
-        )
-    if cfg.ELASTIC_PROB > 0 and cfg.ELASTIC_ALPHA > 0:
-        elastic = T.ElasticTransform(alpha=float(cfg.ELASTIC_ALPHA), sigma=float(cfg.ELASTIC_SIGMA))
-        ops.append(T.RandomApply([elastic], p=cfg.ELASTIC_PROB))
-    return ops
+def _check_color(cfg) -> None:
+    if not 0 <= cfg.COLOR_DISTORTION <= 2.5:  # the hue shift 0.2 s is at most half a turn
+        raise ValueError(f"TRANSFORMS.COLOR_DISTORTION must be in [0, 2.5], got {cfg.COLOR_DISTORTION}")
 
 
-def ssl_view_transform(cfg, size: int, scale: Sequence[float]) -> Callable[[Image.Image], torch.Tensor]:
-    """One augmented view: PIL RGB image -> float32 tensor (3, size, size)."""
-    ops: List[Callable] = geometric_ops(cfg) + [T.RandomResizedCrop(size, scale=tuple(scale))]
-    if cfg.HORIZONTAL_FLIP > 0:
-        ops.append(T.RandomHorizontalFlip(p=cfg.HORIZONTAL_FLIP))
-    if cfg.VERTICAL_FLIP > 0:
-        ops.append(T.RandomVerticalFlip(p=cfg.VERTICAL_FLIP))
-    if cfg.ROTATE_90 > 0:
-        ops.append(RandomRotate90(cfg.ROTATE_90))
-    strength = cfg.COLOR_DISTORTION
-    if strength > 0:
-        jitter = T.ColorJitter(0.8 * strength, 0.8 * strength, 0.8 * strength, 0.2 * strength)
-        ops += [T.RandomApply([jitter], p=0.8), T.RandomGrayscale(p=0.2)]
-    if cfg.BLUR_PROB > 0:
-        ops.append(T.RandomApply([GaussianBlurPIL(cfg.BLUR_RADIUS)], p=cfg.BLUR_PROB))
-    if cfg.SOLARIZE_PROB > 0:
-        ops.append(T.RandomSolarize(threshold=128, p=cfg.SOLARIZE_PROB))
-    return T.Compose(ops + _normalize(cfg))
+def _layout(**widths: int) -> Dict[str, slice]:
+    """Column slices of the uniform draws of one view, in the given order."""
+    slices, start = {}, 0
+    for name, width in widths.items():
+        slices[name] = slice(start, start + width)
+        start += width
+    return slices
+
+
+# Every view draws these uniforms in [0, 1), whether its config uses them or not (so the draws of a
+# view do not depend on the rest of the config); ``MultiCropTransform.prepare`` draws them.
+DRAWS = _layout(
+    area=10, ratio=10, place=2,  # RandomResizedCrop: 10 attempts (area, aspect), then top, left
+    affine=5,  # angle, shift x, shift y, zoom, shear
+    elastic=1, hflip=1, vflip=1, rotate=2,  # coins; rotate: coin, quarter turns
+    jitter=1, order=4, factors=4,  # coin, the order of the 4 ops, brightness/contrast/saturation/hue
+    gray=1, blur=2, solarize=1,  # coins; blur: coin, sigma
+)  # fmt: skip
+NUM_DRAWS = max(s.stop for s in DRAWS.values())
+
+
+def _column(draws: torch.Tensor, name: str) -> torch.Tensor:
+    """(M, NUM_DRAWS) -> the (M,) or (M, width) columns of ``name``."""
+    part = draws[:, DRAWS[name]]
+    return part.squeeze(1) if part.shape[1] == 1 else part
+
+
+def _uniform(u: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    return low + (high - low) * u
+
+
+def to_pixels(image: np.ndarray) -> torch.Tensor:
+    """A source's uint8 array (H, W) or (H, W, 3) -> uint8 tensor (C, H, W), C = 1 or 3 (shares memory)."""
+    pixels = torch.from_numpy(image)
+    return pixels.unsqueeze(0) if pixels.ndim == 2 else pixels.permute(2, 0, 1)
+
+
+def _stack(pixels: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Same-size uint8 images -> float (N, C, H, W) in [0, 1]; grayscale ones made RGB if any is."""
+    channels = max(p.shape[0] for p in pixels)
+    if any(p.shape[0] != channels for p in pixels):
+        pixels = [p.expand(channels, -1, -1) for p in pixels]
+    return torch.stack(pixels).float().div_(255)
 
 
 class MultiCropTransform:
-    """PIL image -> list of NUM_CROPS[0] views of SIZE_CROPS[0], then NUM_CROPS[1] of SIZE_CROPS[1]..."""
+    """Multi-crop views, made a batch at a time (see the module docstring).
+
+    ``prepare(image, generator)``, per image: its pixels as uint8 (C, H, W) and, per resolution, the
+    uniforms of its views (NUM_CROPS[i], NUM_DRAWS) and, with the elastic step, their noise fields
+    (NUM_CROPS[i], 2, H, W), drawn from ``generator``. ``transform(prepared_list)``, per batch of N:
+    List[Tensor (N, 3, SIZE_CROPS[i], SIZE_CROPS[i]) float32], NUM_CROPS[0] entries, then NUM_CROPS[1]...
+    A view depends only on its image and its draws, not on the rest of the batch.
+    """
 
     def __init__(self, cfg):
         _check_multicrop(cfg)
-        self.views: List[Callable] = []
-        for count, size, scale in zip(cfg.NUM_CROPS, cfg.SIZE_CROPS, cfg.CROP_SCALES):
-            view = ssl_view_transform(cfg, size, scale)
-            self.views += [view] * count
+        _check_color(cfg)
+        self.crops = [
+            (int(c), int(s), tuple(float(v) for v in sc))
+            for c, s, sc in zip(cfg.NUM_CROPS, cfg.SIZE_CROPS, cfg.CROP_SCALES)
+        ]
+        zoom = tuple(float(v) for v in cfg.AFFINE_SCALE)
+        on = cfg.AFFINE_DEGREES > 0 or cfg.AFFINE_TRANSLATE > 0 or cfg.AFFINE_SHEAR > 0 or zoom != (1.0, 1.0)
+        self.affine = (
+            (float(cfg.AFFINE_DEGREES), float(cfg.AFFINE_TRANSLATE), zoom, float(cfg.AFFINE_SHEAR))
+            if on
+            else None
+        )
+        on = cfg.ELASTIC_PROB > 0 and cfg.ELASTIC_ALPHA > 0
+        self.elastic = (
+            (float(cfg.ELASTIC_PROB), float(cfg.ELASTIC_ALPHA), float(cfg.ELASTIC_SIGMA)) if on else None
+        )
+        self.flips = (float(cfg.HORIZONTAL_FLIP), float(cfg.VERTICAL_FLIP), float(cfg.ROTATE_90))
+        self.strength = float(cfg.COLOR_DISTORTION)
+        self.blur = (float(cfg.BLUR_PROB), *(float(v) for v in cfg.BLUR_RADIUS))
+        self.solarize = float(cfg.SOLARIZE_PROB)
+        self.mean, self.std = _mean_std(cfg)
 
-    def __call__(self, image: Image.Image) -> List[torch.Tensor]:
-        return [view(image) for view in self.views]
+    def prepare(self, image: np.ndarray, generator: torch.Generator) -> dict:
+        pixels = to_pixels(image)
+        draws = []
+        for count, _, _ in self.crops:
+            uniforms = torch.rand(count, NUM_DRAWS, generator=generator)
+            noise = None
+            if self.elastic is not None:  # a field for each view the elastic step distorts
+                chosen = sum(coin < self.elastic[0] for coin in _column(uniforms, "elastic").tolist())
+                noise = torch.rand(chosen, 2, *pixels.shape[1:], generator=generator)
+            draws.append((uniforms, noise))
+        return {"pixels": pixels, "draws": draws}
+
+    def __call__(self, prepared: Sequence[dict]) -> List[torch.Tensor]:
+        views: List[torch.Tensor] = []
+        for which, (count, size, scale) in enumerate(self.crops):
+            # view-major rows: row v N + n is view v of sample n
+            u = torch.stack([p["draws"][which][0] for p in prepared], 1).flatten(0, 1)
+            batch = self._colour(self._geometry(prepared, which, u, size, scale), u)
+            batch = V.normalize(batch, self.mean, self.std)
+            views += batch.unflatten(0, (count, len(prepared))).unbind(0)
+        return views
+
+    def _geometry(self, prepared, which: int, u: torch.Tensor, size: int, scale) -> torch.Tensor:
+        """(count N, C, size, size) crops in [0, 1]: images of one size are cropped together."""
+        n = len(prepared)
+        count = u.shape[0] // n
+        groups: Dict[tuple, List[int]] = {}
+        for i, p in enumerate(prepared):
+            groups.setdefault(tuple(p["pixels"].shape[1:]), []).append(i)
+        channels = max(p["pixels"].shape[0] for p in prepared)
+        out = None
+        for members in groups.values():
+            images = _stack([prepared[i]["pixels"] for i in members]).expand(-1, channels, -1, -1)
+            rows = (torch.arange(count)[:, None] * n + torch.tensor(members)).flatten()
+            noise = None
+            if self.elastic is not None:
+                noise = self._noise([prepared[i]["draws"][which][1] for i in members], u[rows])
+            crops = self._crop(images, u[rows], noise, size, scale)
+            if len(groups) == 1:
+                return crops
+            out = crops.new_empty(count * n, *crops.shape[1:]) if out is None else out
+            out[rows] = crops
+        return out
+
+    def _noise(self, fields: Sequence[torch.Tensor], u: torch.Tensor) -> torch.Tensor:
+        """The images' elastic noise fields (k_j, 2, H, W) in the order of the distorted rows of
+        ``u`` (view-major: row v n + j is view v of image j)."""
+        n = len(fields)
+        chosen = (_column(u, "elastic") < self.elastic[0]).nonzero().squeeze(1).tolist()
+        per_image = [iter(f) for f in fields]
+        return torch.stack([next(per_image[row % n]) for row in chosen]) if chosen else fields[0]
+
+    def _crop(self, images: torch.Tensor, u: torch.Tensor, noise, size: int, scale) -> torch.Tensor:
+        """Affine, elastic, random resized crop of (n, C, H, W) images -> (count n, C, size, size);
+        row v n + j of ``u`` is view v of image j; ``noise``: the fields of its distorted rows, in order."""
+        n, _, height, width = images.shape
+        source = torch.arange(u.shape[0]) % n
+        if self.affine is not None or self.elastic is not None:
+            images, source = images[source], torch.arange(u.shape[0])  # a copy per view
+        if self.affine is not None:
+            images = V.warp_affine(images, self._affine_inverse(_column(u, "affine"), height, width))
+        if self.elastic is not None:
+            prob, alpha, sigma = self.elastic
+            chosen = (_column(u, "elastic") < prob).nonzero().squeeze(1)
+            if chosen.numel():
+                images[chosen] = V.elastic(images[chosen], noise, alpha, sigma)
+        m = u.shape[0]
+        boxes = V.crop_boxes(
+            _column(u, "area"), _column(u, "ratio"), _column(u, "place"),
+            torch.full((m,), height), torch.full((m,), width), scale,
+        )  # fmt: skip
+        return V.resized_crops(images, source, boxes, size)
+
+    def _affine_inverse(self, u: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """``RandomAffine.get_params``: angle U(+-degrees), whole-pixel shifts round(U(+-t W)) and
+        round(U(+-t H)), zoom U(AFFINE_SCALE), x shear U(+-shear)."""
+        degrees, translate, zoom, shear = self.affine
+        angle, dx, dy, s, sh = u.unbind(1)
+        tx = _uniform(dx, -translate * width, translate * width).round()
+        ty = _uniform(dy, -translate * height, translate * height).round()
+        return V.affine_inverse(
+            _uniform(angle, -degrees, degrees), tx, ty, _uniform(s, *zoom), _uniform(sh, -shear, shear)
+        )
+
+    def _colour(self, batch: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """Flips, quarter turns, colour jitter, grayscale, blur, solarisation, each with its probability."""
+        hflip, vflip, rotate = self.flips
+        if hflip > 0:
+            V.apply_where(batch, _column(u, "hflip") < hflip, lambda x: x.flip(-1))
+        if vflip > 0:
+            V.apply_where(batch, _column(u, "vflip") < vflip, lambda x: x.flip(-2))
+        if rotate > 0:
+            coin, turns = _column(u, "rotate").unbind(1)
+            V.turn(batch, torch.where(coin < rotate, 1 + (3 * turns).long(), 0))
+        if self.strength > 0:
+            jitter = 0.8 * self.strength
+            lows = torch.tensor([max(0.0, 1 - jitter)] * 3 + [-0.25 * jitter])
+            highs = torch.tensor([1 + jitter] * 3 + [0.25 * jitter])
+            factors = lows + (highs - lows) * _column(u, "factors")
+            order = _column(u, "order").argsort(1)  # a uniformly random order of the four ops
+            V.apply_where(batch, _column(u, "jitter") < 0.8, V.color_jitter, order, factors)
+            if batch.shape[1] == 3:
+                V.apply_where(batch, _column(u, "gray") < 0.2, lambda x: V.grayscale(x).expand(-1, 3, -1, -1))
+        prob, low, high = self.blur
+        if prob > 0:
+            coin, sigma = _column(u, "blur").unbind(1)
+            radius = math.ceil(3 * high)  # the Gaussian's weight beyond 3 sigma is 0.3%
+            V.apply_where(
+                batch, coin < prob, lambda x, s: V.gaussian_blur(x, s, radius), _uniform(sigma, low, high)
+            )
+        if self.solarize > 0:
+            V.apply_where(batch, _column(u, "solarize") < self.solarize, V.solarize)
+        return batch
+
+
+def _mean_std(cfg):
+    if len(cfg.MEAN) != 3 or len(cfg.STD) != 3:
+        raise ValueError(f"TRANSFORMS.MEAN and STD need 3 values each, got {cfg.MEAN} and {cfg.STD}")
+    return [float(v) for v in cfg.MEAN], [float(v) for v in cfg.STD]
 
 
 class EvalTransform:
-    """PIL image -> [float32 tensor (3, CENTER_CROP, CENTER_CROP)]: resize the shorter side, crop the centre."""
+    """Resize the shorter side to RESIZE, crop the centre CENTER_CROP (per image, PIL, bilinear),
+    normalise (per batch): ``transform(prepared_list)`` -> [Tensor (N, 3, CENTER_CROP, CENTER_CROP)]."""
 
     def __init__(self, cfg):
         if cfg.RESIZE < cfg.CENTER_CROP:
             raise ValueError(f"TRANSFORMS.RESIZE ({cfg.RESIZE}) must be >= CENTER_CROP ({cfg.CENTER_CROP})")
-        self.transform = T.Compose([T.Resize(cfg.RESIZE), T.CenterCrop(cfg.CENTER_CROP)] + _normalize(cfg))
+        self.resize, self.crop = int(cfg.RESIZE), int(cfg.CENTER_CROP)
+        self.mean, self.std = _mean_std(cfg)
 
-    def __call__(self, image: Image.Image) -> List[torch.Tensor]:
-        return [self.transform(image)]
+    def prepare(self, image: np.ndarray, generator: torch.Generator = None) -> dict:
+        resized = TF.resize(Image.fromarray(image), self.resize)
+        return {"pixels": to_pixels(np.array(TF.center_crop(resized, self.crop)))}
+
+    def __call__(self, prepared: Sequence[dict]) -> List[torch.Tensor]:
+        return [V.normalize(_stack([p["pixels"] for p in prepared]), self.mean, self.std)]
 
 
 TRANSFORMS: Dict[str, Callable] = {"multicrop": MultiCropTransform, "eval": EvalTransform}
 
 
-def build_transform(transforms_cfg) -> Callable[[Image.Image], List[torch.Tensor]]:
+def build_transform(transforms_cfg):
     """Build the transform named ``transforms_cfg.NAME`` from ``DATA.<split>.TRANSFORMS``."""
     name = transforms_cfg.NAME
     if name not in TRANSFORMS:

@@ -93,6 +93,6 @@ def view_grid(
     one row per image, one column per augmented view (the crops the loss compares)."""
     rows = []
     for index in range(min(count, len(dataset))):
-        crops = dataset[(index, 0)]["crops"]
+        crops = dataset.views((index, 0))
         rows.append([to_pixels(crop, mean, std) for crop in crops])
     return tile(rows, side)

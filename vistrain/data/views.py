@@ -1,0 +1,265 @@
+"""The operations of ``transforms.MultiCropTransform``, each on M views at once.
+
+Images are float32 in [0, 1] of shape (M, C, H, W), C = 1 (grayscale) or 3 (RGB); every random
+parameter is a tensor with one entry per view (M,), so one call does the work that torchvision's
+transforms do one PIL image at a time. Each function follows the torchvision (or PIL) op named in
+its docstring; they differ only in floating point (no rounding to 8 bits between steps) and where
+a docstring says so.
+"""
+
+import math
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+_LUMA = (0.299, 0.587, 0.114)  # ITU-R 601-2, as PIL's convert("L") and torchvision's rgb_to_grayscale
+
+
+def _at(values: torch.Tensor) -> torch.Tensor:
+    """(M,) -> (M, 1, 1, 1), to scale images view by view."""
+    return values.view(-1, 1, 1, 1)
+
+
+def apply_where(
+    images: torch.Tensor, mask: torch.Tensor, op: Callable, *factors: torch.Tensor
+) -> torch.Tensor:
+    """``op(images[i], factors[i]...)`` for the views where ``mask`` (M,) bool is True, in place;
+    the others are left as they are (``RandomApply``)."""
+    chosen = mask.nonzero().squeeze(1)
+    if chosen.numel():
+        images[chosen] = op(images[chosen], *(f[chosen] for f in factors))
+    return images
+
+
+# ------------------------------------------------------------------------------------- geometry
+def crop_boxes(
+    u_area: torch.Tensor,
+    u_ratio: torch.Tensor,
+    u_place: torch.Tensor,
+    heights: torch.Tensor,
+    widths: torch.Tensor,
+    scale: Sequence[float],
+    ratio: Sequence[float] = (3 / 4, 4 / 3),
+) -> torch.Tensor:
+    """``RandomResizedCrop.get_params`` for M views: (M, 4) long boxes (top, left, height, width).
+
+    Each of the attempts (columns of ``u_area``, ``u_ratio`` (M, A), uniforms in [0, 1)) proposes
+    area ``H W U(scale)`` and aspect ``exp(U(log ratio))``, rounded to whole pixels; the first
+    that fits is placed uniformly (``u_place`` (M, 2): top, left). When none fits: the whole image,
+    cropped to the nearest aspect in ``ratio``, centred. ``heights``, ``widths``: (M,) of the images.
+    """
+    h_img, w_img = heights.double()[:, None], widths.double()[:, None]
+    target = h_img * w_img * (scale[0] + (scale[1] - scale[0]) * u_area.double())
+    lo, hi = math.log(ratio[0]), math.log(ratio[1])
+    aspect = torch.exp(lo + (hi - lo) * u_ratio.double())
+    w, h = torch.sqrt(target * aspect).round(), torch.sqrt(target / aspect).round()
+    fits = (w > 0) & (w <= w_img) & (h > 0) & (h <= h_img)
+    first = fits.int().argmax(1, keepdim=True)  # the first attempt that fits (0 if none)
+    found = fits.any(1)
+    w, h = w.gather(1, first).squeeze(1), h.gather(1, first).squeeze(1)
+    h_img, w_img = h_img.squeeze(1), w_img.squeeze(1)
+    in_ratio = w_img / h_img
+    narrow, wide = in_ratio < min(ratio), in_ratio > max(ratio)
+    w_all = torch.where(wide, (h_img * max(ratio)).round(), w_img)
+    h_all = torch.where(narrow, (w_img / min(ratio)).round(), h_img)
+    w, h = torch.where(found, w, w_all), torch.where(found, h, h_all)
+    top = torch.where(found, torch.floor(u_place[:, 0] * (h_img - h + 1)), torch.div(h_img - h, 2).floor())
+    left = torch.where(found, torch.floor(u_place[:, 1] * (w_img - w + 1)), torch.div(w_img - w, 2).floor())
+    return torch.stack([top, left, h, w], 1).long()
+
+
+def _resize_weights(start: torch.Tensor, length: torch.Tensor, size: int, limit: int) -> torch.Tensor:
+    """(M, size, limit) R with R[m] x = the pixels start[m] .. start[m] + length[m] - 1 of a line x
+    (of ``limit`` pixels) resized to ``size`` by PIL's bilinear filter with antialiasing (also
+    torch's ``antialias=True``): output pixel o, centred at c = (o + 1/2) length / size in the span,
+    averages the span's pixels x with weights max(0, 1 - |x + 1/2 - c| / f), f = max(length / size, 1)
+    (a triangle widened when shrinking), normalised to sum 1 within the span."""
+    scale = length.double() / size
+    support = scale.clamp(min=1.0).view(-1, 1, 1)
+    taps = 2 * math.ceil(support.max().item()) + 1
+    centre = ((torch.arange(size, dtype=torch.float64) + 0.5) * scale.view(-1, 1)).unsqueeze(-1)
+    first = torch.trunc(centre - support + 0.5).clamp(min=0)
+    x = first + torch.arange(taps, dtype=torch.float64)  # (M, size, taps) in the span
+    weights = (1 - (x + 0.5 - centre).abs() / support).clamp(min=0) * (x < length.view(-1, 1, 1))
+    weights = weights / weights.sum(-1, keepdim=True)
+    index = start.view(-1, 1, 1) + torch.minimum(x.long(), length.view(-1, 1, 1) - 1)
+    out = torch.zeros(len(start), size, limit)
+    return out.scatter_add_(2, index, weights.float())
+
+
+def resized_crops(images: torch.Tensor, source: torch.Tensor, boxes: torch.Tensor, size: int) -> torch.Tensor:
+    """Crop ``boxes`` (M, 4) (top, left, height, width) of ``images[source]`` ((N, C, H, W), source
+    (M,) long) and resize each to (size, size): (M, C, size, size). As ``RandomResizedCrop``'s
+    (PIL's) bilinear resize with antialiasing: rows then columns, R_y X R_x^T per view."""
+    top, left, height, width = boxes.unbind(1)
+    rows = _resize_weights(top, height, size, images.shape[-2]).unsqueeze(1)
+    columns = _resize_weights(left, width, size, images.shape[-1]).unsqueeze(1)
+    return rows @ images[source] @ columns.transpose(-1, -2)
+
+
+def affine_inverse(
+    angle: torch.Tensor, tx: torch.Tensor, ty: torch.Tensor, scale: torch.Tensor, shear: torch.Tensor
+) -> torch.Tensor:
+    """(M, 2, 3) maps from output to input pixel coordinates, origin at the image centre, of
+    ``F.affine(angle, (tx, ty), scale, shear=(shear, 0))`` (degrees; torchvision's
+    ``_get_inverse_affine_matrix`` with centre 0): the inverse of T(t) R(angle) Sh(shear) S(scale)."""
+    rot, sx = torch.deg2rad(angle.double()), torch.deg2rad(shear.double())
+    a, c = torch.cos(rot), torch.sin(rot)
+    b, d = -a * torch.tan(sx) - c, -c * torch.tan(sx) + a
+    s = scale.double()
+    m00, m01, m10, m11 = d / s, -b / s, -c / s, a / s
+    m02 = -(m00 * tx + m01 * ty)
+    m12 = -(m10 * tx + m11 * ty)
+    return torch.stack([m00, m01, m02, m10, m11, m12], 1).view(-1, 2, 3).float()
+
+
+def _pixel_centres(size: int) -> torch.Tensor:
+    """(size,) centres of the pixels in grid_sample units (-1, 1), align_corners=False."""
+    return torch.linspace((1 - size) / size, (size - 1) / size, size)
+
+
+def warp_affine(images: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``F.affine`` of each view (M, C, H, W) by its ``inverse`` (M, 2, 3) from ``affine_inverse``:
+    bilinear, uncovered pixels 0 (black)."""
+    _, _, h, w = images.shape
+    half = inverse.new_tensor([w / 2, h / 2])
+    xs, ys = _pixel_centres(w) * half[0], _pixel_centres(h) * half[1]  # pixels from the centre
+    m = (inverse / half.view(1, 2, 1)).unsqueeze(-1).unsqueeze(-1)  # input coordinates in grid units
+    grid_x = m[:, 0, 0] * xs + m[:, 0, 1] * ys.view(h, 1) + m[:, 0, 2]
+    grid_y = m[:, 1, 0] * xs + m[:, 1, 1] * ys.view(h, 1) + m[:, 1, 2]
+    grid = torch.stack([grid_x, grid_y], -1)  # (M, H, W, 2)
+    return F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+
+
+def _gaussian_kernels(sigma: torch.Tensor, radius: int) -> torch.Tensor:
+    """(M, 2 radius + 1) normalised Gaussian weights exp(-x^2 / 2 sigma^2), x = -radius..radius."""
+    x = torch.arange(-radius, radius + 1, dtype=torch.float32)
+    weights = torch.exp(-0.5 * (x / sigma.float().view(-1, 1)) ** 2)
+    return weights / weights.sum(1, keepdim=True)
+
+
+def _separable_blur(images: torch.Tensor, kernels: torch.Tensor, mode: str) -> torch.Tensor:
+    """Convolve each view (M, C, H, W) with its kernel (M, K) along x then y, ``mode`` padding
+    (``F.pad``'s modes)."""
+    m, c, h, w = images.shape
+    k = kernels.shape[1]
+    padded = F.pad(images.reshape(1, m * c, h, w), [k // 2] * 4, mode=mode)
+    weights = kernels.repeat_interleave(c, 0).view(m * c, 1, 1, k)
+    rows = F.conv2d(padded, weights, groups=m * c)
+    return F.conv2d(rows, weights.view(m * c, 1, k, 1), groups=m * c).view(m, c, h, w)
+
+
+def _blur_matrix(size: int, sigma: float) -> torch.Tensor:
+    """(size, size) A with A x = x convolved with a Gaussian of ``sigma`` (kernel 8 sigma + 1, odd,
+    as torchvision's), reflected at the ends: a separable 2-D blur is A X A^T."""
+    radius = int(8 * sigma + 1) // 2
+    if radius >= size:
+        raise ValueError(f"an elastic sigma of {sigma} needs images larger than {size} pixels")
+    weights = _gaussian_kernels(torch.tensor([sigma]), radius)[0]
+    source = torch.arange(size).view(-1, 1) + torch.arange(-radius, radius + 1)
+    source = torch.where(source < 0, -source, source)
+    source = torch.where(source >= size, 2 * (size - 1) - source, source)  # reflect, edge not repeated
+    return torch.zeros(size, size).index_put_(
+        (torch.arange(size).view(-1, 1).expand_as(source), source), weights.expand_as(source), accumulate=True
+    )
+
+
+def elastic(images: torch.Tensor, noise: torch.Tensor, alpha: float, sigma: float) -> torch.Tensor:
+    """``ElasticTransform(alpha, sigma)`` of each view (M, C, H, W) (Simard et al. 2003): the
+    displacement field is uniform noise in [-1, 1) (``noise`` (M, 2, H, W) in [0, 1)) smoothed by a
+    Gaussian of ``sigma`` pixels (kernel 8 sigma + 1, reflected at the edges) and scaled by alpha / W
+    (x) and alpha / H (y) grid units; bilinear, uncovered pixels 0."""
+    _, _, h, w = images.shape
+    field = _blur_matrix(h, sigma) @ (noise * 2 - 1) @ _blur_matrix(w, sigma).T
+    field = field * field.new_tensor([alpha / w, alpha / h]).view(1, 2, 1, 1)
+    identity = torch.stack(torch.meshgrid(_pixel_centres(w), _pixel_centres(h), indexing="xy"), -1)
+    grid = identity + field.permute(0, 2, 3, 1)  # (M, H, W, 2): x, y
+    return F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+
+
+def turn(images: torch.Tensor, quarter_turns: torch.Tensor) -> torch.Tensor:
+    """Rotate each square view counter-clockwise by ``quarter_turns`` (M,) x 90 degrees (0..3), as
+    PIL's ``Transpose.ROTATE_90/180/270``."""
+    for k in (1, 2, 3):
+        apply_where(images, quarter_turns == k, lambda x, k=k: torch.rot90(x, k, dims=(-2, -1)))
+    return images
+
+
+# --------------------------------------------------------------------------------------- colour
+def grayscale(images: torch.Tensor) -> torch.Tensor:
+    """(M, 3, H, W) RGB -> (M, 1, H, W) luma 0.299 R + 0.587 G + 0.114 B; one channel is kept."""
+    if images.shape[1] == 1:
+        return images
+    r, g, b = images.unbind(1)
+    return (_LUMA[0] * r + _LUMA[1] * g + _LUMA[2] * b).unsqueeze(1)
+
+
+def _blend(images: torch.Tensor, other: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """factor x images + (1 - factor) x other, clipped to [0, 1] (PIL's ``Image.blend`` with
+    ``ImageEnhance``'s factor)."""
+    return (_at(factor) * images + (1 - _at(factor)) * other).clamp_(0, 1)
+
+
+def brightness(images: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``adjust_brightness``: each view times its factor (M,), clipped."""
+    return (images * _at(factor)).clamp_(0, 1)
+
+
+def contrast(images: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``adjust_contrast``: blend each view with the mean of its grayscale image."""
+    return _blend(images, grayscale(images).mean((1, 2, 3), keepdim=True), factor)
+
+
+def saturation(images: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``adjust_saturation``: blend each RGB view with its grayscale image (a no-op on one channel)."""
+    return images if images.shape[1] == 1 else _blend(images, grayscale(images), factor)
+
+
+def hue(images: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``adjust_hue``: rotate the hue of each RGB view by ``shift`` (M,) turns in [-0.5, 0.5]
+    (HSV round trip, as torchvision's tensor op); a no-op on one channel."""
+    if images.shape[1] == 1:
+        return images
+    value = images.amax(1)
+    chroma = value - images.amin(1)
+    sat = chroma / torch.where(value > 0, value, torch.ones_like(value))
+    safe = torch.where(chroma > 0, chroma, torch.ones_like(chroma))
+    r, g, b = ((value.unsqueeze(1) - images) / safe.unsqueeze(1)).unbind(1)  # distances to the max
+    red, green = value == images[:, 0], value == images[:, 1]
+    sector = torch.where(red, b - g, torch.where(green, 2 + r - b, 4 + g - r))
+    h = torch.remainder(sector / 6 + shift.view(-1, 1, 1), 1.0)
+    # HSV -> RGB: channel n is V - V S clip(min(k, 4 - k), 0, 1) with k = (n + 6 h) mod 6, n = 5, 3, 1
+    k = torch.remainder(torch.tensor([5.0, 3.0, 1.0]).view(1, 3, 1, 1) + 6 * h.unsqueeze(1), 6)
+    ramp = torch.minimum(k, 4 - k).clamp_(0, 1)
+    return (value.unsqueeze(1) * (1 - sat.unsqueeze(1) * ramp)).clamp_(0, 1)
+
+
+JITTER_OPS = (brightness, contrast, saturation, hue)  # ColorJitter's fn_idx 0..3
+
+
+def color_jitter(images: torch.Tensor, order: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """``ColorJitter`` of each view: its four ops in its own ``order`` (M, 4), a permutation of
+    0..3 (brightness, contrast, saturation, hue), with its ``factors`` (M, 4) in that op order."""
+    for slot in range(len(JITTER_OPS)):
+        for op_index, op in enumerate(JITTER_OPS):
+            apply_where(images, order[:, slot] == op_index, op, factors[:, op_index])
+    return images
+
+
+def gaussian_blur(images: torch.Tensor, sigma: torch.Tensor, radius: int) -> torch.Tensor:
+    """Each view blurred by a Gaussian of its ``sigma`` (M,) pixels, truncated at ``radius``,
+    edges repeated (PIL's ``GaussianBlur``, which approximates it by three box blurs)."""
+    return _separable_blur(images, _gaussian_kernels(sigma, radius), "replicate")
+
+
+def solarize(images: torch.Tensor) -> torch.Tensor:
+    """``RandomSolarize(128)``: values >= 128 / 255 inverted."""
+    return torch.where(images >= 128 / 255, 1 - images, images)
+
+
+def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """(M, C, H, W) in [0, 1] -> (M, 3, H, W) (x - mean) / std per channel; one channel becomes
+    three (the trunk takes RGB)."""
+    mean_t, std_t = (torch.tensor(list(v), dtype=images.dtype).view(1, 3, 1, 1) for v in (mean, std))
+    return (images - mean_t) / std_t
