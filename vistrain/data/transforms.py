@@ -11,12 +11,14 @@ chain
     -> RandomHorizontalFlip(HORIZONTAL_FLIP) -> RandomVerticalFlip(VERTICAL_FLIP)
     -> [rotation by 90, 180 or 270 degrees, p=ROTATE_90]   (images with no up: cells, tiles, slides)
     -> RandomApply([ColorJitter(0.8s, 0.8s, 0.8s, 0.2s)], p=0.8) -> RandomGrayscale(0.2)   (s = COLOR_DISTORTION)
-    -> RandomApply([Gaussian blur, sigma ~ U(BLUR_RADIUS)], p=BLUR_PROB)   (as in SwAV/DINO)
+    -> RandomApply([Gaussian blur, sigma ~ U(BLUR_RADIUS)], p=BLUR_PROB)   (PIL's, as in SwAV/DINO)
     -> RandomSolarize(128, p=SOLARIZE_PROB)
     -> ToTensor -> Normalize(MEAN, STD)   (a grayscale source's one channel becomes three here)
 
-with the same parameter distributions, in float32 (no rounding to 8 bits between steps;
-``tests/test_data.py`` compares the views' statistics with the PIL chain's). The affine step is left
+with the same parameter distributions, in float32: PIL rounds to 8 bits after each step (its
+affine step truncates: its digit views are about 0.3 grey levels darker), these ops do not;
+``tests/test_views.py`` checks each op against torchvision's or PIL's and the views' statistics
+against the PIL chain's. The affine step is left
 out when AFFINE_DEGREES, AFFINE_TRANSLATE and AFFINE_SHEAR are 0 and AFFINE_SCALE is [1, 1]; every
 other step whose probability or strength is 0 is left out too. The geometric steps come first so
 that they act on the whole image, before the crop picks a part. A grayscale source's views are made
@@ -32,8 +34,7 @@ with (seed, epoch, index) (``vistrain.data.datasets.SSLDataset``), so the views 
 (seed, epoch, index), whatever the batch, the worker count or the rank.
 """
 
-import math
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -126,7 +127,7 @@ def _uniform(u: torch.Tensor, low: float, high: float) -> torch.Tensor:
 
 def to_pixels(image: np.ndarray) -> torch.Tensor:
     """A source's uint8 array (H, W) or (H, W, 3) -> uint8 tensor (C, H, W), C = 1 or 3 (shares memory)."""
-    pixels = torch.from_numpy(image)
+    pixels = torch.from_numpy(image if image.flags.writeable else image.copy())
     return pixels.unsqueeze(0) if pixels.ndim == 2 else pixels.permute(2, 0, 1)
 
 
@@ -232,7 +233,7 @@ class MultiCropTransform:
         if self.affine is not None or self.elastic is not None:
             images, source = images[source], torch.arange(u.shape[0])  # a copy per view
         if self.affine is not None:
-            images = V.warp_affine(images, self._affine_inverse(_column(u, "affine"), height, width))
+            images = V.warp_affine(images, V.affine_inverse(*self.affine_params(u, height, width)))
         if self.elastic is not None:
             prob, alpha, sigma = self.elastic
             chosen = (_column(u, "elastic") < prob).nonzero().squeeze(1)
@@ -245,16 +246,24 @@ class MultiCropTransform:
         )  # fmt: skip
         return V.resized_crops(images, source, boxes, size)
 
-    def _affine_inverse(self, u: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """``RandomAffine.get_params``: angle U(+-degrees), whole-pixel shifts round(U(+-t W)) and
-        round(U(+-t H)), zoom U(AFFINE_SCALE), x shear U(+-shear)."""
+    def affine_params(self, u: torch.Tensor, height: int, width: int) -> Tuple[torch.Tensor, ...]:
+        """(angle, tx, ty, zoom, shear), each (M,), of the views whose draws are ``u`` (M,
+        NUM_DRAWS), as ``RandomAffine.get_params``: angle U(+-degrees), whole-pixel shifts
+        round(U(+-t W)) and round(U(+-t H)), zoom U(AFFINE_SCALE), x shear U(+-shear)."""
         degrees, translate, zoom, shear = self.affine
-        angle, dx, dy, s, sh = u.unbind(1)
+        angle, dx, dy, s, sh = _column(u, "affine").unbind(1)
         tx = _uniform(dx, -translate * width, translate * width).round()
         ty = _uniform(dy, -translate * height, translate * height).round()
-        return V.affine_inverse(
-            _uniform(angle, -degrees, degrees), tx, ty, _uniform(s, *zoom), _uniform(sh, -shear, shear)
-        )
+        return _uniform(angle, -degrees, degrees), tx, ty, _uniform(s, *zoom), _uniform(sh, -shear, shear)
+
+    def jitter_params(self, u: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(order (M, 4), factors (M, 4)) of the views whose draws are ``u``, as
+        ``ColorJitter.get_params`` for strength s: a uniformly random order of brightness, contrast,
+        saturation, hue; factors U(max(0, 1 - 0.8 s), 1 + 0.8 s) for the first three, U(+-0.2 s) for hue."""
+        jitter = 0.8 * self.strength
+        lows = torch.tensor([max(0.0, 1 - jitter)] * 3 + [-0.25 * jitter])
+        highs = torch.tensor([1 + jitter] * 3 + [0.25 * jitter])
+        return _column(u, "order").argsort(1), lows + (highs - lows) * _column(u, "factors")
 
     def _colour(self, batch: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Flips, quarter turns, colour jitter, grayscale, blur, solarisation, each with its probability."""
@@ -267,21 +276,14 @@ class MultiCropTransform:
             coin, turns = _column(u, "rotate").unbind(1)
             V.turn(batch, torch.where(coin < rotate, 1 + (3 * turns).long(), 0))
         if self.strength > 0:
-            jitter = 0.8 * self.strength
-            lows = torch.tensor([max(0.0, 1 - jitter)] * 3 + [-0.25 * jitter])
-            highs = torch.tensor([1 + jitter] * 3 + [0.25 * jitter])
-            factors = lows + (highs - lows) * _column(u, "factors")
-            order = _column(u, "order").argsort(1)  # a uniformly random order of the four ops
+            order, factors = self.jitter_params(u)
             V.apply_where(batch, _column(u, "jitter") < 0.8, V.color_jitter, order, factors)
             if batch.shape[1] == 3:
                 V.apply_where(batch, _column(u, "gray") < 0.2, lambda x: V.grayscale(x).expand(-1, 3, -1, -1))
         prob, low, high = self.blur
         if prob > 0:
             coin, sigma = _column(u, "blur").unbind(1)
-            radius = math.ceil(3 * high)  # the Gaussian's weight beyond 3 sigma is 0.3%
-            V.apply_where(
-                batch, coin < prob, lambda x, s: V.gaussian_blur(x, s, radius), _uniform(sigma, low, high)
-            )
+            V.apply_where(batch, coin < prob, V.gaussian_blur, _uniform(sigma, low, high))
         if self.solarize > 0:
             V.apply_where(batch, _column(u, "solarize") < self.solarize, V.solarize)
         return batch

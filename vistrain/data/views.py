@@ -247,10 +247,27 @@ def color_jitter(images: torch.Tensor, order: torch.Tensor, factors: torch.Tenso
     return images
 
 
-def gaussian_blur(images: torch.Tensor, sigma: torch.Tensor, radius: int) -> torch.Tensor:
-    """Each view blurred by a Gaussian of its ``sigma`` (M,) pixels, truncated at ``radius``,
-    edges repeated (PIL's ``GaussianBlur``, which approximates it by three box blurs)."""
-    return _separable_blur(images, _gaussian_kernels(sigma, radius), "replicate")
+def _box_kernels(sigma: torch.Tensor, passes: int) -> torch.Tensor:
+    """(M, 2 r + 1) the box of PIL's ``GaussianBlur(sigma)`` (extended box blur, Gwosdek et al.
+    2011): ``passes`` of it have variance sigma^2. Its radius l + a weighs the 2 l + 1 pixels around
+    each one by 1 and the next two by a (0 <= a < 1), over 2 l + 1 + 2 a, with s2 = sigma^2 / passes,
+    l = floor((sqrt(12 s2 + 1) - 1) / 2), a = (2 l + 1) (l (l + 1) - 3 s2) / (6 (s2 - (l + 1)^2))."""
+    var = sigma.double().view(-1, 1) ** 2 / passes
+    whole = torch.floor((torch.sqrt(12 * var + 1) - 1) / 2)
+    part = (2 * whole + 1) * (whole * (whole + 1) - 3 * var) / (6 * (var - (whole + 1) ** 2))
+    reach = int(whole.max().item()) + 1
+    offsets = torch.arange(-reach, reach + 1, dtype=torch.float64).abs()
+    box = torch.where(offsets <= whole, 1.0, torch.where(offsets == whole + 1, part, 0.0))
+    return (box / box.sum(1, keepdim=True)).float()
+
+
+def gaussian_blur(images: torch.Tensor, sigma: torch.Tensor, passes: int = 3) -> torch.Tensor:
+    """Each view (M, C, H, W) blurred as by PIL's ``GaussianBlur(sigma)`` with its ``sigma`` (M,):
+    ``passes`` box blurs along x and y, each repeating the edge pixels of its input."""
+    box = _box_kernels(sigma, passes)
+    for _ in range(passes):
+        images = _separable_blur(images, box, "replicate")
+    return images
 
 
 def solarize(images: torch.Tensor) -> torch.Tensor:
