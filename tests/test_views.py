@@ -85,8 +85,10 @@ def test_colour_ops_match_torchvision():
     # each view's four ops in its own order: order (3, 0, 1, 2) is hue, brightness, contrast, saturation
     order = torch.tensor([[3, 0, 1, 2]] * 5)
     table = torch.stack([factors, factors.flip(0), factors, shifts], 1)
-    out = V.color_jitter(images.clone(), order, table)
-    for m in range(5):
+    chosen = torch.tensor([True, True, False, True, True])
+    out = V.color_jitter(images.clone(), chosen, order, table)
+    assert torch.equal(out[2], images[2])  # not chosen: left as it was
+    for m in (0, 1, 3, 4):
         expected = TF.adjust_hue(images[m], shifts[m].item())
         for op, value in ((TF.adjust_brightness, factors[m]), (TF.adjust_contrast, factors.flip(0)[m])):
             expected = op(expected, value.item())

@@ -221,9 +221,10 @@ class MultiCropTransform:
         """The images' elastic noise fields (k_j, 2, H, W) in the order of the distorted rows of
         ``u`` (view-major: row v n + j is view v of image j)."""
         n = len(fields)
-        chosen = (_column(u, "elastic") < self.elastic[0]).nonzero().squeeze(1).tolist()
-        per_image = [iter(f) for f in fields]
-        return torch.stack([next(per_image[row % n]) for row in chosen]) if chosen else fields[0]
+        chosen = (_column(u, "elastic") < self.elastic[0]).view(-1, n)  # (views, images)
+        first = torch.tensor([0] + [len(f) for f in fields]).cumsum(0)[:-1]  # image j's first field
+        index = first + chosen.long().cumsum(0) - 1  # view v of image j: its field
+        return torch.cat(list(fields))[index[chosen]]
 
     def _crop(self, images: torch.Tensor, u: torch.Tensor, noise, size: int, scale) -> torch.Tensor:
         """Affine, elastic, random resized crop of (n, C, H, W) images -> (count n, C, size, size);
@@ -277,7 +278,7 @@ class MultiCropTransform:
             V.turn(batch, torch.where(coin < rotate, 1 + (3 * turns).long(), 0))
         if self.strength > 0:
             order, factors = self.jitter_params(u)
-            V.apply_where(batch, _column(u, "jitter") < 0.8, V.color_jitter, order, factors)
+            batch = V.color_jitter(batch, _column(u, "jitter") < 0.8, order, factors)
             if batch.shape[1] == 3:
                 V.apply_where(batch, _column(u, "gray") < 0.2, lambda x: V.grayscale(x).expand(-1, 3, -1, -1))
         prob, low, high = self.blur

@@ -139,15 +139,20 @@ def _gaussian_kernels(sigma: torch.Tensor, radius: int) -> torch.Tensor:
     return weights / weights.sum(1, keepdim=True)
 
 
+def _blur_lines(images: torch.Tensor, kernels: torch.Tensor, dim: int, mode: str) -> torch.Tensor:
+    """Convolve each view (M, C, H, W) along ``dim`` (-1: x, -2: y) with its kernel (M, K), K odd,
+    ``mode`` padding (``F.pad``'s): K shifted multiply-adds over the whole batch."""
+    radius, length = kernels.shape[1] // 2, images.shape[dim]
+    padded = F.pad(images, [radius, radius, 0, 0] if dim == -1 else [0, 0, radius, radius], mode=mode)
+    out = torch.zeros_like(images)
+    for tap in range(kernels.shape[1]):
+        out.addcmul_(_at(kernels[:, tap]), padded.narrow(dim, tap, length))
+    return out
+
+
 def _separable_blur(images: torch.Tensor, kernels: torch.Tensor, mode: str) -> torch.Tensor:
-    """Convolve each view (M, C, H, W) with its kernel (M, K) along x then y, ``mode`` padding
-    (``F.pad``'s modes)."""
-    m, c, h, w = images.shape
-    k = kernels.shape[1]
-    padded = F.pad(images.reshape(1, m * c, h, w), [k // 2] * 4, mode=mode)
-    weights = kernels.repeat_interleave(c, 0).view(m * c, 1, 1, k)
-    rows = F.conv2d(padded, weights, groups=m * c)
-    return F.conv2d(rows, weights.view(m * c, 1, k, 1), groups=m * c).view(m, c, h, w)
+    """Convolve each view (M, C, H, W) with its kernel (M, K) along x then y, ``mode`` padding."""
+    return _blur_lines(_blur_lines(images, kernels, -1, mode), kernels, -2, mode)
 
 
 def _blur_matrix(size: int, sigma: float) -> torch.Tensor:
@@ -160,9 +165,7 @@ def _blur_matrix(size: int, sigma: float) -> torch.Tensor:
     source = torch.arange(size).view(-1, 1) + torch.arange(-radius, radius + 1)
     source = torch.where(source < 0, -source, source)
     source = torch.where(source >= size, 2 * (size - 1) - source, source)  # reflect, edge not repeated
-    return torch.zeros(size, size).index_put_(
-        (torch.arange(size).view(-1, 1).expand_as(source), source), weights.expand_as(source), accumulate=True
-    )
+    return torch.zeros(size, size).scatter_add_(1, source, weights.expand_as(source).contiguous())
 
 
 def elastic(images: torch.Tensor, noise: torch.Tensor, alpha: float, sigma: float) -> torch.Tensor:
@@ -238,12 +241,21 @@ def hue(images: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
 JITTER_OPS = (brightness, contrast, saturation, hue)  # ColorJitter's fn_idx 0..3
 
 
-def color_jitter(images: torch.Tensor, order: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-    """``ColorJitter`` of each view: its four ops in its own ``order`` (M, 4), a permutation of
-    0..3 (brightness, contrast, saturation, hue), with its ``factors`` (M, 4) in that op order."""
+def color_jitter(
+    images: torch.Tensor, chosen: torch.Tensor, order: torch.Tensor, factors: torch.Tensor
+) -> torch.Tensor:
+    """``ColorJitter`` of the ``chosen`` (M,) bool views: each view's four ops in its own ``order``
+    (M, 4), a permutation of 0..3 (brightness, contrast, saturation, hue), with its ``factors``
+    (M, 4) in that op order. The other views get factor 1 (brightness, contrast and saturation
+    leave a view exactly as it is then) or no hue step."""
+    ops = JITTER_OPS if images.shape[1] == 3 else JITTER_OPS[:2]  # saturation, hue: no-ops on one channel
     for slot in range(len(JITTER_OPS)):
-        for op_index, op in enumerate(JITTER_OPS):
-            apply_where(images, order[:, slot] == op_index, op, factors[:, op_index])
+        for op_index, op in enumerate(ops):
+            now = chosen & (order[:, slot] == op_index)
+            if op is hue:
+                apply_where(images, now, hue, factors[:, op_index])
+            else:
+                images = op(images, torch.where(now, factors[:, op_index], 1.0))
     return images
 
 
