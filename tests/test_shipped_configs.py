@@ -32,6 +32,7 @@ def shrunk(name, run_dir, cache_dir, *overrides):
         "config.OPTIMIZER.num_epochs=1",
         "config.OPTIMIZER.param_schedulers.lr.warmup_epochs=0.5",  # the ViT demo warms up 5 of 40
         "config.LOG_FREQUENCY=1",
+        "config.DATA.NUM_DATALOADER_WORKERS=0",  # no loader processes to start for 3 steps
         *overrides,
     ]
 
