@@ -199,8 +199,8 @@ def test_elpv_source_on_a_folder_of_the_package_layout(tmp_path):
     assert len(train) + len(test) == 53 and len(test) == 13
     assert not set(train.paths) & set(test.paths)
     image, label = train.load(0)
-    assert image.mode == "L" and image.size == (16, 16) and label == train.labels[0]
-    assert abs(int(np.asarray(image)[0, 0]) - 60 * label) <= 3  # the label's shade
+    assert image.dtype == np.uint8 and image.shape == (16, 16) and label == train.labels[0]  # grayscale
+    assert abs(int(image[0, 0]) - 60 * label) <= 3  # the label's shade
     os.remove(train.paths[0])
     assert train.load(0)[1] == label  # decoded once: kept in memory
     fit, select = (ElpvSource(str(folder), side, split_seed=0) for side in ("train_fit", "train_select"))
@@ -240,7 +240,7 @@ def test_elpv_package_is_read_where_it_is_installed():
     assert (len(train), len(test)) == (1968, 656)
     assert Counter(train.labels + test.labels) == {0: 1508, 1: 295, 2: 106, 3: 715}
     image, _ = test.load(0)
-    assert image.size == (300, 300)
+    assert image.shape == (300, 300)
 
 
 # --------------------------------------------------------------------------------------------
