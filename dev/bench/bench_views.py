@@ -1,9 +1,11 @@
-"""A recipe's wall time, speed and data share with this tree's views against an earlier commit's,
-run alternately, side by side.
+"""Prints a recipe's wall time, img/s and data share from this tree beside an earlier commit's.
 
-    python dev/bench_views.py                          # the quick start as shipped, one round
-    python dev/bench_views.py --recipe pretrain/simclr_regnet_elpv --epochs 3 --rounds 2
-    python dev/bench_views.py --before 8d05dae         # the default: views made one PIL image at a time
+The two trees' runs alternate, side by side (the earlier commit by default: the views made one PIL
+image at a time).
+
+    python dev/bench/bench_views.py                          # the quick start as shipped, one round
+    python dev/bench/bench_views.py --recipe pretrain/simclr_regnet_elpv --epochs 3 --rounds 2
+    python dev/bench/bench_views.py --before 8d05dae         # the default: views made one PIL image at a time
 
 Extracts ``--before`` with ``git archive`` into a temporary folder, then runs
 ``tools/run_distributed.py config=<recipe>`` from that tree and from this one, alternately (the
@@ -26,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BEFORE = "8d05dae"  # the last commit that made the views one PIL image at a time, in the ranks
 
 
