@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-_LUMA = (0.299, 0.587, 0.114)  # ITU-R 601-2, as PIL's convert("L") and torchvision's rgb_to_grayscale
+_LUMA = (0.299, 0.587, 0.114)  # ITU-R 601-2, as PIL's convert("L") (torchvision's tensor op: 0.2989 R)
 
 
 def _at(values: torch.Tensor) -> torch.Tensor:
