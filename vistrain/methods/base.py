@@ -22,6 +22,7 @@ class Criterion(nn.Module):
     state (its ``state_dict()`` goes into every checkpoint, per rank) and says which crops go
     where. The training loop calls it explicitly and never branches on a method::
 
+        criterion.set_iteration(iteration, cfg.SEED_VALUE)
         targets = teacher(criterion.teacher_crops(crops)) if criterion.teacher_momentum else None
         student = criterion.student_crops(crops)
         loss = criterion(model(student, **criterion.masking(student)), len(crops), targets)
@@ -58,6 +59,11 @@ class Criterion(nn.Module):
 
     def set_epoch(self, epoch: int) -> None:
         """Called at the start of every epoch."""
+
+    def set_iteration(self, iteration: int, seed: int) -> None:
+        """Called before every forward with the iterations completed so far (equal on every rank,
+        and the same again after a resume) and the run's SEED_VALUE: what a method needs to draw
+        random numbers that every rank draws alike (LeJEPA's slice directions)."""
 
     def frozen_params(self, model: nn.Module, iteration: int) -> List[nn.Parameter]:
         """Parameters the optimizer must leave alone at this iteration (none by default)."""
