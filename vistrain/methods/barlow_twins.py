@@ -13,6 +13,11 @@ from vistrain.losses.barlow_twins import barlow_twins_loss
 from vistrain.methods.base import Criterion, Head, LossCollective, Method
 from vistrain.models.heads.mlp import MLP
 
+# the loss's peak over the model's activations, in (D, D) fp32 matrices (C, its diagonal-free
+# copy, their squares and gradients): 4.2 where glibc maps and unmaps each (D = 4096), 8-10
+# below its 32 MiB mmap limit (python dev/bench/bench_loss_memory.py)
+PEAK_MATRICES = 5
+
 
 def section() -> CfgNode:
     """LOSS.barlow_twins_loss."""
@@ -54,6 +59,11 @@ def collectives(cfg: CfgNode, world: int) -> List[LossCollective]:
     return [LossCollective(op, view, 2) for op in ("all_gather", "all_reduce")]
 
 
+def loss_memory(cfg: CfgNode) -> int:
+    """``PEAK_MATRICES`` (D, D) fp32 matrices, D the head's output width."""
+    return PEAK_MATRICES * cfg.MODEL.HEAD.DIMS[-1] ** 2 * 4
+
+
 HEAD = Head("barlow_twins", build_head)
 
 METHOD = Method(
@@ -64,4 +74,5 @@ METHOD = Method(
     rules={"off_diagonal_weight": [at_least(0)]},
     max_crops=2,
     collectives=collectives,
+    loss_memory=loss_memory,
 )

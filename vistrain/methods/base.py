@@ -115,6 +115,10 @@ def no_collectives(cfg: CfgNode, world: int) -> List[LossCollective]:
     return []
 
 
+def no_loss_memory(cfg: CfgNode) -> int:
+    return 0
+
+
 Rule = Callable[..., Problem]  # vistrain.config.checks' rules: (value, catalog) -> Problem
 
 
@@ -130,7 +134,9 @@ class Method:
     problem or None, run for the chosen method before the ranks start and when it is built.
     ``teacher``: it trains a momentum teacher (built and wrapped like the student; the planner
     counts its shards). ``min_crops`` / ``max_crops``: the crops per image it takes.
-    ``collectives(cfg, world)``: the loss's own collectives in one step.
+    ``collectives(cfg, world)``: the loss's own collectives in one step. ``loss_memory(cfg)``:
+    the bytes per rank its loss adds at its peak to the model's activations (what autograd saves
+    and the backward's temporaries), where they are not small beside them (the planner).
     """
 
     name: str
@@ -143,6 +149,7 @@ class Method:
     min_crops: int = 2
     max_crops: Optional[int] = None
     collectives: Callable[[CfgNode, int], List[LossCollective]] = no_collectives
+    loss_memory: Callable[[CfgNode], int] = no_loss_memory
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,6 +17,9 @@ from vistrain.models.heads.mlp import MLP
 
 KNOTS = 17  # the Epps-Pulley integral's points on [0, T_MAX] (the paper's and lightly's)
 T_MAX = 3.0
+# the loss's peak over the model's activations, in (V, N, M, K) fp32 tensors: 5.4-8.6 of them
+# (python dev/bench/bench_loss_memory.py; 6.8 at the demo's V = 4, N = 64, M = 1024)
+PEAK_TENSORS = 6.5
 
 
 def section() -> CfgNode:
@@ -78,6 +81,14 @@ def collectives(cfg: CfgNode, world: int) -> List[LossCollective]:
     return [LossCollective(op, sums, 1) for op in ("all_gather", "all_reduce")]
 
 
+def loss_memory(cfg: CfgNode) -> int:
+    """The (V, N, M, K) arguments t x of the characteristic function, their cos and sin and the
+    backward's gradients of them: ``PEAK_TENSORS`` such fp32 tensors at the peak."""
+    views = sum(cfg.DATA.TRAIN.TRANSFORMS.NUM_CROPS)
+    elements = views * cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA * cfg.LOSS.lejepa_loss.num_slices * KNOTS
+    return int(PEAK_TENSORS * elements * 4)
+
+
 HEAD = Head("lejepa", build_head)
 
 METHOD = Method(
@@ -88,4 +99,5 @@ METHOD = Method(
     rules={"num_global_crops": [at_least(1)], "sigreg_weight": [probability], "num_slices": [above(0)]},
     checks=(global_crops_fit,),
     collectives=collectives,
+    loss_memory=loss_memory,
 )

@@ -13,6 +13,11 @@ from vistrain.losses.vicreg import vicreg_loss
 from vistrain.methods.base import Criterion, Head, LossCollective, Method
 from vistrain.models.heads.mlp import MLP
 
+# the loss's peak over the model's activations, in (D, D) fp32 matrices (each view's covariance,
+# its off-diagonal copy and square, their gradients): 5.2 where glibc maps and unmaps each
+# (D = 4096), 13-16 below its 32 MiB mmap limit (python dev/bench/bench_loss_memory.py)
+PEAK_MATRICES = 6
+
 
 def section() -> CfgNode:
     """LOSS.vicreg_loss."""
@@ -57,6 +62,11 @@ def collectives(cfg: CfgNode, world: int) -> List[LossCollective]:
     return [LossCollective(op, view, 2) for op in ("all_gather", "all_reduce")]
 
 
+def loss_memory(cfg: CfgNode) -> int:
+    """``PEAK_MATRICES`` (D, D) fp32 matrices, D the head's output width."""
+    return PEAK_MATRICES * cfg.MODEL.HEAD.DIMS[-1] ** 2 * 4
+
+
 HEAD = Head("vicreg", build_head)
 
 METHOD = Method(
@@ -67,4 +77,5 @@ METHOD = Method(
     rules={key: [at_least(0)] for key in ("invariance_weight", "variance_weight", "covariance_weight")},
     max_crops=2,
     collectives=collectives,
+    loss_memory=loss_memory,
 )
