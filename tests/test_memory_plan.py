@@ -297,6 +297,18 @@ RUNS = {
         "config.MODEL.FSDP_CONFIG.wrap_granularity=model",
         "config.MODEL.FSDP_CONFIG.reshard_after_forward=False",
     ],
+    # the joint-embedding family: MoCo v3's student and teacher (both sharded), LeJEPA's loss
+    # (its (V, N, M, K) tensors, 110 MiB of the peak); 3 steps of the demos
+    "mocov3_demo": [
+        "config=pretrain/mocov3_regnet_demo",
+        "config.MODEL.FSDP_CONFIG.AUTO_TUNE=False",
+        "config.DATA.TRAIN.DATA_LIMIT=384",
+    ],
+    "lejepa_demo": [
+        "config=pretrain/lejepa_regnet_demo",
+        "config.MODEL.FSDP_CONFIG.AUTO_TUNE=False",
+        "config.DATA.TRAIN.DATA_LIMIT=384",
+    ],
     # the quick start's data with the other trunk families at the engine's default knobs
     "resnet18": [*TRUNK_RUN, "config.MODEL.TRUNK.NAME=resnet", "config.MODEL.TRUNK.RESNET.NAME=resnet18",
                  "config.MODEL.HEAD.DIMS=[512,512,128]"],

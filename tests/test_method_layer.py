@@ -39,7 +39,7 @@ from vistrain.planner.traffic import step_collectives
 
 ROOT = pathlib.Path(vistrain.__file__).parent
 REPO = ROOT.parent
-METHOD_NAMES = re.compile(r"simclr|swav|dino|byol", re.IGNORECASE)
+METHOD_NAMES = re.compile(r"simclr|swav|dino|byol|moco|barlow|vicreg|lejepa", re.IGNORECASE)
 # where methods may be named: their own files, and the pure loss math they call
 METHOD_PACKAGES = {"methods", "losses"}
 
@@ -131,7 +131,19 @@ def test_the_registries_agree():
     assert fp32_units(get_defaults().MODEL) == ()
 
 
-@pytest.mark.parametrize("name", ["test/simclr_tiny", "test/swav_tiny", "test/dino_tiny", "test/byol_tiny"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "test/simclr_tiny",
+        "test/swav_tiny",
+        "test/dino_tiny",
+        "test/byol_tiny",
+        "test/mocov3_tiny",
+        "test/barlow_twins_tiny",
+        "test/vicreg_tiny",
+        "test/lejepa_tiny",
+    ],
+)
 def test_a_method_record_says_what_its_criterion_does(name):
     cfg = load_config([f"config={name}"])
     method, criterion = METHODS[cfg.LOSS.NAME], build_method(cfg)

@@ -211,7 +211,8 @@ def test_head_config_errors():
     cfg = model_cfg()
     cfg.HEAD.NAME = "moco"
     with pytest.raises(
-        ValueError, match=r"valid names: \['byol', 'dino', 'identity', 'mae_decoder', 'simclr', 'swav'\]"
+        ValueError,
+        match=r"valid names: \['barlow_twins', 'byol', 'dino', 'identity', 'lejepa', 'mae_decoder', 'moco_v3', 'simclr', 'swav', 'vicreg'\]",
     ):
         build_model(cfg)
     with pytest.raises(ValueError, match="at least two positive sizes"):

@@ -56,13 +56,25 @@ METHODS = {
     "DINO": "pretrain/dino_regnet_demo",
     "BYOL": "pretrain/byol_regnet_demo",
     "MAE-ViT": "pretrain/mae_vit_demo",
+    # the joint-embedding family
+    "MoCo-v3": "pretrain/mocov3_regnet_demo",
+    "MoCo-v3-ViT": "pretrain/mocov3_vit_demo",
+    "BarlowTwins": "pretrain/barlow_twins_regnet_demo",
+    "VICReg": "pretrain/vicreg_regnet_demo",
+    "LeJEPA": "pretrain/lejepa_regnet_demo",
 }
+# the others: benchmark/linear_eval_regnet
 EVAL_CONFIGS = {
     "DINO-ViT": "benchmark/linear_eval_vit",
     "MAE-ViT": "benchmark/finetune_vit",
-}  # the others: benchmark/linear_eval_regnet
-# mean margin over the pixel logistic regression: issue 36 (SimCLR, SwAV), issue 44 (DINO ViT)
-CLAIM_MARGIN = {"SimCLR": 1.0, "SwAV": 0.5, "DINO-ViT": 1.0, "DINO": 0.5, "BYOL": 0.5, "MAE-ViT": 0.0}
+    "MoCo-v3-ViT": "benchmark/linear_eval_vit",
+}
+# mean margin over the pixel logistic regression: issue 36 (SimCLR, SwAV), issue 44 (DINO ViT); the
+# joint-embedding family's demos ask what DINO's and BYOL's ask
+CLAIM_MARGIN = {
+    "SimCLR": 1.0, "SwAV": 0.5, "DINO-ViT": 1.0, "DINO": 0.5, "BYOL": 0.5, "MAE-ViT": 0.0,
+    "MoCo-v3": 0.5, "MoCo-v3-ViT": 0.5, "BarlowTwins": 0.5, "VICReg": 0.5, "LeJEPA": 0.5,
+}  # fmt: skip
 
 
 def parse_args():

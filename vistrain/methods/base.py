@@ -23,6 +23,7 @@ class Criterion(nn.Module):
     state (its ``state_dict()`` goes into every checkpoint, per rank) and says which crops go
     where. The training loop calls it explicitly and never branches on a method::
 
+        criterion.set_iteration(iteration, cfg.SEED_VALUE)
         targets = teacher(criterion.teacher_crops(crops)) if criterion.teacher_momentum else None
         student = criterion.student_crops(crops)
         loss = criterion(model(student, **criterion.masking(student)), len(crops), targets)
@@ -59,6 +60,11 @@ class Criterion(nn.Module):
 
     def set_epoch(self, epoch: int) -> None:
         """Called at the start of every epoch."""
+
+    def set_iteration(self, iteration: int, seed: int) -> None:
+        """Called before every forward with the iterations completed so far (equal on every rank,
+        and the same again after a resume) and the run's SEED_VALUE: what a method needs to draw
+        random numbers that every rank draws alike (LeJEPA's slice directions)."""
 
     def frozen_params(self, model: nn.Module, iteration: int) -> List[nn.Parameter]:
         """Parameters the optimizer must leave alone at this iteration (none by default)."""
@@ -110,6 +116,10 @@ def no_collectives(cfg: CfgNode, world: int) -> List[LossCollective]:
     return []
 
 
+def no_loss_memory(cfg: CfgNode) -> int:
+    return 0
+
+
 Rule = Callable[..., Problem]  # vistrain.config.checks' rules: (value, catalog) -> Problem
 
 
@@ -125,9 +135,11 @@ class Method:
     problem or None, run for the chosen method before the ranks start and when it is built.
     ``teacher``: it trains a momentum teacher (built and wrapped like the student; the planner
     counts its shards). ``min_crops`` / ``max_crops``: the crops per image it takes.
-    ``collectives(cfg, world)``: the loss's own collectives in one step. ``warmups``: keys of its
-    section that are warm-up lengths (``vistrain.config.warmups.Warmup``, the key within the
-    section): a short run shortens those that would outlast it.
+    ``collectives(cfg, world)``: the loss's own collectives in one step. ``loss_memory(cfg)``:
+    the bytes per rank its loss adds at its peak to the model's activations (what autograd saves
+    and the backward's temporaries), where they are not small beside them (the planner).
+    ``warmups``: keys of its section that are warm-up lengths (``vistrain.config.warmups.Warmup``,
+    the key within the section): a short run shortens those that would outlast it.
     """
 
     name: str
@@ -140,6 +152,7 @@ class Method:
     min_crops: int = 2
     max_crops: Optional[int] = None
     collectives: Callable[[CfgNode, int], List[LossCollective]] = no_collectives
+    loss_memory: Callable[[CfgNode], int] = no_loss_memory
     warmups: Tuple[Warmup, ...] = ()
 
 

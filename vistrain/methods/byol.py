@@ -24,7 +24,7 @@ def section() -> CfgNode:
 def head_keys() -> CfgNode:
     """MODEL.HEAD keys of the byol head."""
     c = CfgNode()
-    c.PREDICTOR_DIMS = [128, 512, 128]  # byol: predictor MLP dims (first = DIMS[-1])
+    c.PREDICTOR_DIMS = [128, 512, 128]  # byol, moco_v3: predictor MLP dims (first = DIMS[-1])
     return c
 
 

@@ -4,7 +4,7 @@ trunk, and every method's head)."""
 
 from typing import Dict
 
-from vistrain.methods import byol, dino, mae, simclr, swav
+from vistrain.methods import barlow_twins, byol, dino, lejepa, mae, moco_v3, simclr, swav, vicreg
 from vistrain.methods.base import Head, Method
 from vistrain.models.heads import build_identity_head
 
@@ -14,6 +14,10 @@ METHODS: Dict[str, Method] = {
     "dino_loss": dino.METHOD,
     "byol_loss": byol.METHOD,
     "mae_loss": mae.METHOD,
+    "moco_v3_loss": moco_v3.METHOD,
+    "barlow_twins_loss": barlow_twins.METHOD,
+    "vicreg_loss": vicreg.METHOD,
+    "lejepa_loss": lejepa.METHOD,
 }
 DEFAULT_METHOD = "simclr_loss"  # LOSS.NAME's default; its head is MODEL.HEAD.NAME's
 

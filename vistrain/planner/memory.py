@@ -15,7 +15,9 @@ ceil(n / W) elements, p = fp32 master bytes 4, c = compute bytes: 2 under mixed 
                     shard gradient and no gathered weights: the plan is the larger of the two.
     activations     bytes autograd saves in one forward, measured on the meta device (scaled to
                     2 bytes under mixed precision / AMP); with activation checkpointing the
-                    inputs of the checkpointed modules plus the largest one's own activations
+                    inputs of the checkpointed modules plus the largest one's own activations;
+                    plus what the method's loss holds at its peak (``Method.loss_memory``, e.g.
+                    LeJEPA's (V, N, M, K) characteristic-function arguments)
     teacher params  a method with a momentum teacher (``Method.teacher``): the teacher is built and wrapped
                     like the student, so its shards are another ``params`` (no gradients, no
                     optimizer state); its forward runs under no_grad, resharding each unit after it
@@ -159,7 +161,10 @@ def plan(shape: RunShape, device: str = "cpu") -> MemoryPlan:
         gathered, state["grads"] = _backward_moment(shape, device)
     runtime = runtime_bytes(shape, device) + gather_arena_bytes(shape, device)
     backward_peak = MemoryPlan(
-        gathered_units=gathered, activations=activation_bytes(shape), runtime_overhead=runtime, **state
+        gathered_units=gathered,
+        activations=activation_bytes(shape) + shape.loss_memory,
+        runtime_overhead=runtime,
+        **state,
     )
     if not shape.sharded or shape.step_in_backward:
         return backward_peak

@@ -182,6 +182,7 @@ class RunShape:
     optimizer_states: int  # state tensors per parameter
     teacher: bool  # a momentum teacher, built and wrapped like the student
     loss: Tuple[Collective, ...]  # the loss's own collectives of one step, at this world and batch
+    loss_memory: int  # bytes the loss adds at its peak to the activations (``Method.loss_memory``)
     sync_bn: bool
     sync_bn_group_size: int  # 0: all ranks
     step_in_backward_allowed: bool  # no global clipping nor fp16 scaling (which need every gradient)
@@ -277,6 +278,7 @@ def run_shape(cfg, shapes: Optional[ModelShapes] = None) -> RunShape:
         optimizer_states=optimizer_states(optim),
         teacher=method_of(cfg.LOSS).teacher,
         loss=loss_collectives(cfg, world),
+        loss_memory=method_of(cfg.LOSS).loss_memory(cfg),
         sync_bn=bool(cfg.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN),
         sync_bn_group_size=cfg.MODEL.SYNC_BN_CONFIG.GROUP_SIZE,
         step_in_backward_allowed=not (

@@ -193,6 +193,7 @@ def _train_epochs(cfg, run: _Run, iteration: int) -> None:
             )
             if settings.in_backward is not None and group.is_last:
                 settings.in_backward.freeze(criterion.frozen_params(model, iteration))
+            criterion.set_iteration(iteration, cfg.SEED_VALUE)
             loss = _forward_backward(
                 model, criterion, batch, settings, group, (cfg.CHECKPOINT.DIR, iteration), run.teacher
             )

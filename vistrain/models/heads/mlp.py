@@ -13,14 +13,17 @@ class MLP(nn.Module):
 
     SimCLR (Chen et al., 2020): "a MLP with one hidden layer to obtain z_i = g(h_i) =
     W2 relu(W1 h_i)"; BatchNorm after the hidden Linear follows SimCLR v2 / SwAV; DINO's head
-    uses GELU.
+    uses GELU. ``last_bn`` (with ``use_bn``): a BatchNorm1d without affine parameters after the
+    last Linear too, as MoCo v3's projector and predictor.
     ``forward(x)``: x (N, dims[0]) -> (N, dims[-1]) in the input's dtype (or autocast's).
     Reads the trunk's ``"avgpool"`` feature (``in_feature``).
     """
 
     in_feature = "avgpool"
 
-    def __init__(self, dims: Sequence[int], use_bn: bool = True, activation: str = "relu"):
+    def __init__(
+        self, dims: Sequence[int], use_bn: bool = True, activation: str = "relu", last_bn: bool = False
+    ):
         super().__init__()
         dims = _check_dims(dims)
         layers: List[nn.Module] = []
@@ -30,6 +33,8 @@ class MLP(nn.Module):
                 layers.append(nn.BatchNorm1d(d_out))
             layers.append(nn.GELU() if activation == "gelu" else nn.ReLU(inplace=True))
         layers.append(nn.Linear(dims[-2], dims[-1]))
+        if use_bn and last_bn:
+            layers.append(nn.BatchNorm1d(dims[-1], affine=False))
         self.layers = nn.Sequential(*layers)
         self.dims = dims
 

@@ -1,0 +1,78 @@
+"""Barlow Twins (Zbontar et al., 2021): the cross-correlation matrix of the two views' embeddings,
+each standardised over the global batch, pushed towards the identity
+(``vistrain/losses/barlow_twins.py``); head "barlow_twins": the projector MLP. No teacher, exactly
+two crops per image."""
+
+from typing import List
+
+import torch
+from fvcore.common.config import CfgNode
+
+from vistrain.config.checks import at_least
+from vistrain.losses.barlow_twins import barlow_twins_loss
+from vistrain.methods.base import Criterion, Head, LossCollective, Method
+from vistrain.models.heads.mlp import MLP
+
+# the loss's peak over the model's activations, in (D, D) fp32 matrices (C, its diagonal-free
+# copy, their squares and gradients): 4.2 where glibc maps and unmaps each (D = 4096), 8-10
+# below its 32 MiB mmap limit (python dev/bench/bench_loss_memory.py)
+PEAK_MATRICES = 5
+
+
+def section() -> CfgNode:
+    """LOSS.barlow_twins_loss."""
+    c = CfgNode()
+    # lambda, the weight of the off-diagonal (redundancy reduction) terms: 5e-3 in the paper, for
+    # its 8192-wide projector
+    c.off_diagonal_weight = 5e-3
+    return c
+
+
+def build_head(head_cfg) -> MLP:
+    """Barlow Twins' projector: "three linear layers, each with 8192 output units. The first two
+    layers of the projector are followed by a batch normalization layer and rectified linear
+    units" (``DIMS`` = [input, 8192, 8192, 8192] in the paper)."""
+    return MLP(head_cfg.DIMS, head_cfg.USE_BN)
+
+
+class BarlowTwinsCriterion(Criterion):
+    """Barlow Twins on the projector's (2N, D) output, rows [0, N) view 1 and [N, 2N) view 2:
+    ``sum_i (1 - C_ii)^2 + lambda sum_{i != j} C_ij^2`` with C the (D, D) cross-correlation of the
+    views standardised over the global batch (lightly's ``gather_distributed=True``)."""
+
+    def __init__(self, barlow_cfg, model_cfg=None):
+        super().__init__()
+        self.off_diagonal_weight = float(barlow_cfg.off_diagonal_weight)
+
+    def forward(self, model_output, num_crops: int, teacher_output=None) -> torch.Tensor:
+        if num_crops != 2:
+            raise ValueError(f"barlow_twins_loss needs exactly 2 crops per image, got {num_crops}")
+        if not isinstance(model_output, torch.Tensor) or model_output.shape[0] % 2:
+            raise ValueError("barlow_twins_loss expects a (2N, D) embedding tensor from a barlow_twins head")
+        z_a, z_b = model_output.chunk(2)
+        return barlow_twins_loss(z_a, z_b, self.off_diagonal_weight)
+
+
+def collectives(cfg: CfgNode, world: int) -> List[LossCollective]:
+    """Each view's embeddings all-gathered (B, D) in fp32, and their gradient all-reduced."""
+    view = world * cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA * cfg.MODEL.HEAD.DIMS[-1] * 4
+    return [LossCollective(op, view, 2) for op in ("all_gather", "all_reduce")]
+
+
+def loss_memory(cfg: CfgNode) -> int:
+    """``PEAK_MATRICES`` (D, D) fp32 matrices, D the head's output width."""
+    return PEAK_MATRICES * cfg.MODEL.HEAD.DIMS[-1] ** 2 * 4
+
+
+HEAD = Head("barlow_twins", build_head)
+
+METHOD = Method(
+    name="barlow_twins_loss",
+    criterion=BarlowTwinsCriterion,
+    head=HEAD,
+    section=section,
+    rules={"off_diagonal_weight": [at_least(0)]},
+    max_crops=2,
+    collectives=collectives,
+    loss_memory=loss_memory,
+)
