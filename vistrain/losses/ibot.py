@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vistrain.distributed import comm
+from vistrain.losses.global_batch import compute_dtype
 from vistrain.losses.swav import sinkhorn_knopp
 
 SINKHORN_ITERATIONS = 3  # DINOv2's, for the class and the patch targets
@@ -56,16 +57,17 @@ def ibot_cross_entropy(
         student_temp: the student's temperature.
 
     Returns ``(1 / B) sum_b sum_{l masked in b} -targets_bl . log softmax(s_bl / student_temp)
-    / max(1, masked_b)``.
+    / max(1, masked_b)`` in float32 (float64 for float64 logits).
     """
     if masks.dim() != 2 or int(masks.sum()) != student_logits.shape[0]:
         raise ValueError(
             f"ibot: masks (B, L) must mark the {student_logits.shape[0]} patches scored, "
             f"got shape {tuple(masks.shape)} with {int(masks.sum())} masked"
         )
-    log_probs = F.log_softmax(student_logits.float() / student_temp, dim=-1)
-    loss = -torch.sum(targets.detach().float() * log_probs, dim=-1)  # (M,)
-    per_image = masks.sum(dim=1, keepdim=True).clamp(min=1).float()  # (B, 1)
+    dtype = compute_dtype(student_logits)
+    log_probs = F.log_softmax(student_logits.to(dtype) / student_temp, dim=-1)
+    loss = -torch.sum(targets.detach().to(dtype) * log_probs, dim=-1)  # (M,)
+    per_image = masks.sum(dim=1, keepdim=True).clamp(min=1).to(dtype)  # (B, 1)
     weights = (1.0 / per_image).expand(masks.shape)[masks]  # (M,)
     return (loss * weights).sum() / masks.shape[0]
 
@@ -93,7 +95,7 @@ class IBOTPatchLoss(nn.Module):
         masks: torch.Tensor,
         teacher_temp: float,
     ) -> torch.Tensor:
-        teacher_logits = teacher_logits.detach().float()
+        teacher_logits = teacher_logits.detach().to(compute_dtype(teacher_logits))
         targets = F.softmax((teacher_logits - self.center) / teacher_temp, dim=-1)
         loss = ibot_cross_entropy(student_logits, targets, masks, self.student_temp)
         self.update_center(teacher_logits)
@@ -102,12 +104,7 @@ class IBOTPatchLoss(nn.Module):
     @torch.no_grad()
     def update_center(self, teacher_logits: torch.Tensor) -> None:
         """``c <- m c + (1 - m) (sum of every rank's rows) / (their count)`` (collective)."""
-        stats = torch.cat(
-            [
-                teacher_logits.sum(dim=0),
-                torch.tensor([float(teacher_logits.shape[0])], device=self.center.device),
-            ]
-        )
-        stats = comm.all_reduce_sum(stats)
+        total = teacher_logits.sum(dim=0).to(self.center.dtype)
+        stats = comm.all_reduce_sum(torch.cat([total, total.new_full((1,), teacher_logits.shape[0])]))
         mean = stats[:-1] / stats[-1].clamp(min=1.0)
         self.center.mul_(self.center_momentum).add_(mean.unsqueeze(0), alpha=1 - self.center_momentum)

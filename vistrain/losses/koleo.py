@@ -13,11 +13,13 @@ ranks' gradients.
 import torch
 import torch.nn.functional as F
 
+from vistrain.losses.global_batch import compute_dtype
+
 EPS = 1e-8  # DINOv2's: in the normalisation, the distance and the logarithm
 
 
 def koleo_loss(features: torch.Tensor, eps: float = EPS) -> torch.Tensor:
-    """KoLeo of features (n, D), n >= 2, float32 whatever the input dtype.
+    """KoLeo of features (n, D), n >= 2, in float32 (float64 for float64 features).
 
     The nearest neighbour of each row (largest cosine similarity to another row; no gradient
     through the choice), then ``-mean log(||x_i - x_nn(i) + eps|| + eps)`` on the normalised
@@ -26,7 +28,7 @@ def koleo_loss(features: torch.Tensor, eps: float = EPS) -> torch.Tensor:
     if features.dim() != 2 or features.shape[0] < 2:
         raise ValueError(f"koleo needs (n, D) features with n >= 2, got shape {tuple(features.shape)}")
     with torch.autocast(device_type="cpu" if features.is_meta else features.device.type, enabled=False):
-        x = F.normalize(features.float(), p=2, dim=-1, eps=eps)
+        x = F.normalize(features.to(compute_dtype(features)), p=2, dim=-1, eps=eps)
         with torch.no_grad():
             similarity = x @ x.t()
             similarity.fill_diagonal_(-2.0)  # below any cosine: a row is not its own neighbour
