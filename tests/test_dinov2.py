@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from vistrain.benchmarks import common
+from vistrain.benchmarks.weights import load_weights
 from vistrain.checkpoint import consolidated_state_dict
 from vistrain.config import ConfigError
 from vistrain.distributed.testing import run_on_ranks
@@ -164,7 +164,7 @@ def test_a_trunk_pretrained_with_a_mask_token_is_evaluated(tmp_path):
     weights = f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={tmp_path / 'weights.pt'}"
     cfg = load_config(["config=test/simclr_vit_tiny", "config.MODEL.HEAD.NAME=identity", weights])
     evaluated = build_model(cfg.MODEL)  # the benchmarks' trunk: no mask token
-    common.load_weights(evaluated, cfg.MODEL.WEIGHTS_INIT)
+    load_weights(evaluated, cfg.MODEL.WEIGHTS_INIT)
     torch.testing.assert_close(evaluated.trunk.conv_proj.weight, model.trunk.conv_proj.weight)
 
 
