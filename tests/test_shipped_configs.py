@@ -16,10 +16,16 @@ TRAINING_RECIPES = [
     "pretrain/swav_regnet_demo",
     "pretrain/dino_regnet_demo",
     "pretrain/dino_vit_demo",
+    "pretrain/dinov2_vit_demo",
     "pretrain/byol_regnet_demo",
 ]
 # recipes with a momentum teacher: sharded (student and teacher) and DDP give the same losses
-TEACHER_RECIPES = ["pretrain/dino_regnet_demo", "pretrain/dino_vit_demo", "pretrain/byol_regnet_demo"]
+TEACHER_RECIPES = [
+    "pretrain/dino_regnet_demo",
+    "pretrain/dino_vit_demo",
+    "pretrain/dinov2_vit_demo",
+    "pretrain/byol_regnet_demo",
+]
 
 
 def shrunk(name, run_dir, cache_dir, *overrides):

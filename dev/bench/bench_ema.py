@@ -69,7 +69,8 @@ def _worker(rank, world, argv, steps, threads):
 
     def step(iteration=0):
         targets = teacher(criterion.teacher_crops(crops))
-        loss = criterion(model(criterion.student_crops(crops)), len(crops), targets)
+        student = criterion.student_crops(crops)
+        loss = criterion(model(student, **criterion.masking(student)), len(crops), targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -34,7 +34,8 @@ def load_weights(
         return
     weights_cfg, prefix = network_weights(weights_cfg, weights_from)
     report = load_pretrained(model, weights_cfg, only_prefix=prefix)
-    unexpected = [key for key in report.unexpected if key.startswith("trunk.")]
+    # a masked-image pretraining's mask token (iBOT, DINOv2) is never read without masks
+    unexpected = [key for key in report.unexpected if key.startswith("trunk.") and key != "trunk.mask_token"]
     if report.missing or unexpected:
         raise ValueError(
             f"{weights_cfg.PARAMS_FILE} does not match the trunk of MODEL.TRUNK: "

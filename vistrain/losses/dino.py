@@ -19,6 +19,26 @@ def teacher_temperature(epoch: int, warmup: float, final: float, warmup_epochs: 
     return warmup + (final - warmup) * epoch / (warmup_epochs - 1)
 
 
+def dino_cross_entropy(
+    student: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], student_temp: float
+) -> torch.Tensor:
+    """DINO's cross-entropy averaged over the (teacher crop, other student crop) pairs and the
+    images: ``student`` C tensors (N, K) of logits, one per crop (the global crops first),
+    ``targets`` G tensors (N, K) of the global crops' target distributions (centred and
+    sharpened, or Sinkhorn-Knopp's), ``log softmax(s / student_temp)`` in float32."""
+    log_probs = [F.log_softmax(s.float() / student_temp, dim=-1) for s in student]
+    total, pairs = 0.0, 0
+    for iq, q in enumerate(targets):
+        for v, log_p in enumerate(log_probs):
+            if v == iq:  # the same view: no target for itself
+                continue
+            total = total + torch.sum(-q * log_p, dim=-1).mean()
+            pairs += 1
+    if pairs == 0:
+        raise ValueError("dino_loss needs at least two crops (one teacher crop and another)")
+    return total / pairs
+
+
 class DINOLoss(nn.Module):
     """Cross-entropy between the centred, sharpened teacher and the student over crop pairs.
 
@@ -44,18 +64,9 @@ class DINOLoss(nn.Module):
     ) -> torch.Tensor:
         teacher = [t.detach().float() for t in teacher]
         targets = [F.softmax((t - self.center) / teacher_temp, dim=-1) for t in teacher]
-        log_probs = [F.log_softmax(s.float() / self.student_temp, dim=-1) for s in student]
-        total, pairs = 0.0, 0
-        for iq, q in enumerate(targets):
-            for v, log_p in enumerate(log_probs):
-                if v == iq:  # the same view: no target for itself
-                    continue
-                total = total + torch.sum(-q * log_p, dim=-1).mean()
-                pairs += 1
-        if pairs == 0:
-            raise ValueError("dino_loss needs at least two crops (one teacher crop and another)")
+        loss = dino_cross_entropy(student, targets, self.student_temp)
         self.update_center(torch.cat(teacher))
-        return total / pairs
+        return loss
 
     @torch.no_grad()
     def update_center(self, teacher_output: torch.Tensor) -> None:

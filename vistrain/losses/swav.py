@@ -20,7 +20,7 @@ def sinkhorn_knopp(scores: torch.Tensor, epsilon: float, iterations: int, group=
     batch of B samples: every prototype receives B / K samples' mass, every sample mass 1.
     Q = diag(u) exp(scores / epsilon) diag(v), with ``iterations`` alternating row (prototype)
     and column (sample) normalisations. Row sums, the total mass and B are all-reduced over
-    ``group``, so N may differ between ranks (e.g. queues); column sums are local. The exponent
+    ``group``, so N may differ between ranks (e.g. queues; 0 too); column sums are local. The exponent
     is shifted by the global max of scores / epsilon (exact: the first normalisation removes any
     global factor) so no exp overflows; sums are clamped away from zero so that underflowed
     rows or columns give zeros rather than NaN. In one process this is the plain algorithm.
@@ -29,7 +29,8 @@ def sinkhorn_knopp(scores: torch.Tensor, epsilon: float, iterations: int, group=
         raise ValueError(f"sinkhorn_knopp expects (N, K) scores, got shape {tuple(scores.shape)}")
     with torch.autocast(device_type=scores.device.type, enabled=False):
         logits = scores.detach().to(_compute_dtype(scores)) / epsilon
-        global_max = comm.all_reduce_max(logits.max().reshape(1), group)
+        local_max = logits.max().reshape(1) if logits.numel() else logits.new_full((1,), float("-inf"))
+        global_max = comm.all_reduce_max(local_max, group)  # a rank may hold no rows (iBOT's patches)
         q = torch.exp(logits - global_max).t()  # (K, N)
         stats = torch.stack([q.sum(), torch.tensor(float(q.shape[1]), device=q.device)])
         total, num_samples = comm.all_reduce_sum(stats, group)

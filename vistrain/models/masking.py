@@ -9,7 +9,8 @@ None: torch's default generator, which checkpoints save and restore) and hands i
   "random sampling ... by argsort of noise" (MAE's ``random_masking``);
 * iBOT / DINOv2 replace masked patch embeddings by a learned mask token: :func:`random_mask`
   (per-sample uniform) or :func:`block_mask` (BEiT's blockwise masking: rectangles of random
-  area and aspect until the wanted count is reached) give a boolean (N, L) mask.
+  area and aspect until the wanted count is reached) give a boolean (N, L) mask;
+  :func:`ibot_masks` draws a batch's as DINOv2 does (a share of the images, ratios from a range).
 
 Patch index l is row ``l // w``, column ``l % w`` of the (h, w) grid, as ``conv_proj`` followed by
 ``flatten(2)`` orders tokens; :func:`patchify` orders the pixel targets the same way.
@@ -84,6 +85,34 @@ def block_mask(
         pick = rest[torch.randperm(rest.numel(), generator=generator)[:missing]]
         mask.view(-1)[pick] = True
     return mask
+
+
+def ibot_masks(
+    batch: int,
+    grid: Tuple[int, int],
+    ratio_range: Tuple[float, float],
+    sample_probability: float,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """Boolean (batch, h * w) masks of a batch of images, as DINOv2's collate: a share
+    ``sample_probability`` of the images is masked (at least one), the others not; the masked
+    ones get stratified ratios (image i of n a ratio uniform in the i-th of n equal slices of
+    ``ratio_range``) of their L patches, at least one, in :func:`block_mask` rectangles; the
+    images' order is then shuffled."""
+    low, high = ratio_range
+    if not 0.0 <= low <= high < 1.0 or not 0.0 < sample_probability <= 1.0:
+        raise ValueError(
+            f"need 0 <= ratio_range[0] <= ratio_range[1] < 1 and 0 < sample_probability <= 1, got "
+            f"{list(ratio_range)} and {sample_probability}"
+        )
+    h, w = grid
+    num_masked = min(batch, max(1, int(batch * sample_probability)))
+    step = (high - low) / num_masked
+    masks = torch.zeros(batch, h * w, dtype=torch.bool)
+    for i in range(num_masked):
+        ratio = _uniform(generator, low + i * step, low + (i + 1) * step)
+        masks[i] = block_mask(grid, max(1, int(h * w * ratio)), generator).flatten()
+    return masks[torch.randperm(batch, generator=generator)]
 
 
 def _uniform(generator: Optional[torch.Generator], low: float, high: float) -> float:

@@ -1,6 +1,6 @@
 """Trunk + head, with multi-crop batching. A plain nn.Module: it knows nothing about sharding."""
 
-from typing import List, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -26,6 +26,12 @@ class SSLModel(nn.Module):
     ``mask=``, ``vistrain.models.masking``) go to the trunk and to the head (MAE's decoder puts the
     kept tokens back in place), for crops of one resolution; ``head(trunk(x, **masking)[in_feature],
     **masking)``.
+
+    A head that declares ``by_resolution`` (DINO's on the token sequence: sequences of two
+    resolutions do not concatenate) gets a list instead, one feature per run of equal
+    resolutions, and ``mask=`` a list aligned with it: ``head([f_1, ...], mask=None)`` without
+    masking, else ``mask=[m_1 or None, ...]`` with ``forward(crops, mask=[(N, L) or None, ...])``
+    masking the first crops (a list aligned with them: the global crops; the others unmasked).
     """
 
     def __init__(self, trunk: nn.Module, head: nn.Module):
@@ -42,6 +48,8 @@ class SSLModel(nn.Module):
     def forward(self, crops: Crops, **masking):
         crops = _as_crop_list(crops)
         in_feature = getattr(self.head, "in_feature", None)
+        if getattr(self.head, "by_resolution", False):
+            return self._by_resolution(crops, in_feature, **masking)
         if masking:
             if in_feature is None or len(_same_resolution_runs(crops)) != 1:
                 raise ValueError(
@@ -54,6 +62,33 @@ class SSLModel(nn.Module):
             return self.head(self.trunk(crops[0]))
         features = [self.trunk(torch.cat(group))[in_feature] for group in _same_resolution_runs(crops)]
         return self.head(torch.cat(features))
+
+    def _by_resolution(self, crops: List[torch.Tensor], in_feature: str, mask=None, **others):
+        """``head(features per run, mask=masks per run)``; ``mask`` a list of per-crop (N, L)
+        masks (or None) for the first crops, None for no masking at all."""
+        if others or (mask is not None and (isinstance(mask, torch.Tensor) or len(mask) > len(crops))):
+            raise ValueError("this head takes mask=[a mask (N, L) or None for each of the first crops] only")
+        features, run_masks, start = [], [], 0
+        for run in _same_resolution_runs(crops):
+            masks = [
+                mask[i] if mask is not None and i < len(mask) else None
+                for i in range(start, start + len(run))
+            ]
+            start += len(run)
+            run_mask = _run_mask(run, masks)
+            kwargs = {} if run_mask is None else {"mask": run_mask}
+            features.append(self.trunk(torch.cat(run), **kwargs)[in_feature])
+            run_masks.append(run_mask)
+        return self.head(features, mask=None if mask is None else run_masks)
+
+
+def _run_mask(run: List[torch.Tensor], masks: List[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+    """The masks of a run's crops concatenated (an unmasked crop: all False), None if none is masked."""
+    given = [m for m in masks if m is not None]
+    if not given:
+        return None
+    blank = torch.zeros_like(given[0])
+    return torch.cat([blank if m is None else m for m in masks])
 
 
 def _as_crop_list(crops: Crops) -> List[torch.Tensor]:
