@@ -206,6 +206,11 @@ RULES = {
     "BENCHMARK.WEIGHTS_FROM": [one_of("checkpoint networks")],
     "BENCHMARK.FINETUNE.LABEL_SMOOTHING": [at_least(0), below(1)],
     "BENCHMARK.FINETUNE.HOLDOUT_FRACTION": [above(0), below(1)],
+    "MONITOR.EVERY_EPOCHS": [at_least(0)],
+    "MONITOR.LABEL_FRACTION": [above(0), at_most(1)],
+    "MONITOR.NUM_IMAGES": [at_least(2)],
+    "MONITOR.RANKME_MIN": [at_least(0)],
+    "MONITOR.STD_MIN": [at_least(0), below(1)],
 }
 
 # what DATA_PATHS entries a source reads: must exist and hold something
@@ -410,6 +415,19 @@ def _trunk_features(cfg: CfgNode, catalog: Catalog) -> Problem:
     return None
 
 
+def _monitor_feature(cfg: CfgNode, _: Catalog) -> Problem:
+    """The monitor reads its feature from the training trunk's outputs: MODEL.TRUNK.OUT_FEATURES."""
+    feature, out = cfg.MONITOR.FEATURE, list(cfg.MODEL.TRUNK.OUT_FEATURES)
+    if cfg.JOB != "train" or not cfg.MONITOR.EVERY_EPOCHS or not feature:
+        return None
+    if all(_feature_part_ok(part, out) for part in feature.split("+")):
+        return None
+    return (
+        f"MONITOR.FEATURE must be one of MODEL.TRUNK.OUT_FEATURES {out} (a map may add '@P'; several "
+        f"joined by '+'), or empty for the first; got {feature!r}"
+    )
+
+
 def _feature_part_ok(part: str, valid: Sequence[str]) -> bool:
     """``name`` or ``name@P`` (a stage map pooled to P x P, P >= 1; "avgpool" takes no P)."""
     feature, at, side = part.partition("@")
@@ -518,6 +536,7 @@ CROSS_RULES = (
     _one_view_for_linear_eval,
     _labels_only_where_used,
     _step_in_backward_is_exact,
+    _monitor_feature,
 )
 
 # rules that read the file system (skipped by ``check_config(..., files=False)``)

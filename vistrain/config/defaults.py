@@ -305,6 +305,35 @@ _C.BENCHMARK.FINETUNE.LRS = []
 _C.BENCHMARK.FINETUNE.HOLDOUT_FRACTION = 0.2  # part of TRAIN (stratified) that scores the LRS
 
 
+# ---------------------------------------------------------------------------------------------
+# Watching a run learn (vistrain/training/monitor.py): every EVERY_EPOCHS epochs and after the last
+# one, the trunk of the network BENCHMARK.WEIGHTS_FROM names (in eval mode, no gradients) reads
+# held-out images; their kNN top-1, RankMe and feature std go to the log, metrics.jsonl,
+# TensorBoard (monitor/...) and the run folder's monitor.png. The kNN is the knn job's: DATA.TEST
+# against DATA.TRAIN's images read with DATA.TEST's transform, BENCHMARK.KNN_K / KNN_TEMPERATURE /
+# KNN_CHUNK_SIZE.
+_C.MONITOR = CN()
+_C.MONITOR.EVERY_EPOCHS = 0  # 0: off
+_C.MONITOR.FEATURE = (
+    ""  # trunk feature watched ("": the first MODEL.TRUNK.OUT_FEATURES; maps pooled to BENCHMARK.POOL_SIZE)
+)
+# kNN top-1 when DATA.TRAIN and DATA.TEST read the same sources and every image is labelled (else
+# a note, and RankMe and feature std on NUM_IMAGES of DATA.TRAIN's images)
+_C.MONITOR.KNN = True
+_C.MONITOR.LABEL_FRACTION = (
+    1.0  # the kNN bank: this stratified part of DATA.TRAIN (as the knn job's LABEL_FRACTION)
+)
+_C.MONITOR.NUM_IMAGES = (
+    1024  # without kNN: DATA.TRAIN images (evenly spaced) that RankMe and feature std read
+)
+# Collapse: RankMe below RANKME_MIN or 10x below its peak so far, or feature std below
+# STD_MIN / sqrt(D) (D: the feature's width; ~1 / sqrt(D) when the features spread). One warning
+# line; STOP_ON_COLLAPSE ends the run with exit 3, as a divergence does (the checkpoints are kept)
+_C.MONITOR.RANKME_MIN = 1.5
+_C.MONITOR.STD_MIN = 0.1
+_C.MONITOR.STOP_ON_COLLAPSE = False
+
+
 # The sections whose keys the methods declare (vistrain/methods, a layer above this one): LOSS.NAME's
 # default and a LOSS.<name> section per method, MODEL.HEAD.NAME's default and the MODEL.HEAD keys of
 # the methods' heads

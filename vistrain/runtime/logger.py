@@ -212,6 +212,18 @@ class TrainingMeter:
                 self.writer.add_scalar(f"train/{name}", record[name], record["iteration"])
         self.writer.flush()
 
+    def write_values(self, record: dict, prefix: str) -> None:
+        """Rank 0: ``record`` (``iteration``, ``epoch`` and numbers measured beside the loss, such as
+        the monitor's) as one more metrics.jsonl line, each number as TensorBoard ``<prefix>/<name>``."""
+        if self.writer is None:
+            return
+        self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics_file.flush()
+        for name, value in record.items():
+            if name not in ("iteration", "epoch"):
+                self.writer.add_scalar(f"{prefix}/{name}", value, record["iteration"])
+        self.writer.flush()
+
     def summary(self) -> None:
         """Rank 0: one closing line (time, final loss, throughput); closes the files."""
         total = time.perf_counter() - self.run_start

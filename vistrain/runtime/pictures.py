@@ -4,7 +4,7 @@ folder as a PNG and to TensorBoard as an image (rank 0's writer).
 """
 
 import os
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -96,3 +96,42 @@ def view_grid(
         crops = dataset.views((index, 0))
         rows.append([to_pixels(crop, mean, std) for crop in crops])
     return tile(rows, side)
+
+
+def curves_image(
+    curves: Dict[str, List[Tuple[float, float]]], x_label: str = "epoch", size: Tuple[int, int] = (320, 180)
+) -> Image.Image:
+    """One panel per curve, side by side: ``{title: [(x, y)...]}`` drawn as a polyline with dots,
+    the y range (lowest, highest) written at the panel's left and the x range under it."""
+    width, height = size
+    sheet = Image.new("RGB", (len(curves) * (width + PAD) + PAD, height + 2 * PAD), BACKGROUND)
+    draw = ImageDraw.Draw(sheet)
+    for i, (title, points) in enumerate(curves.items()):
+        _panel(draw, (PAD + i * (width + PAD), PAD, width, height), title, points, x_label)
+    return sheet
+
+
+def _panel(draw, where: Tuple[int, int, int, int], title: str, points, x_label: str) -> None:
+    """One curve in the panel ``where`` = (left, top, width, height)."""
+    left, top, width, height = where
+    margin, ink = 36, (40, 90, 200)
+    box = (left + margin, top + 16, left + width - 8, top + height - 20)
+    draw.rectangle(box, outline=(160, 160, 160))
+    draw.text((left + margin, top), title, fill=TEXT)
+    if not points:
+        return
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
+    draw.text((left, box[1]), f"{y1:.3g}", fill=TEXT)
+    draw.text((left, box[3] - 10), f"{y0:.3g}", fill=TEXT)
+    draw.text((box[0], box[3] + 4), f"{x_label} {x0:g}..{x1:g}", fill=TEXT)
+    fx = [(x - x0) / (x1 - x0) if x1 > x0 else 0.5 for x in xs]
+    fy = [(y - y0) / (y1 - y0) if y1 > y0 else 0.5 for y in ys]
+    line = [
+        (box[0] + 4 + a * (box[2] - box[0] - 8), box[3] - 4 - b * (box[3] - box[1] - 8))
+        for a, b in zip(fx, fy)
+    ]
+    if len(line) > 1:
+        draw.line(line, fill=ink, width=2)
+    for x, y in line:
+        draw.ellipse((x - 2, y - 2, x + 2, y + 2), fill=ink)

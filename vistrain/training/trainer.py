@@ -60,6 +60,7 @@ from vistrain.runtime.pictures import save_picture, view_grid
 from vistrain.runtime.run_setup import record_config, start_run
 from vistrain.runtime.sharding import build_for_run
 from vistrain.runtime.teacher import build_teacher
+from vistrain.training.monitor import Monitor
 from vistrain.training.preemption import BoundaryStop
 from vistrain.training.resume import resume
 
@@ -94,6 +95,11 @@ class _Run:
     @property
     def total_iterations(self) -> int:
         return self.num_epochs * self.layout.iters_per_epoch
+
+    def watched(self, network: str) -> nn.Module:
+        """The network the kNN job would evaluate (BENCHMARK.WEIGHTS_FROM): the student, or the
+        teacher where the run has one."""
+        return self.teacher.model if network == "teacher" and self.teacher is not None else self.model
 
     def checkpointed_models(self):
         """What a checkpoint holds: the student, and the teacher under ``teacher.``."""
@@ -174,6 +180,7 @@ def _train_epochs(cfg, run: _Run, iteration: int) -> None:
         cfg.CHECKPOINT.DIR, cfg.LOG_FREQUENCY, run.total_iterations, settings.device, settings.scaling
     )
     stop = BoundaryStop(cfg, run.total_iterations)  # SIGTERM / SIGUSR1: stop and save at a boundary
+    monitor = Monitor(cfg, run.watched(cfg.BENCHMARK.WEIGHTS_FROM), meter, run.num_epochs, settings.device)
     if meter.writer is not None:  # rank 0: what the loss compares, before the first step
         transforms = cfg.DATA.TRAIN.TRANSFORMS
         views = view_grid(
@@ -216,6 +223,7 @@ def _train_epochs(cfg, run: _Run, iteration: int) -> None:
         last_epoch = epoch + 1 == run.num_epochs
         if saved_at != iteration and (last_epoch or _every(epoch + 1, cfg.CHECKPOINT.CHECKPOINT_FREQUENCY)):
             saved_at = _checkpoint(cfg, meter, run, iteration)
+        monitor.after_epoch(epoch + 1, iteration)  # kNN, RankMe, feature std every MONITOR.EVERY_EPOCHS
     meter.summary()
 
 

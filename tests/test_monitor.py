@@ -1,0 +1,199 @@
+"""The training monitor (vistrain/training/monitor.py): RankMe and feature std against their
+formulas; on real gloo runs of the tiny recipes, the online kNN equals the knn job on the saved
+checkpoint, training is unchanged by the monitor, a collapsing run warns (once) and with
+STOP_ON_COLLAPSE exits 3, bad MONITOR values exit 2, and 2 sharded ranks measure what 1 process does."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.job_processes import RUN, job_env
+from vistrain import cli
+from vistrain.benchmarks.knn import knn
+from vistrain.checkpoint import find_latest_checkpoint
+from vistrain.distributed.testing import run_on_ranks
+from vistrain.methods import build_model, load_config
+from vistrain.runtime.parallel import parallelize
+from vistrain.training.monitor import (
+    Monitor,
+    collapse_reasons,
+    feature_std,
+    is_due,
+    knn_config,
+    rankme,
+    watching,
+)
+from vistrain.training.trainer import train
+
+
+def _tiny(run_dir, *overrides, config="test/simclr_tiny"):
+    return [f"config={config}", f"config.CHECKPOINT.DIR={run_dir}", *overrides]
+
+
+# a real collapse: VICReg's invariance term alone is minimised by a constant output, and at lr 0.5
+# the tiny trunk gets there within its one epoch (RankMe ~1.05, feature std ~0.001)
+COLLAPSING = (
+    "config.LOSS.vicreg_loss.variance_weight=0",
+    "config.LOSS.vicreg_loss.covariance_weight=0",
+    "config.OPTIMIZER.num_epochs=1",
+    "config.OPTIMIZER.param_schedulers.lr.base_value=0.5",
+    "config.MONITOR.EVERY_EPOCHS=1",
+)
+
+
+def _train_on_rank(rank, world_size, argv):
+    train(load_config(argv))
+
+
+def _records(run_dir) -> list:
+    return [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+
+
+# --------------------------------------------------------------------------------------------
+# the measures
+
+
+@pytest.mark.parametrize("rank", [1, 3, 16])
+def test_rankme_of_equal_singular_values_is_the_rank(rank):
+    """r equal non-zero singular values: p_k = 1/r (+ eps), exp(entropy) = r."""
+    basis = torch.linalg.qr(torch.randn(64, 64, dtype=torch.float64))[0]
+    embeddings = 3.0 * basis[:, :rank] @ torch.linalg.qr(torch.randn(32, 32, dtype=torch.float64))[0][:rank]
+    assert rankme(embeddings) == pytest.approx(rank, rel=1e-4)
+
+
+def test_rankme_of_random_low_rank_embeddings():
+    """A random rank-8 (512, 64) matrix: at most 8, and most of it (its singular values spread);
+    full-rank Gaussian (4096, 32) embeddings: close to 32."""
+    generator = torch.Generator().manual_seed(0)
+    low = torch.randn(512, 8, generator=generator) @ torch.randn(8, 64, generator=generator)
+    assert 0.75 * 8 < rankme(low) <= 8 + 1e-3
+    assert rankme(torch.randn(4096, 32, generator=generator)) > 0.95 * 32
+    assert rankme(torch.ones(100, 16)) == pytest.approx(1.0, abs=1e-4)  # one direction: collapsed
+
+
+def test_feature_std_is_the_mean_std_of_normalised_dimensions():
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(20000, 64, generator=generator) * 5 + 0.1
+    assert feature_std(features) == pytest.approx(1 / math.sqrt(64), rel=0.02)  # spread: 1/sqrt(D)
+    assert feature_std(torch.ones(50, 8) * 7) == 0.0  # one point: 0
+    two = torch.tensor([[3.0, 4.0], [0.0, 2.0]])  # normalised rows (0.6, 0.8), (0, 1)
+    expected = (
+        torch.tensor([0.6, 0.0], dtype=torch.float64).std()
+        + torch.tensor([0.8, 1.0], dtype=torch.float64).std()
+    ) / 2
+    assert feature_std(two) == pytest.approx(float(expected), rel=1e-12)
+
+
+def test_collapse_rules():
+    healthy = {"rankme": 12.0, "feature_std": 0.1}
+    assert collapse_reasons(healthy, 12.0, 64, 1.5, 0.1) == ""
+    assert "RANKME_MIN" in collapse_reasons({**healthy, "rankme": 1.2}, 12.0, 64, 1.5, 0.1)
+    assert "fell 10x from its peak 150" in collapse_reasons(healthy, 150.0, 64, 1.5, 0.1)
+    assert collapse_reasons(healthy, 119.0, 64, 1.5, 0.1) == ""
+    assert "STD_MIN / sqrt(64) = 0.0125" in collapse_reasons(
+        {**healthy, "feature_std": 0.01}, 12.0, 64, 1.5, 0.1
+    )
+    assert [e for e in range(1, 8) if is_due(e, 7, 3)] == [3, 6, 7]
+    assert not any(is_due(e, 7, 0) for e in range(1, 8))
+
+
+# --------------------------------------------------------------------------------------------
+# real runs
+
+
+def _knn_job_on_rank(rank, world_size, train_argv, checkpoint, out_dir):
+    cfg = knn_config(load_config(train_argv))
+    cfg.defrost()
+    cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE = str(checkpoint)
+    cfg.MODEL.WEIGHTS_INIT.SKIP_LAYERS = ["head."]
+    cfg.CHECKPOINT.DIR = str(out_dir)
+    cfg.freeze()
+    knn(cfg)
+
+
+def test_online_knn_equals_the_knn_job_and_training_is_unchanged(tmp_path):
+    """2 sharded ranks, a pass after each epoch: the last pass's kNN top-1 is the knn job's on
+    checkpoint_8 exactly; the losses equal those of the run without monitor; a healthy run does
+    not warn; monitor.png is written."""
+    sharded = ("config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True", "config.LOG_FREQUENCY=1")
+    watched = _tiny(tmp_path / "on", *sharded, "config.MONITOR.EVERY_EPOCHS=1")
+    run_on_ranks(_train_on_rank, 2, watched)
+    run_on_ranks(_train_on_rank, 2, _tiny(tmp_path / "off", *sharded))
+    on, off = _records(tmp_path / "on"), _records(tmp_path / "off")
+    monitor = [r for r in on if "rankme" in r]
+    assert [(r["epoch"], r["iteration"]) for r in monitor] == [(0, 4), (1, 8)]
+    assert [(r["iteration"], r["loss"]) for r in on if "loss" in r] == [
+        (r["iteration"], r["loss"]) for r in off
+    ]
+
+    run_on_ranks(_knn_job_on_rank, 2, watched, tmp_path / "on" / "checkpoint_8", tmp_path / "knn")
+    offline = json.loads((tmp_path / "knn" / "metrics.json").read_text())["results"]["avgpool"]
+    assert monitor[-1]["knn_top1"] == offline["top1"]
+    log = (tmp_path / "on" / "log.txt").read_text()
+    assert "monitor epoch 2: knn_top1 " in log and "collapsed" not in log
+    assert (tmp_path / "on" / "monitor.png").stat().st_size > 0
+
+
+def _measure_on_rank(rank, world_size, argv, shard):
+    cfg = load_config(argv)
+    torch.manual_seed(0)
+    model = parallelize(build_model(cfg.MODEL), cfg.MODEL, torch.device("cpu"), shard=shard)
+    out = []
+    for with_knn in (True, False):  # without kNN: RankMe and std of evenly spaced DATA.TRAIN images
+        run_cfg = cfg.clone()
+        run_cfg.defrost()
+        run_cfg.MONITOR.KNN = with_knn
+        with watching(model):
+            out.append(Monitor(run_cfg, model, None, 2, torch.device("cpu")).measure())
+    assert model.training  # put back
+    return out
+
+
+def test_two_sharded_ranks_measure_what_one_process_does(tmp_path):
+    argv = _tiny(tmp_path, "config.MONITOR.EVERY_EPOCHS=1", "config.MONITOR.NUM_IMAGES=21")
+    one = run_on_ranks(_measure_on_rank, 1, argv, False)[0]  # DDP of one
+    two = run_on_ranks(_measure_on_rank, 2, argv, True)
+    assert two[0] == two[1]  # the same numbers on every rank: the collapse decision agrees
+    for (single, dim), (sharded, sharded_dim) in zip(one, two[0]):
+        assert dim == sharded_dim == 16 and single.keys() == sharded.keys()
+        assert single.get("knn_top1") == sharded.get("knn_top1")
+        for name in ("rankme", "feature_std"):
+            assert sharded[name] == pytest.approx(single[name], rel=1e-5)
+    assert "knn_top1" in one[0][0] and "knn_top1" not in one[1][0]
+
+
+def test_a_collapsing_run_warns_once(tmp_path):
+    run_on_ranks(_train_on_rank, 2, _tiny(tmp_path, *COLLAPSING, config="test/vicreg_tiny"))
+    warnings = [line for line in (tmp_path / "log.txt").read_text().splitlines() if "collapsed" in line]
+    assert len(warnings) == 1
+    assert "RankMe" in warnings[0] and "OPTIMIZER.weight_decay" in warnings[0]
+
+
+def test_stop_on_collapse_exits_3_in_one_line_and_keeps_the_checkpoint(tmp_path):
+    argv = _tiny(tmp_path, *COLLAPSING, "config.MONITOR.STOP_ON_COLLAPSE=True", config="test/vicreg_tiny")
+    result = subprocess.run([sys.executable, RUN, *argv], env=job_env(), capture_output=True, text=True)
+    assert result.returncode == 3, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("collapsed: ")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr
+    assert "the representation collapsed by epoch 1" in lines[0]
+    assert find_latest_checkpoint(str(tmp_path)).endswith("checkpoint_4")
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("config.MONITOR.EVERY_EPOCHS=-1", "MONITOR.EVERY_EPOCHS"),
+        ("config.MONITOR.STD_MIN=2.0", "MONITOR.STD_MIN"),
+        ("config.MONITOR.LABEL_FRACTION=0.0", "MONITOR.LABEL_FRACTION"),
+        ("config.MONITOR.FEATURE=s9", "MONITOR.FEATURE"),
+    ],
+)
+def test_bad_monitor_values_exit_2_in_one_line(tmp_path, capsys, override, key):
+    code = cli.main(_tiny(tmp_path, "config.MONITOR.EVERY_EPOCHS=1", override))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and key in err[0], err

@@ -1,0 +1,311 @@
+"""Watching a run learn: the trunk's kNN top-1, RankMe and feature std every ``MONITOR.EVERY_EPOCHS``.
+
+After every N-th epoch and after the last one, :meth:`Monitor.after_epoch` runs the trunk of the
+network the kNN job would evaluate (``BENCHMARK.WEIGHTS_FROM``: the student, or the momentum
+teacher where the run has one) in eval mode, without gradients, on held-out images, and puts back
+its train mode and every random number generator's state: the training run draws the same numbers
+with the monitor on or off. It measures
+
+* **kNN top-1** (%): the ``knn`` job's own code (``vistrain.benchmarks.knn``) on the config
+  :func:`knn_config` gives: DATA.TEST scored against a bank of DATA.TRAIN's images read with
+  DATA.TEST's transform (a stratified ``MONITOR.LABEL_FRACTION`` of them), ``BENCHMARK.KNN_K`` /
+  ``KNN_TEMPERATURE``. Each rank extracts its share; the bank is gathered. So it equals the kNN job
+  run on the checkpoint saved at the same iteration. Skipped with one note when the images are not
+  all labelled or DATA.TEST reads other sources than DATA.TRAIN.
+* **RankMe** (Garrido et al., "RankMe: Assessing the downstream performance of pretrained
+  self-supervised representations by their rank", 2023) of the bank's features (N, D) (without
+  kNN: of ``MONITOR.NUM_IMAGES`` evenly spaced DATA.TRAIN images): ``exp(-sum_k p_k log p_k)`` with
+  ``p_k = s_k / sum_j s_j + eps`` over the singular values s_k; between 1 (every image on one line)
+  and min(N, D).
+* **feature std** (SimSiam's collapse measure, Chen & He 2021): the std over images of each
+  dimension of the L2-normalised features, averaged over dimensions; about 1/sqrt(D) when the
+  features spread over the sphere, 0 when every image maps to one point.
+
+A collapse (RankMe below ``MONITOR.RANKME_MIN`` or 10x below its peak so far, or feature std below
+``MONITOR.STD_MIN / sqrt(D)``) prints one warning naming the knobs to try; with
+``MONITOR.STOP_ON_COLLAPSE`` every rank stops with :class:`CollapseError` (exit 3, as a divergence;
+the checkpoint of that epoch was saved before the pass). Rank 0 writes each pass as one log line,
+one metrics.jsonl record (``knn_top1``, ``rankme``, ``feature_std``), TensorBoard scalars
+``monitor/...`` and, after the last epoch, the curves in ``monitor.png``.
+"""
+
+import contextlib
+import json
+import math
+import os
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from vistrain.benchmarks import common, label_fraction
+from vistrain.benchmarks.knn import build_bank, knn_counts, knn_topk_hits
+from vistrain.checkpoint.rng import capture_rng, restore_rng
+from vistrain.config import InputError
+from vistrain.config.errors import DivergedError
+from vistrain.data import build_loader
+from vistrain.distributed import comm
+from vistrain.fsdp import Backend, backend_of, unwrap
+from vistrain.runtime.logger import logger
+from vistrain.runtime.pictures import curves_image, save_picture
+from vistrain.runtime.precision import amp_dtype
+
+EPS = 1e-7  # RankMe's epsilon (Garrido et al. 2023)
+METRICS = ("knn_top1", "rankme", "feature_std")
+KNOBS = (
+    "lower the lr (OPTIMIZER.param_schedulers.lr.base_value), raise the loss's temperature, check the "
+    "teacher temperature and centring (DINO), lower OPTIMIZER.weight_decay or raise the batch size"
+)
+
+
+class CollapseError(DivergedError):
+    """``MONITOR.STOP_ON_COLLAPSE``: the representation collapsed (one line, exit 3)."""
+
+    kind = "collapsed"
+
+
+# --------------------------------------------------------------------------------------------
+# pure measures
+
+
+def rankme(embeddings: torch.Tensor, eps: float = EPS) -> float:
+    """RankMe of ``embeddings`` (N, D): ``exp(-sum_k p_k log p_k)``, ``p_k = s_k / ||s||_1 + eps``,
+    s the min(N, D) singular values (computed in float64). r equal non-zero singular values give r
+    (to within eps); random Gaussian (N, D) with N >> D gives close to D."""
+    s = torch.linalg.svdvals(embeddings.detach().double())
+    p = s / s.sum().clamp_min(torch.finfo(torch.float64).tiny) + eps
+    return float(torch.exp(-(p * p.log()).sum()))
+
+
+def feature_std(features: torch.Tensor) -> float:
+    """Mean over the D dimensions of the std over the N images (N, D) of the L2-normalised rows."""
+    return float(F.normalize(features.detach().double(), dim=1).std(dim=0).mean())
+
+
+def collapse_reasons(
+    values: Dict[str, float], peak_rankme: float, dim: int, rankme_min: float, std_min: float
+) -> str:
+    """What says the features collapsed ("" when nothing does): RankMe below ``rankme_min`` or
+    10x below ``peak_rankme``, feature std below ``std_min / sqrt(dim)``."""
+    reasons = []
+    if values["rankme"] < rankme_min:
+        reasons.append(f"RankMe {values['rankme']:.2f} < MONITOR.RANKME_MIN {rankme_min:g}")
+    elif values["rankme"] * 10 < peak_rankme:
+        reasons.append(f"RankMe {values['rankme']:.2f} fell 10x from its peak {peak_rankme:.2f}")
+    if values["feature_std"] < std_min / math.sqrt(dim):
+        reasons.append(
+            f"feature std {values['feature_std']:.4f} < MONITOR.STD_MIN / sqrt({dim}) = {std_min / math.sqrt(dim):.4f}"
+        )
+    return "; ".join(reasons)
+
+
+# --------------------------------------------------------------------------------------------
+# configuration
+
+
+def feature_name(cfg) -> str:
+    """The trunk feature watched: MONITOR.FEATURE, or the first of MODEL.TRUNK.OUT_FEATURES."""
+    return cfg.MONITOR.FEATURE or cfg.MODEL.TRUNK.OUT_FEATURES[0]
+
+
+def knn_config(cfg):
+    """The ``knn`` job's config whose result the monitor reproduces on this run's checkpoints
+    (give it MODEL.WEIGHTS_INIT.PARAMS_FILE): DATA.TRAIN read like DATA.TEST, in order, its
+    MONITOR.LABEL_FRACTION; BENCHMARK.FEATURES the watched feature."""
+    out = cfg.clone()
+    out.defrost()
+    out.JOB = "knn"
+    out.DATA = common.holdout_data_config(cfg.DATA)
+    out.DATA.defrost()
+    out.DATA.TRAIN.LABEL_FRACTION = cfg.MONITOR.LABEL_FRACTION
+    out.BENCHMARK.FEATURES = [feature_name(cfg)]
+    out.freeze()
+    return out
+
+
+def is_due(epochs_done: int, num_epochs: int, every: int) -> bool:
+    """A pass after every ``every``-th epoch and after the last one (``every`` 0: never)."""
+    return every > 0 and (epochs_done % every == 0 or epochs_done == num_epochs)
+
+
+# --------------------------------------------------------------------------------------------
+# the trunk of a training network
+
+
+def trunk_call(network: nn.Module) -> Callable[[torch.Tensor], Dict[str, torch.Tensor]]:
+    """images (N, 3, H, W) -> the trunk's feature dict, for a network as the trainer holds it (an
+    SSL model, under DDP or sharded); under ``no_grad`` a sharded one gathers each unit for its
+    forward and frees it after, as the kNN job's frozen trunk does."""
+    backend, model = backend_of(network), unwrap(network)
+    if backend is Backend.BUILTIN:  # the root's own weights gathered around the trunk alone
+        return lambda images: network.run_as_forward(network.module.trunk, (images,), {})
+    if backend is Backend.TORCH:
+        return lambda images: _torch_root_gathered(model, images)
+    return model.trunk
+
+
+def _torch_root_gathered(model: nn.Module, images: torch.Tensor) -> Dict[str, torch.Tensor]:
+    model.unshard()  # fully_shard's root: its own weights; the trunk's units gather themselves
+    try:
+        return model.trunk(images)
+    finally:
+        model.reshard()
+
+
+@contextlib.contextmanager
+def watching(network: nn.Module):
+    """Eval mode, no gradients, rank 0's BatchNorm buffers (those a checkpoint saves) on every rank;
+    afterwards the train mode and every generator's state as they were."""
+    training, rng = network.training, capture_rng()
+    if comm.get_world_size() > 1:
+        for buffer in unwrap(network).buffers():
+            dist.broadcast(buffer, 0)
+    network.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        network.train(training)
+        restore_rng(rng)
+
+
+# --------------------------------------------------------------------------------------------
+# the monitor
+
+
+class Monitor:
+    """The monitor of one training run: its passes, their history (peak RankMe, the curves) and
+    whether it warned. ``network``: the student or teacher as trained; ``meter``: the run's
+    TrainingMeter (it owns metrics.jsonl and TensorBoard)."""
+
+    def __init__(self, cfg, network: nn.Module, meter, num_epochs: int, device: torch.device):
+        self.cfg, self.network, self.meter = cfg, network, meter
+        self.num_epochs, self.device = num_epochs, device
+        self.knn_cfg = knn_config(cfg)
+        self.feature = feature_name(cfg)
+        self.peak_rankme = 0.0
+        self.warned = False
+        self.knn_note: Optional[str] = None  # why there is no kNN, once known
+
+    def after_epoch(self, epochs_done: int, iteration: int) -> None:
+        """Collective: a pass when one is due after ``epochs_done`` epochs; curves after the last."""
+        if not is_due(epochs_done, self.num_epochs, self.cfg.MONITOR.EVERY_EPOCHS):
+            return
+        with watching(self.network):
+            values, dim = self.measure()
+        self._report(values, dim, epochs_done, iteration)
+        if epochs_done == self.num_epochs:
+            self._draw(iteration)
+
+    def measure(self) -> Tuple[Dict[str, float], int]:
+        """Collective (call inside :func:`watching`): ({knn_top1?, rankme, feature_std}, D)."""
+        trunk = trunk_call(self.network)
+        bank = self._knn(trunk) if self.cfg.MONITOR.KNN and self.knn_note is None else None
+        values = {}
+        if bank is None:
+            bank = self._unlabelled_features(trunk)
+        else:
+            bank, values["knn_top1"] = bank
+        values.update(rankme=rankme(bank), feature_std=feature_std(bank))
+        return values, bank.shape[1]
+
+    def _extract(self, trunk, loader):
+        bench = self.cfg.BENCHMARK
+        feats, labels, indices = common.extract(
+            trunk, loader, [self.feature], bench.POOL_SIZE, amp_dtype(self.cfg.MODEL), self.device,
+            bench.FEATURE_VIEWS,
+        )  # fmt: skip
+        return feats[self.feature], labels, indices
+
+    def _knn(self, trunk) -> Optional[Tuple[torch.Tensor, float]]:
+        """(the gathered bank's features (N, D), kNN top-1 %), or None (and a note) without labels."""
+        bench = self.cfg.BENCHMARK
+        loaders = self._labelled_loaders()
+        if loaders is None:
+            return None
+        (train, test), num_classes = loaders
+        train_feats, train_labels, train_indices = self._extract(trunk, train)
+        test_feats, test_labels, test_indices = self._extract(trunk, test)
+        bank, bank_labels = build_bank(F.normalize(train_feats, dim=1), train_labels, train_indices)
+        hits = knn_topk_hits(
+            F.normalize(test_feats, dim=1), test_labels, bank, bank_labels, num_classes, bench.KNN_K,
+            bench.KNN_TEMPERATURE, bench.KNN_CHUNK_SIZE,
+        )  # fmt: skip
+        counts = knn_counts(hits, test_indices)
+        _, (raw,) = common.gather_unique(train_indices, train_feats)  # un-normalised, for RankMe
+        return raw, common.summarise(counts[None], ["knn"])["knn"]["top1"]  # the knn job's arithmetic
+
+    def _labelled_loaders(self):
+        """((bank loader, test loader), classes) of :func:`knn_config`, or None with a note."""
+        cfg = self.knn_cfg
+        if list(cfg.DATA.TRAIN.DATA_SOURCES) != list(cfg.DATA.TEST.DATA_SOURCES):
+            return self._no_knn(
+                f"DATA.TEST reads {list(cfg.DATA.TEST.DATA_SOURCES)}, not DATA.TRAIN's sources "
+                f"{list(cfg.DATA.TRAIN.DATA_SOURCES)}"
+            )
+        test = build_loader(cfg.DATA, "TEST", seed=cfg.SEED_VALUE, device=self.device)
+        try:
+            train = label_fraction.labelled_train_loader(cfg, self.device)[0]
+            num_classes = common.num_classes(train.dataset, test.dataset)
+        except (InputError, ValueError) as error:
+            return self._no_knn(str(error).splitlines()[0])
+        return (train, test), num_classes
+
+    def _no_knn(self, why: str) -> None:
+        self.knn_note = why
+        logger.info(f"monitor: no kNN ({why}); RankMe and feature std on DATA.TRAIN's images")
+        return None
+
+    def _unlabelled_features(self, trunk) -> torch.Tensor:
+        """Features (N, D) of MONITOR.NUM_IMAGES evenly spaced DATA.TRAIN images (read like DATA.TEST)."""
+        data = self.knn_cfg.DATA
+        total = len(build_loader(data, "TRAIN", seed=0, device=self.device).dataset)
+        count = min(total, self.cfg.MONITOR.NUM_IMAGES)
+        indices = torch.linspace(0, total - 1, count).round().long().unique().tolist()
+        loader = common.ordered_loader(data, "TRAIN", self.cfg.SEED_VALUE, self.device, indices)
+        feats, _, positions = self._extract(trunk, loader)
+        return common.gather_unique(positions, feats)[1][0]
+
+    # -- reporting ----------------------------------------------------------------------------
+    def _report(self, values: Dict[str, float], dim: int, epochs_done: int, iteration: int) -> None:
+        monitor = self.cfg.MONITOR
+        self.peak_rankme = max(self.peak_rankme, values["rankme"])
+        line = " ".join(f"{name} {values[name]:.4g}" for name in METRICS if name in values)
+        logger.info(f"monitor epoch {epochs_done}: {line}")
+        self.meter.write_values({"iteration": iteration, "epoch": epochs_done - 1, **values}, "monitor")
+        reasons = collapse_reasons(values, self.peak_rankme, dim, monitor.RANKME_MIN, monitor.STD_MIN)
+        if not reasons:
+            return
+        what = f"the representation collapsed by epoch {epochs_done} ({reasons})"
+        if monitor.STOP_ON_COLLAPSE:  # the same numbers on every rank: every rank stops here
+            raise CollapseError(
+                f"{what}; checkpoints in {self.cfg.CHECKPOINT.DIR} kept (MONITOR.STOP_ON_COLLAPSE); {KNOBS}",
+                agreed=True,
+            )
+        if not self.warned and comm.is_main_process():
+            logger.warning(f"monitor: {what}; {KNOBS}")
+        self.warned = True
+
+    def _draw(self, iteration: int) -> None:
+        """Rank 0: monitor.png from every monitor record in metrics.jsonl (earlier runs of a
+        resumed run included)."""
+        if self.meter.writer is None:
+            return
+        path = os.path.join(self.cfg.CHECKPOINT.DIR, "metrics.jsonl")
+        with open(path) as lines:
+            records = [json.loads(line) for line in lines if '"rankme"' in line]
+        curves: Dict[str, List[Tuple[float, float]]] = {}
+        for name in METRICS:
+            points = [(r["epoch"] + 1, r[name]) for r in records if name in r]
+            if points:
+                curves[name] = points
+        save_picture(
+            curves_image(curves),
+            self.cfg.CHECKPOINT.DIR,
+            "monitor.png",
+            self.meter.writer,
+            "monitor/curves",
+            iteration,
+        )
