@@ -33,6 +33,7 @@ import contextlib
 import json
 import math
 import os
+import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -188,14 +189,18 @@ class Monitor:
         self.peak_rankme = 0.0
         self.warned = False
         self.knn_note: Optional[str] = None  # why there is no kNN, once known
+        self.clock = time.perf_counter()  # the end of the last pass (or the start of training)
 
     def after_epoch(self, epochs_done: int, iteration: int) -> None:
         """Collective: a pass when one is due after ``epochs_done`` epochs; curves after the last."""
         if not is_due(epochs_done, self.num_epochs, self.cfg.MONITOR.EVERY_EPOCHS):
             return
+        start = time.perf_counter()
         with watching(self.network):
             values, dim = self.measure()
-        self._report(values, dim, epochs_done, iteration)
+        self.clock, training = time.perf_counter(), start - self.clock
+        seconds = {"monitor_seconds": self.clock - start, "train_seconds": training}
+        self._report(values, dim, epochs_done, iteration, seconds)
         if epochs_done == self.num_epochs:
             self._draw(iteration)
 
@@ -269,12 +274,17 @@ class Monitor:
         return common.gather_unique(positions, feats)[1][0]
 
     # -- reporting ----------------------------------------------------------------------------
-    def _report(self, values: Dict[str, float], dim: int, epochs_done: int, iteration: int) -> None:
+    def _report(self, values: Dict[str, float], dim: int, epochs_done: int, iteration: int, seconds) -> None:
+        """``seconds``: this pass's and the training's since the previous pass (or the start)."""
         monitor = self.cfg.MONITOR
         self.peak_rankme = max(self.peak_rankme, values["rankme"])
         line = " ".join(f"{name} {values[name]:.4g}" for name in METRICS if name in values)
-        logger.info(f"monitor epoch {epochs_done}: {line}")
-        self.meter.write_values({"iteration": iteration, "epoch": epochs_done - 1, **values}, "monitor")
+        logger.info(
+            f"monitor epoch {epochs_done}: {line} ({seconds['monitor_seconds']:.1f} s; training since "
+            f"the last pass {seconds['train_seconds']:.1f} s)"
+        )
+        record = {"iteration": iteration, "epoch": epochs_done - 1, **values, **seconds}
+        self.meter.write_values(record, "monitor")
         reasons = collapse_reasons(values, self.peak_rankme, dim, monitor.RANKME_MIN, monitor.STD_MIN)
         if not reasons:
             return

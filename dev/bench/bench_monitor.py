@@ -1,0 +1,62 @@
+"""Prints the monitor pass's seconds beside an epoch's, per demo, and its share at MONITOR.EVERY_EPOCHS=N.
+
+The training monitor (kNN top-1, RankMe, feature std: vistrain/training/monitor.py) timed inside
+one run of each demo (the quick start ``regnet_fsdp`` and ``pretrain/dino_vit_demo``, 2 ranks, as
+shipped) with ``MONITOR.EVERY_EPOCHS=1``: each pass records its own seconds (``monitor_seconds``)
+and the training's since the previous pass (``train_seconds``: one epoch, with its checkpoint) in
+metrics.jsonl. Measuring both in the same run keeps a shared machine's load out of the ratio.
+
+    python dev/bench/bench_monitor.py [--epochs 4] [--demos regnet_fsdp pretrain/dino_vit_demo]
+
+Prints per demo every pass (the first epoch holds the start-up and is left out of the median),
+the median pass / epoch ratio and the share of the training time the monitor takes every N epochs:
+pass / (N x epoch + pass).
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def monitor_records(config: str, epochs: int, run_dir: Path) -> list:
+    cmd = [
+        sys.executable, str(REPO / "tools" / "run_distributed.py"), f"config={config}",
+        "config.MONITOR.EVERY_EPOCHS=1", f"config.OPTIMIZER.num_epochs={epochs}",
+        f"config.CHECKPOINT.DIR={run_dir}",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{config} failed (exit {out.returncode}):\n{(out.stdout + out.stderr)[-4000:]}")
+    lines = Path(run_dir, "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "monitor_seconds" in r]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--demos", nargs="+", default=["regnet_fsdp", "pretrain/dino_vit_demo"])
+    args = parser.parse_args()
+    for config in args.demos:
+        with tempfile.TemporaryDirectory() as tmp:
+            records = monitor_records(config, args.epochs, Path(tmp) / "run")
+        print(f"{config}: {args.epochs} epochs, a monitor pass after each")
+        for r in records:
+            knn = f"knn_top1 {r['knn_top1']:.2f}  " if "knn_top1" in r else ""
+            print(
+                f"  epoch {r['epoch'] + 1}: {knn}rankme {r['rankme']:.2f}  feature_std {r['feature_std']:.4f}  "
+                f"pass {r['monitor_seconds']:.2f} s  epoch {r['train_seconds']:.2f} s"
+            )
+        steady = records[1:] or records
+        ratio = statistics.median(r["monitor_seconds"] / r["train_seconds"] for r in steady)
+        shares = "  ".join(f"N={n}: {ratio / (n + ratio):.1%}" for n in (1, 2, 5, 10))
+        print(f"  median pass / epoch {ratio:.3f}; share of the training time every N epochs: {shares}")
+
+
+if __name__ == "__main__":
+    main()
