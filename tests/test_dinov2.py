@@ -20,7 +20,7 @@ from vistrain.losses.ibot import ibot_cross_entropy, sinkhorn_knopp_teacher
 from vistrain.losses.koleo import koleo_loss
 from vistrain.methods import build_method, build_model, load_config
 from vistrain.methods.dino import DINOLastLayer, DINOTokens
-from vistrain.planner.shape import ModelShapes
+from vistrain.planner.shape import ModelShapes, crops_of
 from vistrain.training.resume import resume
 from vistrain.training.trainer import _build, train
 
@@ -151,11 +151,11 @@ def test_what_dinov2_cannot_train_is_one_line(overrides, message):
 
 def test_the_planner_traces_the_head_on_the_token_sequence():
     cfg = _cfg()
-    total, _, _ = ModelShapes(cfg.MODEL).activations(cfg.DATA.TRAIN, 4, None)
+    total, _, _ = ModelShapes(cfg.MODEL).activations(crops_of(cfg.DATA.TRAIN), 4, None)
     plain = load_config(["config=test/dinov2_tiny", "config.MODEL.HEAD.SEQUENCE=False"]).MODEL
     plain.defrost()
     plain.HEAD.PATCH_OUT_DIM, plain.TRUNK.OUT_FEATURES = 0, ["avgpool"]
-    assert total > ModelShapes(plain).activations(cfg.DATA.TRAIN, 4, None)[0] > 0
+    assert total > ModelShapes(plain).activations(crops_of(cfg.DATA.TRAIN), 4, None)[0] > 0
 
 
 def test_a_trunk_pretrained_with_a_mask_token_is_evaluated(tmp_path):

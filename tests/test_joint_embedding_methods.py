@@ -22,7 +22,7 @@ from vistrain.losses.vicreg import vicreg_loss
 from vistrain.methods import METHODS, build_method, build_model, check_config, load_config
 from vistrain.methods.lejepa import LeJEPACriterion
 from vistrain.planner.memory import plan
-from vistrain.planner.shape import MIB, ModelShapes
+from vistrain.planner.shape import MIB, ModelShapes, run_shape
 from vistrain.planner.traffic import step_collectives
 from vistrain.training.resume import resume
 from vistrain.training.trainer import _build, train
@@ -169,11 +169,9 @@ def test_the_planner_counts_the_teacher_the_losss_collectives_and_its_memory():
     found = {}
     for name, recipe in TINY.items():
         cfg = load_config([f"config={recipe}", "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True"])
-        shapes = ModelShapes(cfg.MODEL, 100.0)
-        found[name] = sorted(
-            (c.op, c.nbytes, c.calls) for c in step_collectives(cfg, shapes) if c.what == "loss"
-        )
-        planned = plan(cfg, shapes=shapes)
+        shape = run_shape(cfg, ModelShapes(cfg.MODEL, 100.0))
+        found[name] = sorted((c.op, c.nbytes, c.calls) for c in step_collectives(shape) if c.what == "loss")
+        planned = plan(shape)
         assert (
             planned.teacher_params == (planned.params if name == "moco_v3_loss" else 0) and planned.params > 0
         )
@@ -190,7 +188,7 @@ def test_the_planner_counts_the_teacher_the_losss_collectives_and_its_memory():
     assert METHODS["lejepa_loss"].loss_memory(demo) / MIB == pytest.approx(6.5 * 4 * 64 * 1024 * 17 * 4 / MIB)
     fewer = load_config(["config=pretrain/lejepa_regnet_demo", "config.LOSS.lejepa_loss.num_slices=256"])
     shapes = ModelShapes(demo.MODEL, 100.0)
-    saved = plan(demo, shapes=shapes).activations - plan(fewer, shapes=shapes).activations
+    saved = plan(run_shape(demo, shapes)).activations - plan(run_shape(fewer, shapes)).activations
     assert saved == METHODS["lejepa_loss"].loss_memory(demo) * 3 / 4
 
 
