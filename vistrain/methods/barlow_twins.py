@@ -3,14 +3,19 @@ each standardised over the global batch, pushed towards the identity
 (``vistrain/losses/barlow_twins.py``); head "barlow_twins": the projector MLP. No teacher, exactly
 two crops per image."""
 
-from typing import List
-
 import torch
 from fvcore.common.config import CfgNode
 
 from vistrain.config.checks import at_least
 from vistrain.losses.barlow_twins import barlow_twins_loss
-from vistrain.methods.base import Criterion, Head, LossCollective, Method
+from vistrain.methods.base import (
+    Criterion,
+    Head,
+    Method,
+    gathered_view_collectives,
+    square_matrices_memory,
+    two_views,
+)
 from vistrain.models.heads.mlp import MLP
 
 # the loss's peak over the model's activations, in (D, D) fp32 matrices (C, its diagonal-free
@@ -45,23 +50,8 @@ class BarlowTwinsCriterion(Criterion):
         self.off_diagonal_weight = float(barlow_cfg.off_diagonal_weight)
 
     def forward(self, model_output, num_crops: int, teacher_output=None) -> torch.Tensor:
-        if num_crops != 2:
-            raise ValueError(f"barlow_twins_loss needs exactly 2 crops per image, got {num_crops}")
-        if not isinstance(model_output, torch.Tensor) or model_output.shape[0] % 2:
-            raise ValueError("barlow_twins_loss expects a (2N, D) embedding tensor from a barlow_twins head")
-        z_a, z_b = model_output.chunk(2)
+        z_a, z_b = two_views(model_output, num_crops, "barlow_twins_loss")
         return barlow_twins_loss(z_a, z_b, self.off_diagonal_weight)
-
-
-def collectives(cfg: CfgNode, world: int) -> List[LossCollective]:
-    """Each view's embeddings all-gathered (B, D) in fp32, and their gradient all-reduced."""
-    view = world * cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA * cfg.MODEL.HEAD.DIMS[-1] * 4
-    return [LossCollective(op, view, 2) for op in ("all_gather", "all_reduce")]
-
-
-def loss_memory(cfg: CfgNode) -> int:
-    """``PEAK_MATRICES`` (D, D) fp32 matrices, D the head's output width."""
-    return PEAK_MATRICES * cfg.MODEL.HEAD.DIMS[-1] ** 2 * 4
 
 
 HEAD = Head("barlow_twins", build_head)
@@ -73,6 +63,6 @@ METHOD = Method(
     section=section,
     rules={"off_diagonal_weight": [at_least(0)]},
     max_crops=2,
-    collectives=collectives,
-    loss_memory=loss_memory,
+    collectives=gathered_view_collectives,
+    loss_memory=square_matrices_memory(PEAK_MATRICES),
 )

@@ -6,6 +6,7 @@ Nothing here names a method; ``vistrain/methods/registry.py`` registers the reco
 """
 
 import dataclasses
+import functools
 from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Type
 
 import torch
@@ -118,6 +119,34 @@ def no_collectives(cfg: CfgNode, world: int) -> List[LossCollective]:
 
 def no_loss_memory(cfg: CfgNode) -> int:
     return 0
+
+
+def gathered_view_collectives(cfg: CfgNode, world: int) -> List[LossCollective]:
+    """Each of two views' embeddings all-gathered (B, D) in fp32, and their gradient all-reduced
+    (losses on statistics of the global batch: Barlow Twins, VICReg)."""
+    view = world * cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA * cfg.MODEL.HEAD.DIMS[-1] * 4
+    return [LossCollective(op, view, 2) for op in ("all_gather", "all_reduce")]
+
+
+def square_matrices_memory(count: int) -> Callable[[CfgNode], int]:
+    """``loss_memory`` of a loss whose peak holds ``count`` (D, D) fp32 matrices, D the head's
+    output width."""
+    return functools.partial(_square_matrices_bytes, count)
+
+
+def _square_matrices_bytes(count: int, cfg: CfgNode) -> int:
+    return count * cfg.MODEL.HEAD.DIMS[-1] ** 2 * 4
+
+
+def two_views(model_output, num_crops: int, loss: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The (N, D) embeddings of each view from a (2N, D) head output; one line if it is not."""
+    if num_crops != 2:
+        raise ValueError(f"{loss} needs exactly 2 crops per image, got {num_crops}")
+    if not isinstance(model_output, torch.Tensor) or model_output.shape[0] % 2:
+        head = loss.removesuffix("_loss")
+        raise ValueError(f"{loss} expects a (2N, D) embedding tensor from a {head} head")
+    z_a, z_b = model_output.chunk(2)
+    return z_a, z_b
 
 
 Rule = Callable[..., Problem]  # vistrain.config.checks' rules: (value, catalog) -> Problem

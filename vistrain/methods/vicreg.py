@@ -3,14 +3,19 @@ embeddings), variance (a hinge on each dimension's standard deviation) and covar
 off-diagonal covariances squared), all over the global batch (``vistrain/losses/vicreg.py``);
 head "vicreg": the expander MLP. No teacher, exactly two crops per image."""
 
-from typing import List
-
 import torch
 from fvcore.common.config import CfgNode
 
 from vistrain.config.checks import at_least
 from vistrain.losses.vicreg import vicreg_loss
-from vistrain.methods.base import Criterion, Head, LossCollective, Method
+from vistrain.methods.base import (
+    Criterion,
+    Head,
+    Method,
+    gathered_view_collectives,
+    square_matrices_memory,
+    two_views,
+)
 from vistrain.models.heads.mlp import MLP
 
 # the loss's peak over the model's activations, in (D, D) fp32 matrices (each view's covariance,
@@ -48,23 +53,8 @@ class VICRegCriterion(Criterion):
         )
 
     def forward(self, model_output, num_crops: int, teacher_output=None) -> torch.Tensor:
-        if num_crops != 2:
-            raise ValueError(f"vicreg_loss needs exactly 2 crops per image, got {num_crops}")
-        if not isinstance(model_output, torch.Tensor) or model_output.shape[0] % 2:
-            raise ValueError("vicreg_loss expects a (2N, D) embedding tensor from a vicreg head")
-        z_a, z_b = model_output.chunk(2)
+        z_a, z_b = two_views(model_output, num_crops, "vicreg_loss")
         return vicreg_loss(z_a, z_b, *self.weights)
-
-
-def collectives(cfg: CfgNode, world: int) -> List[LossCollective]:
-    """Each view's embeddings all-gathered (B, D) in fp32, and their gradient all-reduced."""
-    view = world * cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA * cfg.MODEL.HEAD.DIMS[-1] * 4
-    return [LossCollective(op, view, 2) for op in ("all_gather", "all_reduce")]
-
-
-def loss_memory(cfg: CfgNode) -> int:
-    """``PEAK_MATRICES`` (D, D) fp32 matrices, D the head's output width."""
-    return PEAK_MATRICES * cfg.MODEL.HEAD.DIMS[-1] ** 2 * 4
 
 
 HEAD = Head("vicreg", build_head)
@@ -76,6 +66,6 @@ METHOD = Method(
     section=section,
     rules={key: [at_least(0)] for key in ("invariance_weight", "variance_weight", "covariance_weight")},
     max_crops=2,
-    collectives=collectives,
-    loss_memory=loss_memory,
+    collectives=gathered_view_collectives,
+    loss_memory=square_matrices_memory(PEAK_MATRICES),
 )

@@ -57,7 +57,7 @@ EPS = 1e-7  # RankMe's epsilon (Garrido et al. 2023)
 METRICS = ("knn_top1", "rankme", "feature_std")
 KNOBS = (
     "lower the lr (OPTIMIZER.param_schedulers.lr.base_value), raise the loss's temperature, check the "
-    "teacher temperature and centring (DINO), lower OPTIMIZER.weight_decay or raise the batch size"
+    "teacher's temperature and centring (a momentum teacher), lower OPTIMIZER.weight_decay or raise the batch size"
 )
 
 
