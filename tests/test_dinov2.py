@@ -150,12 +150,14 @@ def test_what_dinov2_cannot_train_is_one_line(overrides, message):
 
 
 def test_the_planner_traces_the_head_on_the_token_sequence():
+    """With the criterion's iBOT masks (they select the patch tokens by value on the meta device)."""
     cfg = _cfg()
-    total, _, _ = ModelShapes(cfg.MODEL).activations(crops_of(cfg.DATA.TRAIN), 4, None)
+    crops = crops_of(cfg.DATA.TRAIN)
+    total, _, _ = ModelShapes(cfg.MODEL, loss_cfg=cfg.LOSS).activations(crops, 4, None)
     plain = load_config(["config=test/dinov2_tiny", "config.MODEL.HEAD.SEQUENCE=False"]).MODEL
     plain.defrost()
     plain.HEAD.PATCH_OUT_DIM, plain.TRUNK.OUT_FEATURES = 0, ["avgpool"]
-    assert total > ModelShapes(plain).activations(crops_of(cfg.DATA.TRAIN), 4, None)[0] > 0
+    assert total > ModelShapes(plain).activations(crops, 4, None)[0] > 0
 
 
 def test_a_trunk_pretrained_with_a_mask_token_is_evaluated(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from vistrain.methods import load_config
+from vistrain.methods import build_loss, build_meta_model, build_model, load_config
 from vistrain.planner import knobs as planner_knobs
 from vistrain.planner import memory as planner_memory
 from vistrain.planner.knobs import search
@@ -141,6 +141,24 @@ def test_activations_measured_on_meta():
     total, _, _ = measure_activations(_CropsToTensor(model), [crops], None)
     # the input (3 x 4) and the ReLU output (3 x 8, also the second Linear's input), fp32
     assert total == 3 * 4 * 4 + 3 * 8 * 4
+
+
+def test_attention_is_traced_on_meta_as_a_run_computes_it():
+    """The meta device has only the math path of ``F.scaled_dot_product_attention`` (it saves the
+    (N, h, L, L) weights); the trace counts the fused kernel a run uses, byte for byte, also
+    with the iBOT masks the criterion draws (they select tokens by value)."""
+    cfg = load_config(["config=pretrain/dinov2_vit_demo"])
+    torch.manual_seed(0)  # the criterion's mask generator starts from the seed: the same masks twice
+    crops = [torch.randn(8, 3, 28, 28) for _ in range(2)]
+    real, _, _ = measure_activations(
+        build_model(cfg.MODEL), crops, None, build_loss(cfg.LOSS, cfg.MODEL).masking
+    )
+    torch.manual_seed(0)
+    meta = [torch.empty(8, 3, 28, 28, device="meta") for _ in range(2)]
+    masking = build_loss(cfg.LOSS, cfg.MODEL).masking
+    traced, _, _ = measure_activations(build_meta_model(cfg.MODEL), meta, None, masking)
+    weights = 2 * 8 * 4 * 50 * 50 * 4 * cfg.MODEL.TRUNK.VIT.DEPTH  # crops x N x heads x L x L x fp32
+    assert abs(traced - real) <= 0.01 * real and weights > 0.1 * real
 
 
 class _CropsToTensor(nn.Module):
@@ -306,6 +324,18 @@ RUNS = {
     ],
     "lejepa_demo": [
         "config=pretrain/lejepa_regnet_demo",
+        "config.MODEL.FSDP_CONFIG.AUTO_TUNE=False",
+        "config.DATA.TRAIN.DATA_LIMIT=384",
+    ],
+    # masked-image modelling: MAE's encoder on a quarter of the patches and its decoder on all of
+    # them; DINOv2's student with iBOT's masks, its teacher's logits of every patch (both sharded)
+    "mae_demo": [
+        "config=pretrain/mae_vit_demo",
+        "config.MODEL.FSDP_CONFIG.AUTO_TUNE=False",
+        "config.DATA.TRAIN.DATA_LIMIT=384",
+    ],
+    "dinov2_demo": [
+        "config=pretrain/dinov2_vit_demo",
         "config.MODEL.FSDP_CONFIG.AUTO_TUNE=False",
         "config.DATA.TRAIN.DATA_LIMIT=384",
     ],

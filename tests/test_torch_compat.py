@@ -1,7 +1,9 @@
 """Pins the private torch/torchvision behaviour that vistrain.torch_compat relies on."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torchvision.models import regnet_y_400mf
 from torchvision.models.regnet import BlockParams
 
@@ -10,10 +12,12 @@ from vistrain.torch_compat import (
     NormBase,
     StageSettings,
     child_modules,
+    fused_attention,
     op_is_mutable,
     own_buffers,
     own_parameters,
     persistent_buffer_names,
+    redispatch_torch_function,
     regnet_stage_settings,
     version_counter,
     view_base,
@@ -140,3 +144,25 @@ def test_a_modules_own_registries_are_live_and_views_know_their_base():
 
 def test_op_is_mutable_tells_in_place_aten_calls():
     assert op_is_mutable(torch.ops.aten.add_.Tensor) and not op_is_mutable(torch.ops.aten.add.Tensor)
+
+
+def test_fused_attention_is_sdpa_and_a_mode_can_see_inside_a_torch_function():
+    q, k, v = (torch.randn(2, 3, 5, 4) for _ in range(3))
+    torch.testing.assert_close(fused_attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
+    meta = torch.empty(2, 3, 5, 4, device="meta")
+    assert fused_attention(meta, meta, meta).shape == (2, 3, 5, 4)
+    seen = []
+
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            if func is F.multi_head_attention_forward:
+                with self:
+                    return redispatch_torch_function(func, types, args, kwargs or {})
+            return func(*args, **(kwargs or {}))
+
+    attention = nn.MultiheadAttention(4, 2, batch_first=True)
+    x = torch.randn(2, 5, 4)
+    with Mode():
+        attention(x, x, x, need_weights=False)
+    assert F.multi_head_attention_forward in seen and F.scaled_dot_product_attention in seen

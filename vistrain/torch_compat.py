@@ -24,6 +24,9 @@ what we rely on, so an upgrade that changes it fails loudly there instead of sil
 * ``current_saved_tensors_hooks`` / ``saved_tensors_hooks_enabled``
   (``torch._C._autograd._top_saved_tensors_default_hooks`` / ``_saved_tensors_hooks_is_enabled``):
   the engine's saved-tensor hooks wrap those already active (activation checkpointing's).
+* ``fused_attention`` (``aten._scaled_dot_product_flash_attention_for_cpu``) and
+  ``redispatch_torch_function`` (``torch._C._skip_one_hop_torch_function``): the planner's meta
+  trace computes attention as a run does, fused, where the meta device has only the math path.
 """
 
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
@@ -145,3 +148,25 @@ def default_store():
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store()
+
+
+# -- attention as a run computes it, on the meta device (vistrain.planner.shape) -------------
+# ``F.scaled_dot_product_attention`` picks a fused kernel on CPU and CUDA but the math path on
+# the meta device; the flash kernel's meta function gives the fused kernel's outputs, and a torch
+# function mode calls the functions it lets through with itself still active only by skipping its
+# own hop (``torch.overrides.redispatch_function`` in torch >= 2.10).
+
+
+def fused_attention(q, k, v, is_causal: bool = False, scale: Optional[float] = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v for (N, h, L, E) tensors by the flash kernel (saving q, k, v, the
+    output and the (N, h, L) log-sum-exp), without dropout nor mask."""
+    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+    return out
+
+
+def redispatch_torch_function(func, types, args, kwargs):
+    """Call ``func`` from a ``TorchFunctionMode`` handler skipping that mode's own hop, so that
+    under ``with mode:`` the calls inside ``func`` reach the mode; None where torch cannot (the
+    caller then calls ``func`` with the mode off)."""
+    skip = getattr(torch._C, "_skip_one_hop_torch_function", None)
+    return None if skip is None else skip(func, types, args, kwargs)

@@ -35,7 +35,7 @@ from vistrain.losses.ibot import (
 from vistrain.losses.koleo import koleo_loss
 from vistrain.methods.base import Criterion, Head, LossCollective, Method, global_crops_fit, modules_of
 from vistrain.models.heads.mlp import MLP
-from vistrain.models.masking import ibot_masks
+from vistrain.models.masking import ibot_masks, mask_to
 
 CENTERINGS = ("centre", "sinkhorn_knopp")
 
@@ -260,7 +260,7 @@ class DINOCriterion(Criterion):
             return {"mask": []}
         masks = self.masks(crops[: self.num_global_crops])
         self._pending = masks
-        return {"mask": list(masks.to(crops[0].device).chunk(self.num_global_crops))}
+        return {"mask": list(mask_to(masks, crops[0].device).chunk(self.num_global_crops))}
 
     def forward(self, model_output, num_crops: int, teacher_output=None) -> torch.Tensor:
         if teacher_output is None:
@@ -360,6 +360,21 @@ def collectives(cfg: CfgNode, world: int) -> List[LossCollective]:
     return out
 
 
+def loss_memory(cfg: CfgNode) -> int:
+    """The teacher's output, alive from before the student's forward to the end of its backward
+    (fp32): the class logits (G*N, K), with the head on the sequence the class tokens (G*N, DIMS[0]) and,
+    with iBOT, the logits of every patch of the global crops (G*N*L, K'), L = (side / patch)^2."""
+    c, head, transforms = cfg.LOSS.dino_loss, cfg.MODEL.HEAD, cfg.DATA.TRAIN.TRANSFORMS
+    rows = int(c.num_global_crops) * cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA
+    elements = rows * head.OUT_DIM
+    if head.SEQUENCE:
+        elements += rows * head.DIMS[0]  # the class tokens, the trunk's width
+    if head.SEQUENCE and c.ibot_weight > 0:
+        patches = (transforms.SIZE_CROPS[0] // cfg.MODEL.TRUNK.VIT.PATCH_SIZE) ** 2
+        elements += rows * patches * (head.PATCH_OUT_DIM or head.OUT_DIM)
+    return elements * 4
+
+
 HEAD = Head("dino", build_head, head_keys, fp32_units=(DINOLastLayer,))  # frozen first: its own shards
 
 METHOD = Method(
@@ -377,6 +392,7 @@ METHOD = Method(
     checks=(global_crops_fit, tokens_fit),
     teacher=True,
     collectives=collectives,
+    loss_memory=loss_memory,
     # linspace(warmup, final, W)[epoch]: the final temperature from epoch W - 1 on
     warmups=(Warmup("warmup_teacher_temp_epochs", "epochs", 1), Warmup("freeze_last_layer_epochs", "epochs")),
 )

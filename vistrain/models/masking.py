@@ -115,6 +115,13 @@ def ibot_masks(
     return masks[torch.randperm(batch, generator=generator)]
 
 
+def mask_to(mask: torch.Tensor, device) -> torch.Tensor:
+    """A boolean mask on ``device``, but kept where it is when ``device`` is meta: the mask's values
+    decide the shape of what it selects (``tokens[mask]``: (M, D), M its True count), so a forward
+    on the meta device (the memory planner's trace) indexes with the real mask."""
+    return mask if torch.device(device).type == "meta" else mask.to(device)
+
+
 def _uniform(generator: Optional[torch.Generator], low: float, high: float) -> float:
     return float(low + (high - low) * torch.rand((), generator=generator))
 

@@ -16,14 +16,16 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from vistrain.distributed.join import joined_job
 from vistrain.methods import build_loss, build_meta_model, fp32_units, method_of
 from vistrain.models.units import CHECKPOINTED
 from vistrain.planner.collectives import Collective
 from vistrain.runtime.sharding import wrap_policy
-from vistrain.torch_compat import storage_id
+from vistrain.torch_compat import fused_attention, redispatch_torch_function, storage_id
 
 MIB = 2**20
 OPTIMIZER_STATES = {"sgd": 1, "lars": 1, "adamw": 2}
@@ -143,11 +145,36 @@ def measure_activations(
     for m in model.modules():
         if target is not None and isinstance(m, target):
             handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), FusedAttention():
         model(crops, **(masking(crops) if masking is not None else {}))
     for h in handles:
         h.remove()
     return counter[0], per_module, inputs
+
+
+class FusedAttention(TorchFunctionMode):
+    """``F.scaled_dot_product_attention`` on the meta device as a run computes it: the fused
+    (flash) kernel, which saves q, k, v, the output and the (N, h, L) log-sum-exp of the softmax,
+    not the math path's (N, h, L, L) attention weights (the meta device has no fused kernel and
+    falls back to the math path). Masked or dropout attention keeps the math path, as a run does
+    on the CPU. ``nn.MultiheadAttention`` calls it inside ``F.multi_head_attention_forward``, itself
+    a torch function: the mode stays active inside that one (``redispatch_torch_function``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and _fusable(*args, **kwargs):
+            q, k, v = args[:3]
+            return fused_attention(q, k, v, bool(kwargs.get("is_causal", False)), kwargs.get("scale"))
+        if func is F.multi_head_attention_forward:  # the mode on again for the attention inside
+            with self:
+                out = redispatch_torch_function(func, types, args, kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+
+def _fusable(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False) -> bool:
+    return q.is_meta and attn_mask is None and dropout_p == 0.0 and not enable_gqa and q.dim() == 4
 
 
 def meta_crops(crops: Crops, batch: int) -> List[torch.Tensor]:

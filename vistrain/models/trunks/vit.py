@@ -292,7 +292,9 @@ class ViTTrunk(nn.Module):
         if mask is not None:
             if self.mask_token is None:
                 raise ValueError("a mask needs the trunk's mask token: set MODEL.TRUNK.VIT.MASK_TOKEN=True")
-            x = torch.where(mask.unsqueeze(-1), self.mask_token.to(x.dtype), x)
+            x = torch.where(
+                mask.to(x.device).unsqueeze(-1), self.mask_token.to(x.dtype), x
+            )  # meta: a CPU mask
         pos = self._position_embedding(grid)
         x = x + pos[:, self.num_prefix :]
         if keep is not None:
