@@ -7,11 +7,13 @@ import pytest
 import torch
 from torch import nn
 
+from vistrain import cli
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import SegmentValues
-from vistrain.methods import get_defaults
-from vistrain.optim import LARS, build_lr_schedule, build_optimizer, param_group_key, set_lr
+from vistrain.methods import get_defaults, load_config
+from vistrain.optim import LARS, build_lr_schedule, build_optimizer, lr_scaling_note, param_group_key, set_lr
 from vistrain.optim import lars as lars_module
+from vistrain.training.trainer import _build
 
 
 def _opt_cfg(**overrides):
@@ -415,3 +417,76 @@ def test_schedule_errors():
         build_lr_schedule(_sched_cfg(), 0)
     with pytest.raises(ValueError, match="iteration must be >= 0"):
         build_lr_schedule(_sched_cfg(), 5)(-1)
+
+
+# ------------------------------------------------------------------ the linear scaling rule
+
+
+def _scaled_cfg(**lr):
+    cfg = _sched_cfg(**lr)
+    cfg.param_schedulers.lr.auto_lr_scaling.auto_scale = True
+    return cfg
+
+
+def test_the_linear_scaling_rule_scales_every_value_of_the_schedule():
+    """lr = value x global batch / base_lr_batch_size (256): the peak, the end and the warm-up."""
+    cfg = _scaled_cfg(base_value=4e-3, end_value=1e-6, warmup_epochs=1, start_warmup_value=1e-4)
+    plain = build_lr_schedule(_sched_cfg(base_value=4e-3, end_value=1e-6, warmup_epochs=1,
+                                         start_warmup_value=1e-4), 10)  # fmt: skip
+    half, double = build_lr_schedule(cfg, 10, global_batch=128), build_lr_schedule(cfg, 10, global_batch=512)
+    for i in (0, 5, 9, 10, 50, 99, 100):
+        assert half(i) == pytest.approx(plain(i) / 2) and double(i) == pytest.approx(plain(i) * 2)
+    assert half(10) == pytest.approx(2e-3) and half(100) == pytest.approx(0.5e-6)
+    assert lr_scaling_note(cfg.param_schedulers.lr, 128) == (
+        "lr: base_value 0.004 x global batch 128 / 256 = 0.002 (OPTIMIZER.param_schedulers.lr."
+        "auto_lr_scaling; end_value and warm-up scaled alike)"
+    )
+    assert lr_scaling_note(_sched_cfg().param_schedulers.lr, 128) is None
+    assert build_lr_schedule(_sched_cfg(base_value=0.3), 10, global_batch=512)(0) == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="needs a global batch"):
+        build_lr_schedule(cfg, 10)
+
+
+def _scaled_lrs(rank, world, argv):
+    """The first steps' lr of a run of ``argv`` built on this rank (data, model, optimizer)."""
+    run = _build(load_config(argv), torch.device("cpu"))
+    return [run.lr_schedule(i) for i in range(3)]
+
+
+def test_twice_the_ranks_train_at_twice_the_lr(tmp_path):
+    """The rule reads the job's global batch: ranks x per-rank batch x update_freq."""
+    argv = [
+        "config=test/simclr_tiny",
+        "config.OPTIMIZER.param_schedulers.lr.auto_lr_scaling.auto_scale=True",
+        "config.OPTIMIZER.param_schedulers.lr.auto_lr_scaling.base_lr_batch_size=8",
+        "config.OPTIMIZER.param_schedulers.lr.name=constant",  # the same lr per step on 2 and 4 ranks
+        "config.OPTIMIZER.param_schedulers.lr.warmup_epochs=0",
+        f"config.CHECKPOINT.DIR={tmp_path}",
+    ]
+    cfg = load_config(argv)
+    batch, lr = cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA, cfg.OPTIMIZER.param_schedulers.lr
+    two, four = run_on_ranks(_scaled_lrs, 2, argv)[0], run_on_ranks(_scaled_lrs, 4, argv)[0]
+    accumulated = run_on_ranks(_scaled_lrs, 2, [*argv, "config.OPTIMIZER.update_freq=2"])[0]
+    assert two == pytest.approx([lr.base_value * 2 * batch / 8] * 3)
+    assert four == pytest.approx([2 * x for x in two]) and accumulated == pytest.approx(four)
+
+
+@pytest.mark.parametrize(
+    "recipe, override, line",
+    [
+        ("test/simclr_tiny", "config.OPTIMIZER.param_schedulers.lr.auto_lr_scaling.base_lr_batch_size=0",
+         "OPTIMIZER.param_schedulers.lr.auto_lr_scaling.base_lr_batch_size must be >= 1"),
+        ("test/finetune_tiny", "config.LOG_FREQUENCY=1",
+         "OPTIMIZER.param_schedulers.lr.auto_lr_scaling scales pretraining's lr; JOB finetune"),
+    ],
+)  # fmt: skip
+def test_a_bad_scaling_value_is_one_line_exit_2(recipe, override, line, tmp_path, capsys):
+    argv = [
+        f"config={recipe}",
+        "config.OPTIMIZER.param_schedulers.lr.auto_lr_scaling.auto_scale=True",
+        f"config.CHECKPOINT.DIR={tmp_path}",
+        override,
+    ]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and line in err, err

@@ -192,6 +192,7 @@ RULES = {
     "OPTIMIZER.layer_decay": [above(0), at_most(1)],
     "OPTIMIZER.param_schedulers.lr.name": [one_of("lr schedules")],
     "OPTIMIZER.param_schedulers.lr.warmup_epochs": [at_least(0)],
+    "OPTIMIZER.param_schedulers.lr.auto_lr_scaling.base_lr_batch_size": [at_least(1)],
     RUN_FOLDER_KEY: [writable_folder],
     "CHECKPOINT.CHECKPOINT_FREQUENCY": [at_least(1)],
     "CHECKPOINT.STOP_GRACE_SECONDS": [above(0)],
@@ -488,7 +489,7 @@ def _one_view_for_linear_eval(cfg: CfgNode, _: Catalog) -> Problem:
 
 def _labels_only_where_used(cfg: CfgNode, _: Catalog) -> Problem:
     """A label fraction means something to the jobs that read labels; layer-wise lr decay to
-    fine-tuning, whose model names its layers."""
+    fine-tuning, whose model names its layers; the lr's scaling rule to pretraining."""
     if cfg.DATA.TRAIN.LABEL_FRACTION != 1 and cfg.JOB not in LABELLED_JOBS:
         return (
             f"DATA.TRAIN.LABEL_FRACTION is for the jobs that use labels ({', '.join(LABELLED_JOBS)}); "
@@ -496,6 +497,11 @@ def _labels_only_where_used(cfg: CfgNode, _: Catalog) -> Problem:
         )
     if cfg.OPTIMIZER.layer_decay != 1 and cfg.JOB != "finetune":
         return f"OPTIMIZER.layer_decay is for JOB finetune; JOB {cfg.JOB} trains at one lr: set it to 1.0"
+    if cfg.OPTIMIZER.param_schedulers.lr.auto_lr_scaling.auto_scale and cfg.JOB != "train":
+        return (
+            f"OPTIMIZER.param_schedulers.lr.auto_lr_scaling scales pretraining's lr; JOB {cfg.JOB} "
+            "trains at the lr it is given: set auto_scale=False"
+        )
     return None
 
 

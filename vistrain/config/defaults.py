@@ -248,6 +248,14 @@ _C.OPTIMIZER.param_schedulers.lr.warmup_epochs = 0.0  # linear warmup length (fr
 _C.OPTIMIZER.param_schedulers.lr.start_warmup_value = 0.0
 _C.OPTIMIZER.param_schedulers.lr.milestones = [30, 60]  # multistep: epochs where lr *= gamma
 _C.OPTIMIZER.param_schedulers.lr.gamma = 0.1
+# The linear scaling rule (Goyal et al. 2017; MAE: lr = base lr x batch / 256): with auto_scale the
+# schedule's values above (base_value, end_value, start_warmup_value) are the lr at
+# base_lr_batch_size images and train at value x global batch / base_lr_batch_size, global batch =
+# ranks x DATA.TRAIN.BATCHSIZE_PER_REPLICA x update_freq (pretraining, JOB train). VISSL's
+# auto_lr_scaling, with its base_value the schedule's own.
+_C.OPTIMIZER.param_schedulers.lr.auto_lr_scaling = CN()
+_C.OPTIMIZER.param_schedulers.lr.auto_lr_scaling.auto_scale = False
+_C.OPTIMIZER.param_schedulers.lr.auto_lr_scaling.base_lr_batch_size = 256
 
 # ---------------------------------------------------------------------------------------------
 _C.CHECKPOINT = CN()

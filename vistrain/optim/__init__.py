@@ -3,7 +3,7 @@
 Usage (the trainer)::
 
     optimizer = build_optimizer(cfg.OPTIMIZER, model)          # plain, DDP or sharded model
-    schedule = build_lr_schedule(cfg.OPTIMIZER, len(loader))
+    schedule = build_lr_schedule(cfg.OPTIMIZER, len(loader), global_batch)  # images per step
     set_lr(optimizer, schedule(iteration))                     # every iteration, before step()
 """
 
@@ -14,9 +14,9 @@ from torch import nn
 
 from vistrain.optim.lars import LARS
 from vistrain.optim.param_groups import LayerOf, build_param_groups, param_group_key
-from vistrain.optim.schedulers import build_lr_schedule, set_lr
+from vistrain.optim.schedulers import build_lr_schedule, lr_scaling_note, set_lr
 
-__all__ = ["LARS", "build_lr_schedule", "build_optimizer", "param_group_key", "set_lr"]
+__all__ = ["LARS", "build_lr_schedule", "build_optimizer", "lr_scaling_note", "param_group_key", "set_lr"]
 
 
 def _sgd(groups: List[dict], opt_cfg, lr: float) -> torch.optim.Optimizer:

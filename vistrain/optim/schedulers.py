@@ -75,7 +75,8 @@ class Warmup:
 class LRSchedule:
     """Callable ``iteration -> lr`` over ``total_iters`` iterations (later ones: the final lr):
     ``warmup`` for the iterations below its length, then ``scheduler`` at the progress since the
-    warm-up's end (``rescaled``) or since the start."""
+    warm-up's end (``rescaled``) or since the start; every value times ``scale`` (the linear
+    scaling rule, :func:`lr_scale`)."""
 
     def __init__(
         self,
@@ -83,32 +84,64 @@ class LRSchedule:
         total_iters: int,
         warmup: Optional[Warmup] = None,
         rescaled: bool = True,
+        scale: float = 1.0,
     ):
         self.scheduler = scheduler
         self.total_iters = total_iters
         self.warmup = warmup
         self.rescaled = rescaled
+        self.scale = scale
 
     def __call__(self, iteration: int) -> float:
         if iteration < 0:
             raise ValueError(f"iteration must be >= 0, got {iteration}")
         done = self.warmup.iterations if self.warmup is not None else 0.0
         if iteration < done:
-            return self.warmup(iteration)
+            return self.scale * self.warmup(iteration)
         if self.rescaled:
             where = (iteration - done) / (self.total_iters - done)
         else:
             where = iteration / self.total_iters
-        return float(self.scheduler(min(where, _LAST_WHERE)))
+        return self.scale * float(self.scheduler(min(where, _LAST_WHERE)))
 
 
-def build_lr_schedule(opt_cfg, iterations_per_epoch: int) -> Callable[[int], float]:
+def lr_scale(lr_cfg, global_batch: Optional[int]) -> float:
+    """The linear scaling rule's factor (Goyal et al. 2017: "when the minibatch size is multiplied
+    by k, multiply the learning rate by k"): ``global_batch / base_lr_batch_size`` with
+    ``lr_cfg.auto_lr_scaling.auto_scale``, else 1. ``global_batch``: the images of one optimizer
+    step, ranks x per-rank batch x update_freq."""
+    scaling = lr_cfg.auto_lr_scaling
+    if not scaling.auto_scale:
+        return 1.0
+    if global_batch is None or global_batch <= 0 or scaling.base_lr_batch_size <= 0:
+        raise ValueError(
+            f"the linear scaling rule needs a global batch and base_lr_batch_size > 0, got "
+            f"{global_batch} and {scaling.base_lr_batch_size}"
+        )
+    return global_batch / scaling.base_lr_batch_size
+
+
+def lr_scaling_note(lr_cfg, global_batch: int) -> Optional[str]:
+    """One line on the scaled lr for the run's log, None without the scaling rule."""
+    scale = lr_scale(lr_cfg, global_batch)
+    if not lr_cfg.auto_lr_scaling.auto_scale:
+        return None
+    base, size = float(lr_cfg.base_value), lr_cfg.auto_lr_scaling.base_lr_batch_size
+    return (
+        f"lr: base_value {base:g} x global batch {global_batch} / {size} = {base * scale:g} "
+        f"(OPTIMIZER.param_schedulers.lr.auto_lr_scaling; end_value and warm-up scaled alike)"
+    )
+
+
+def build_lr_schedule(
+    opt_cfg, iterations_per_epoch: int, global_batch: Optional[int] = None
+) -> Callable[[int], float]:
     """lr at a global iteration from ``opt_cfg.param_schedulers.lr`` (``cfg.OPTIMIZER``).
 
     Linear warm-up from ``start_warmup_value`` to ``base_value`` over ``warmup_epochs`` (fractions
     allowed; indexed as the module docstring says), then ``name``: cosine ``base_value -> end_value``
     at the last iteration, multistep (``lr = base_value * gamma**k`` once ``k`` milestones, in
-    epochs, have passed) or constant.
+    epochs, have passed) or constant; every value scaled by :func:`lr_scale` of ``global_batch``.
     """
     lr_cfg, num_epochs = opt_cfg.param_schedulers.lr, float(opt_cfg.num_epochs)
     if iterations_per_epoch <= 0 or num_epochs <= 0:
@@ -130,7 +163,8 @@ def build_lr_schedule(opt_cfg, iterations_per_epoch: int) -> Callable[[int], flo
         warmup = Warmup(
             warmup_epochs * iterations_per_epoch, float(lr_cfg.start_warmup_value), float(lr_cfg.base_value)
         )
-    return LRSchedule(main, round(num_epochs * iterations_per_epoch), warmup, rescaled)
+    scale = lr_scale(lr_cfg, global_batch)
+    return LRSchedule(main, round(num_epochs * iterations_per_epoch), warmup, rescaled, scale)
 
 
 def set_lr(optimizer: Optimizer, lr: float) -> None:

@@ -43,7 +43,7 @@ from vistrain.fsdp import (
 )
 from vistrain.losses import MomentumTeacher
 from vistrain.methods import build_method, build_model
-from vistrain.optim import build_lr_schedule, build_optimizer, set_lr
+from vistrain.optim import build_lr_schedule, build_optimizer, lr_scaling_note, set_lr
 from vistrain.planner.across_nodes import choose_across_nodes
 from vistrain.planner.auto_tune import check_same_knobs, exact_knobs_of
 from vistrain.runtime import precision
@@ -165,8 +165,12 @@ def _build(cfg, device: torch.device) -> _Run:
             criterion.teacher_momentum,
             cfg.OPTIMIZER.num_epochs * iters_per_epoch,
         )
+    step_batch = global_batch * settings.update_freq  # the linear scaling rule's batch
+    note = lr_scaling_note(cfg.OPTIMIZER.param_schedulers.lr, step_batch)
+    if note:
+        logger.info(note)
     return _Run(
-        loader, model, criterion, optimizer, build_lr_schedule(cfg.OPTIMIZER, iters_per_epoch),
+        loader, model, criterion, optimizer, build_lr_schedule(cfg.OPTIMIZER, iters_per_epoch, step_batch),
         settings, layout, cfg.OPTIMIZER.num_epochs, teacher,
     )  # fmt: skip
 
