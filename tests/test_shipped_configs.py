@@ -111,3 +111,38 @@ def test_teacher_recipe_sharded_equals_ddp(name, tmp_path, cache_dir):
     run_on_ranks(_train, 2, shrunk(name, tmp_path / "ddp", cache_dir, *ddp))
     assert len(losses(tmp_path / "sharded")) == 3
     torch.testing.assert_close(losses(tmp_path / "sharded"), losses(tmp_path / "ddp"), rtol=1e-5, atol=0)
+
+
+def test_mae_elpv_recipe_pretrains_and_its_trunk_finetunes(tmp_path):
+    """The MAE ELPV recipe and its evaluation on generated cells (the package's layout), 32 px:
+    2 epochs of pretraining on 2 ranks, then the fine-tuning recipe from its checkpoint."""
+    from test_finetune import _finetune
+    from test_real_images import _elpv_folder
+
+    folder = _elpv_folder(tmp_path / "elpv")
+    small = [
+        *[f"config.DATA.{s}.DATA_PATHS=[{folder}]" for s in ("TRAIN", "TEST")],
+        *[f"config.DATA.{s}.DECODE_SIZE=32" for s in ("TRAIN", "TEST")],
+        "config.DATA.TRAIN.TRANSFORMS.SIZE_CROPS=[32]",
+        "config.MODEL.TRUNK.VIT.IMAGE_SIZE=32",  # 16 patches of 8 px
+        "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=4",
+        "config.DATA.NUM_DATALOADER_WORKERS=0",
+        "config.OPTIMIZER.num_epochs=2",
+        "config.OPTIMIZER.param_schedulers.lr.warmup_epochs=0.5",
+        "config.LOG_FREQUENCY=1",
+    ]
+    pretrain = tmp_path / "pretrain"
+    run_on_ranks(_train, 2, ["config=pretrain/mae_vit_elpv", f"config.CHECKPOINT.DIR={pretrain}", *small])
+    assert len(losses(pretrain)) > 2 and all(torch.isfinite(torch.tensor(losses(pretrain))))
+    run_on_ranks(
+        _finetune,
+        2,
+        [
+            "config=benchmark/finetune_vit_elpv", f"config.CHECKPOINT.DIR={tmp_path / 'finetune'}", *small,
+            "config.DATA.TEST.TRANSFORMS.RESIZE=32", "config.DATA.TEST.TRANSFORMS.CENTER_CROP=32",
+            "config.DATA.TEST.BATCHSIZE_PER_REPLICA=4", "config.OPTIMIZER.num_epochs=1",
+            "config.BENCHMARK.FINETUNE.LRS=[0.001]", f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={pretrain}",
+        ],
+    )  # fmt: skip
+    record = json.loads((tmp_path / "finetune" / "metrics.json").read_text())
+    assert {"top1", "top1_2class"} <= set(record["picked"])
