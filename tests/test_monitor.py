@@ -5,20 +5,20 @@ STOP_ON_COLLAPSE exits 3, bad MONITOR values exit 2, and 2 sharded ranks measure
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.job_processes import RUN, job_env
 from vistrain import cli
+from vistrain.benchmarks.common import one_view_batches
 from vistrain.benchmarks.knn import knn
 from vistrain.checkpoint import find_latest_checkpoint
+from vistrain.data import build_loader
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.methods import build_model, load_config
 from vistrain.runtime.parallel import parallelize
+from vistrain.training import held_out
 from vistrain.training.monitor import (
     Monitor,
     collapse_reasons,
@@ -46,8 +46,9 @@ COLLAPSING = (
 )
 
 
-def _train_on_rank(rank, world_size, argv):
-    train(load_config(argv))
+def _train_on_rank(rank, world_size, *argvs):
+    for argv in argvs:  # several runs, one after the other, in the same processes
+        train(load_config(argv))
 
 
 def _records(run_dir) -> list:
@@ -117,13 +118,14 @@ def _knn_job_on_rank(rank, world_size, train_argv, checkpoint, out_dir):
 
 
 def test_online_knn_equals_the_knn_job_and_training_is_unchanged(tmp_path):
-    """2 sharded ranks, a pass after each epoch: the last pass's kNN top-1 is the knn job's on
+    """2 sharded ranks, a pass after each epoch (the second reads the images the first kept, in
+    MONITOR.BATCHSIZE_PER_REPLICA batches): the last pass's kNN top-1 is the knn job's on
     checkpoint_8 exactly; the losses equal those of the run without monitor; a healthy run does
     not warn; monitor.png is written."""
     sharded = ("config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True", "config.LOG_FREQUENCY=1")
-    watched = _tiny(tmp_path / "on", *sharded, "config.MONITOR.EVERY_EPOCHS=1")
-    run_on_ranks(_train_on_rank, 2, watched)
-    run_on_ranks(_train_on_rank, 2, _tiny(tmp_path / "off", *sharded))
+    watch = ("config.MONITOR.EVERY_EPOCHS=1", "config.MONITOR.BATCHSIZE_PER_REPLICA=40")
+    watched = _tiny(tmp_path / "on", *sharded, *watch)
+    run_on_ranks(_train_on_rank, 2, watched, _tiny(tmp_path / "off", *sharded))
     on, off = _records(tmp_path / "on"), _records(tmp_path / "off")
     monitor = [r for r in on if "rankme" in r]
     assert [(r["epoch"], r["iteration"]) for r in monitor] == [(0, 4), (1, 8)]
@@ -137,6 +139,37 @@ def test_online_knn_equals_the_knn_job_and_training_is_unchanged(tmp_path):
     log = (tmp_path / "on" / "log.txt").read_text()
     assert "monitor epoch 2: knn_top1 " in log and "collapsed" not in log
     assert (tmp_path / "on" / "monitor.png").stat().st_size > 0
+
+
+def test_ddp_training_is_unchanged_by_the_monitor(tmp_path):
+    """2 DDP ranks (no sharding), a pass after the first of 2 epochs: every loss of the second
+    epoch is the one of the run without monitor (generators, BatchNorm buffers, train mode put back)."""
+    ddp = ("config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=False", "config.LOG_FREQUENCY=1")
+    watched = _tiny(tmp_path / "on", *ddp, "config.MONITOR.EVERY_EPOCHS=1", "config.MONITOR.KNN=False")
+    run_on_ranks(_train_on_rank, 2, watched, _tiny(tmp_path / "off", *ddp))
+    on, off = _records(tmp_path / "on"), _records(tmp_path / "off")
+    assert [(r["epoch"], r["iteration"]) for r in on if "rankme" in r] == [(0, 4), (1, 8)]
+    losses = [(r["iteration"], r["loss"]) for r in on if "loss" in r]
+    assert [r[0] for r in losses] == list(range(1, 9))
+    assert losses == [(r["iteration"], r["loss"]) for r in off]
+
+
+def test_held_out_images_are_read_once_and_the_same_every_pass(monkeypatch):
+    """A small held-out set is read through its loader once, then from memory (no loader):
+    the same tensors every pass; one larger than KEEP_BYTES is read through its loader each pass."""
+    cfg = knn_config(load_config(_tiny("unused", "config.MONITOR.BATCHSIZE_PER_REPLICA=24")))
+    assert cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA == cfg.DATA.TEST.BATCHSIZE_PER_REPLICA == 24
+    for keep_bytes, kept in ((held_out.KEEP_BYTES, True), (1000, False)):
+        monkeypatch.setattr(held_out, "KEEP_BYTES", keep_bytes)
+        loader = build_loader(cfg.DATA, "TEST", seed=cfg.SEED_VALUE, device=torch.device("cpu"))
+        images = held_out.HeldOutImages(loader, torch.device("cpu"))
+        first, second = list(images), list(images)
+        assert (images.loader is None) == kept and (images.kept is not None) == kept
+        assert [len(batch[0]) for batch in first] == [24] * 10 + [16]  # 256 images, one process
+        for one, two in zip(first, second):
+            assert all(torch.equal(a, b) for a, b in zip(one, two))
+        reference = [(x, b["label"], b["index"]) for x, b in one_view_batches(loader, torch.device("cpu"))]
+        assert all(torch.equal(a, b) for one, two in zip(first, reference) for a, b in zip(one, two))
 
 
 def _measure_on_rank(rank, world_size, argv, shard):
@@ -174,12 +207,16 @@ def test_a_collapsing_run_warns_once(tmp_path):
     assert "RankMe" in warnings[0] and "OPTIMIZER.weight_decay" in warnings[0]
 
 
-def test_stop_on_collapse_exits_3_in_one_line_and_keeps_the_checkpoint(tmp_path):
+def test_stop_on_collapse_exits_3_in_one_line_and_keeps_the_checkpoint(tmp_path, capfd):
+    """The command line's own main (tools/run_distributed.py calls it; in this process its
+    torch is already loaded): both ranks stop, exit 3, one line on stderr from every process
+    (the ranks' included), the epoch's checkpoint complete."""
     argv = _tiny(tmp_path, *COLLAPSING, "config.MONITOR.STOP_ON_COLLAPSE=True", config="test/vicreg_tiny")
-    result = subprocess.run([sys.executable, RUN, *argv], env=job_env(), capture_output=True, text=True)
-    assert result.returncode == 3, result.stderr[-3000:]
-    lines = [line for line in result.stderr.splitlines() if line.startswith("collapsed: ")]
-    assert len(lines) == 1 and "Traceback" not in result.stderr
+    code = cli.main(argv)
+    err = capfd.readouterr().err
+    assert code == 3, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("collapsed: ")]
+    assert len(lines) == 1 and "Traceback" not in err
     assert "the representation collapsed by epoch 1" in lines[0]
     assert find_latest_checkpoint(str(tmp_path)).endswith("checkpoint_4")
 

@@ -6,15 +6,17 @@ shipped) with ``MONITOR.EVERY_EPOCHS=1``: each pass records its own seconds (``m
 and the training's since the previous pass (``train_seconds``: one epoch, with its checkpoint) in
 metrics.jsonl. Measuring both in the same run keeps a shared machine's load out of the ratio.
 
-    python dev/bench/bench_monitor.py [--epochs 4] [--demos regnet_fsdp pretrain/dino_vit_demo]
+    python dev/bench/bench_monitor.py [--epochs 4] [--demos regnet_fsdp pretrain/dino_vit_demo | all]
 
-Prints per demo every pass (the first epoch holds the start-up and is left out of the median),
-the median pass / epoch ratio and the share of the training time the monitor takes every N epochs:
-pass / (N x epoch + pass).
+Prints per demo every pass (the first epoch holds the start-up and the first pass reads the
+held-out images from disk: both are left out of the median), the median pass / epoch ratio, the
+share of the training time the monitor takes every N epochs, pass / (N x epoch + pass), and the
+smallest N whose share is within ``--budget`` (5%).
 """
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -37,11 +39,20 @@ def monitor_records(config: str, epochs: int, run_dir: Path) -> list:
     return [r for r in map(json.loads, lines) if "monitor_seconds" in r]
 
 
+def smallest_every(ratio: float, budget: float) -> int:
+    """The smallest N with pass / (N x epoch + pass) <= budget, ``ratio`` = pass / epoch."""
+    return max(1, math.ceil(ratio * (1 - budget) / budget - 1e-12))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--demos", nargs="+", default=["regnet_fsdp", "pretrain/dino_vit_demo"])
+    parser.add_argument("--budget", type=float, default=0.05, help="the share the monitor may take")
     args = parser.parse_args()
+    if args.demos == ["all"]:  # the quick start and every demo recipe
+        demos = sorted(path.stem for path in (REPO / "configs" / "pretrain").glob("*_demo.yaml"))
+        args.demos = ["regnet_fsdp"] + [f"pretrain/{name}" for name in demos]
     for config in args.demos:
         with tempfile.TemporaryDirectory() as tmp:
             records = monitor_records(config, args.epochs, Path(tmp) / "run")
@@ -54,8 +65,12 @@ def main():
             )
         steady = records[1:] or records
         ratio = statistics.median(r["monitor_seconds"] / r["train_seconds"] for r in steady)
-        shares = "  ".join(f"N={n}: {ratio / (n + ratio):.1%}" for n in (1, 2, 5, 10))
+        shares = "  ".join(f"N={n}: {ratio / (n + ratio):.1%}" for n in (1, 2, 3, 5, 10))
         print(f"  median pass / epoch {ratio:.3f}; share of the training time every N epochs: {shares}")
+        every = smallest_every(ratio, args.budget)
+        print(
+            f"  smallest MONITOR.EVERY_EPOCHS within {args.budget:.0%}: {every} ({ratio / (every + ratio):.1%})"
+        )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ refuses a module with nothing to train, and a frozen trunk has no gradients to s
 
 import json
 import os
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -229,14 +229,30 @@ def extract(
 ) -> Tuple[Dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """This rank's pooled features ``{name: (N_r, D)}``, labels (N_r,) and indices (N_r,) of one
     pass (``views``: see :func:`trunk_features`)."""
+    batches = ((images, batch["label"], batch["index"]) for images, batch in one_view_batches(loader, device))
+    return extract_batches(trunk, batches, names, pool_size, dtype, device, views)
+
+
+@torch.no_grad()
+def extract_batches(
+    trunk: nn.Module,
+    batches: Iterable[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    names: Sequence[str],
+    pool_size: int,
+    dtype,
+    device: torch.device,
+    views: str = "identity",
+) -> Tuple[Dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """:func:`extract` of ``batches``: (images (N_b, 3, H, W) on ``device``, labels (N_b,),
+    indices (N_b,)) each, as :func:`one_view_batches` reads them (or a copy kept in memory)."""
     feats = {name: [] for name in names}
     labels, indices = [], []
-    for images, batch in one_view_batches(loader, device):
+    for images, batch_labels, batch_indices in batches:
         out = trunk_features(trunk, images, names, pool_size, dtype, views)
         for name in names:
             feats[name].append(out[name])
-        labels.append(batch["label"].to(device))
-        indices.append(batch["index"].to(device))
+        labels.append(batch_labels.to(device))
+        indices.append(batch_indices.to(device))
     return {name: torch.cat(feats[name]) for name in names}, torch.cat(labels), torch.cat(indices)
 
 

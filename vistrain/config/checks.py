@@ -208,6 +208,7 @@ RULES = {
     "BENCHMARK.FINETUNE.LABEL_SMOOTHING": [at_least(0), below(1)],
     "BENCHMARK.FINETUNE.HOLDOUT_FRACTION": [above(0), below(1)],
     "MONITOR.EVERY_EPOCHS": [at_least(0)],
+    "MONITOR.BATCHSIZE_PER_REPLICA": [at_least(0)],
     "MONITOR.LABEL_FRACTION": [above(0), at_most(1)],
     "MONITOR.NUM_IMAGES": [at_least(2)],
     "MONITOR.RANKME_MIN": [at_least(0)],

@@ -334,6 +334,9 @@ _C.MONITOR.LABEL_FRACTION = (
 _C.MONITOR.NUM_IMAGES = (
     1024  # without kNN: DATA.TRAIN images (evenly spaced) that RankMe and feature std read
 )
+# images per rank in one extraction batch (0: DATA.TEST's BATCHSIZE_PER_REPLICA); a sharded trunk
+# gathers each unit once per batch, so a small held-out set is read fastest in one batch per rank
+_C.MONITOR.BATCHSIZE_PER_REPLICA = 0
 # Collapse: RankMe below RANKME_MIN or 10x below its peak so far, or feature std below
 # STD_MIN / sqrt(D) (D: the feature's width; ~1 / sqrt(D) when the features spread). One warning
 # line; STOP_ON_COLLAPSE ends the run with exit 3, as a divergence does (the checkpoints are kept)

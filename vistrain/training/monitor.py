@@ -52,6 +52,7 @@ from vistrain.fsdp import Backend, backend_of, unwrap
 from vistrain.runtime.logger import logger
 from vistrain.runtime.pictures import curves_image, save_picture
 from vistrain.runtime.precision import amp_dtype
+from vistrain.training.held_out import HeldOutImages
 
 EPS = 1e-7  # RankMe's epsilon (Garrido et al. 2023)
 METRICS = ("knn_top1", "rankme", "feature_std")
@@ -114,11 +115,16 @@ def feature_name(cfg) -> str:
 def knn_config(cfg):
     """The ``knn`` job's config whose result the monitor reproduces on this run's checkpoints
     (give it MODEL.WEIGHTS_INIT.PARAMS_FILE): DATA.TRAIN read like DATA.TEST, in order, its
-    MONITOR.LABEL_FRACTION; BENCHMARK.FEATURES the watched feature."""
+    MONITOR.LABEL_FRACTION; both in batches of MONITOR.BATCHSIZE_PER_REPLICA (when set);
+    BENCHMARK.FEATURES the watched feature."""
     out = cfg.clone()
     out.defrost()
     out.JOB = "knn"
-    out.DATA = common.holdout_data_config(cfg.DATA)
+    data = cfg.DATA.clone()
+    data.defrost()
+    if cfg.MONITOR.BATCHSIZE_PER_REPLICA:
+        data.TEST.BATCHSIZE_PER_REPLICA = cfg.MONITOR.BATCHSIZE_PER_REPLICA
+    out.DATA = common.holdout_data_config(data)
     out.DATA.defrost()
     out.DATA.TRAIN.LABEL_FRACTION = cfg.MONITOR.LABEL_FRACTION
     out.BENCHMARK.FEATURES = [feature_name(cfg)]
@@ -155,14 +161,25 @@ def _torch_root_gathered(model: nn.Module, images: torch.Tensor) -> Dict[str, to
         model.reshard()
 
 
+def broadcast_buffers(buffers: List[torch.Tensor]) -> None:
+    """Collective: rank 0's values into ``buffers`` on every rank, one broadcast per dtype and device."""
+    groups: Dict[tuple, List[torch.Tensor]] = {}
+    for buffer in buffers:
+        groups.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+    for group in groups.values():
+        flat = torch.cat([buffer.detach().reshape(-1) for buffer in group])
+        dist.broadcast(flat, 0)
+        for buffer, value in zip(group, torch.split(flat, [b.numel() for b in group])):
+            buffer.copy_(value.view_as(buffer))
+
+
 @contextlib.contextmanager
 def watching(network: nn.Module):
     """Eval mode, no gradients, rank 0's BatchNorm buffers (those a checkpoint saves) on every rank;
     afterwards the train mode and every generator's state as they were."""
     training, rng = network.training, capture_rng()
     if comm.get_world_size() > 1:
-        for buffer in unwrap(network).buffers():
-            dist.broadcast(buffer, 0)
+        broadcast_buffers(list(unwrap(network).buffers()))
     network.eval()
     try:
         with torch.no_grad():
@@ -189,6 +206,8 @@ class Monitor:
         self.peak_rankme = 0.0
         self.warned = False
         self.knn_note: Optional[str] = None  # why there is no kNN, once known
+        self.labelled = None  # ((bank images, test images), classes): HeldOutImages, built once
+        self.unlabelled: Optional[HeldOutImages] = None  # without kNN: DATA.TRAIN images, built once
         self.clock = time.perf_counter()  # the end of the last pass (or the start of training)
 
     def after_epoch(self, epochs_done: int, iteration: int) -> None:
@@ -216,10 +235,10 @@ class Monitor:
         values.update(rankme=rankme(bank), feature_std=feature_std(bank))
         return values, bank.shape[1]
 
-    def _extract(self, trunk, loader):
+    def _extract(self, trunk, images: HeldOutImages):
         bench = self.cfg.BENCHMARK
-        feats, labels, indices = common.extract(
-            trunk, loader, [self.feature], bench.POOL_SIZE, amp_dtype(self.cfg.MODEL), self.device,
+        feats, labels, indices = common.extract_batches(
+            trunk, images, [self.feature], bench.POOL_SIZE, amp_dtype(self.cfg.MODEL), self.device,
             bench.FEATURE_VIEWS,
         )  # fmt: skip
         return feats[self.feature], labels, indices
@@ -227,10 +246,11 @@ class Monitor:
     def _knn(self, trunk) -> Optional[Tuple[torch.Tensor, float]]:
         """(the gathered bank's features (N, D), kNN top-1 %), or None (and a note) without labels."""
         bench = self.cfg.BENCHMARK
-        loaders = self._labelled_loaders()
-        if loaders is None:
-            return None
-        (train, test), num_classes = loaders
+        if self.labelled is None:
+            self.labelled = self._labelled_images()
+            if self.labelled is None:
+                return None
+        (train, test), num_classes = self.labelled
         train_feats, train_labels, train_indices = self._extract(trunk, train)
         test_feats, test_labels, test_indices = self._extract(trunk, test)
         bank, bank_labels = build_bank(F.normalize(train_feats, dim=1), train_labels, train_indices)
@@ -242,8 +262,8 @@ class Monitor:
         _, (raw,) = common.gather_unique(train_indices, train_feats)  # un-normalised, for RankMe
         return raw, common.summarise(counts[None], ["knn"])["knn"]["top1"]  # the knn job's arithmetic
 
-    def _labelled_loaders(self):
-        """((bank loader, test loader), classes) of :func:`knn_config`, or None with a note."""
+    def _labelled_images(self):
+        """((bank images, test images), classes) of :func:`knn_config`, or None with a note."""
         cfg = self.knn_cfg
         if list(cfg.DATA.TRAIN.DATA_SOURCES) != list(cfg.DATA.TEST.DATA_SOURCES):
             return self._no_knn(
@@ -256,7 +276,7 @@ class Monitor:
             num_classes = common.num_classes(train.dataset, test.dataset)
         except (InputError, ValueError) as error:
             return self._no_knn(str(error).splitlines()[0])
-        return (train, test), num_classes
+        return (HeldOutImages(train, self.device), HeldOutImages(test, self.device)), num_classes
 
     def _no_knn(self, why: str) -> None:
         self.knn_note = why
@@ -265,12 +285,14 @@ class Monitor:
 
     def _unlabelled_features(self, trunk) -> torch.Tensor:
         """Features (N, D) of MONITOR.NUM_IMAGES evenly spaced DATA.TRAIN images (read like DATA.TEST)."""
-        data = self.knn_cfg.DATA
-        total = len(build_loader(data, "TRAIN", seed=0, device=self.device).dataset)
-        count = min(total, self.cfg.MONITOR.NUM_IMAGES)
-        indices = torch.linspace(0, total - 1, count).round().long().unique().tolist()
-        loader = common.ordered_loader(data, "TRAIN", self.cfg.SEED_VALUE, self.device, indices)
-        feats, _, positions = self._extract(trunk, loader)
+        if self.unlabelled is None:
+            data = self.knn_cfg.DATA
+            total = len(build_loader(data, "TRAIN", seed=0, device=self.device).dataset)
+            count = min(total, self.cfg.MONITOR.NUM_IMAGES)
+            indices = torch.linspace(0, total - 1, count).round().long().unique().tolist()
+            loader = common.ordered_loader(data, "TRAIN", self.cfg.SEED_VALUE, self.device, indices)
+            self.unlabelled = HeldOutImages(loader, self.device)
+        feats, _, positions = self._extract(trunk, self.unlabelled)
         return common.gather_unique(positions, feats)[1][0]
 
     # -- reporting ----------------------------------------------------------------------------
