@@ -38,6 +38,7 @@ def _quick_start(run_dir, *overrides):
         "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=16",
         "config.OPTIMIZER.num_epochs=2",
         "config.LOG_FREQUENCY=1",
+        "config.MONITOR.EVERY_EPOCHS=0",  # the training's records only
         *overrides,
     ]
 

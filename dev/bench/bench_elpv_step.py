@@ -70,7 +70,7 @@ def measure_runs(args) -> dict:
                 ]
                 run(name, argv, {}, run_dir / "out.log")
                 lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-                warm = [x for x in lines if x["epoch"] >= 1]
+                warm = [x for x in lines if x["epoch"] >= 1 and "loss" in x]  # no monitor records
                 speeds[name].append(statistics.median(x["images_per_sec"] for x in warm))
                 shares[name].append(statistics.median(x["data_share"] for x in warm))
     return {name: (statistics.median(speeds[name]), statistics.median(shares[name])) for name in names}

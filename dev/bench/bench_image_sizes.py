@@ -54,7 +54,9 @@ def main() -> int:
                 timings = {}
                 run(f"{size} px, {workers} workers", argv, timings, run_dir / "out.log")
                 lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-                lines = [x for x in lines if x["epoch"] == 1]  # the second epoch: decoded, warm
+                lines = [
+                    x for x in lines if x["epoch"] == 1 and "loss" in x
+                ]  # the second epoch: decoded, warm
                 speed = statistics.fmean(x["images_per_sec"] for x in lines)
                 share = statistics.fmean(x["data_share"] for x in lines)
                 peak = max(x["peak_mem_mib"] for x in lines)

@@ -37,7 +37,8 @@ def run(args, run_dir):
             f"run failed (exit {out.returncode}): {' '.join(args)}\n{(out.stdout + out.stderr)[-4000:]}"
         )
     text = out.stdout + out.stderr
-    losses = [json.loads(line)["loss"] for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+    records = map(json.loads, Path(run_dir, "metrics.jsonl").read_text().splitlines())
+    losses = [r["loss"] for r in records if "loss" in r]  # the monitor's records carry none
     tune_line = next((line for line in text.splitlines() if "auto-tune:" in line), "")
     return float(OVERALL.findall(text)[-1]), losses, tune_line
 

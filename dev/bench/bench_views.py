@@ -56,6 +56,7 @@ def run(tree: Path, recipe: str, overrides, run_dir: Path) -> dict:
             f"run failed (exit {out.returncode}) from {tree}:\n{(out.stdout + out.stderr)[-4000:]}"
         )
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "loss" in r]  # the training's records, not the monitor's
     first_epoch_done = [r for r in records if r.get("epoch", 0) >= 1] or records
     shares = [r["data_share"] for r in first_epoch_done]
     done = [line for line in (out.stdout + out.stderr).splitlines() if "img/s overall" in line][-1]

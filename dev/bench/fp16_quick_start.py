@@ -36,7 +36,8 @@ def run(run_dir: Path, epochs: int, *overrides) -> list:
         raise SystemExit(
             f"run failed (exit {out.returncode}): {overrides}\n{(out.stdout + out.stderr)[-4000:]}"
         )
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [r for r in records if "loss" in r]  # the training's records, not the monitor's
 
 
 def rel(a: float, b: float) -> float:

@@ -114,7 +114,8 @@ def run_job(hosts, args, steps: int, run_dir: Path, overrides, port: int):
 def training_seconds(run_dir: Path, images: int) -> float:
     """From the training meter's start to the last step's log (the run's only log line; its img/s
     is over that window): start-up before the loop and the exit after it are left out."""
-    record = json.loads(Path(run_dir, "metrics.jsonl").read_text().splitlines()[-1])
+    records = map(json.loads, Path(run_dir, "metrics.jsonl").read_text().splitlines())
+    record = [r for r in records if "loss" in r][-1]  # the last step's (not a monitor record)
     return images / record["images_per_sec"]
 
 
