@@ -9,9 +9,12 @@ with the monitor on or off. It measures
 * **kNN top-1** (%): the ``knn`` job's own code (``vistrain.benchmarks.knn``) on the config
   :func:`knn_config` gives: DATA.TEST scored against a bank of DATA.TRAIN's images read with
   DATA.TEST's transform (a stratified ``MONITOR.LABEL_FRACTION`` of them), ``BENCHMARK.KNN_K`` /
-  ``KNN_TEMPERATURE``. Each rank extracts its share; the bank is gathered. So it equals the kNN job
-  run on the checkpoint saved at the same iteration. Skipped with one note when the images are not
-  all labelled or DATA.TEST reads other sources than DATA.TRAIN.
+  ``KNN_TEMPERATURE``. Each rank extracts its share, in batches of ``MONITOR.BATCHSIZE_PER_REPLICA``
+  (a sharded trunk gathers each unit once per batch); the bank is gathered. So it equals the kNN
+  job run on that config and the checkpoint saved at the same iteration. The images are read from
+  disk by the first pass and kept in memory when small (:mod:`vistrain.training.held_out`).
+  Skipped with one note when the images are not all labelled or DATA.TEST reads other sources
+  than DATA.TRAIN.
 * **RankMe** (Garrido et al., "RankMe: Assessing the downstream performance of pretrained
   self-supervised representations by their rank", 2023) of the bank's features (N, D) (without
   kNN: of ``MONITOR.NUM_IMAGES`` evenly spaced DATA.TRAIN images): ``exp(-sum_k p_k log p_k)`` with
