@@ -54,8 +54,10 @@ def _models(sharded: bool):
     return auto_wrap(student, policy), auto_wrap(teacher, policy)
 
 
-def _client_loop(rank, world, sharded: bool, optimizer_name: str):
-    """The client's loop; returns losses, clip norms, weights (student, teacher) and names."""
+def _client_loop(rank, world, sharded: bool, optimizer_name: str, keep_grads: bool = False):
+    """The client's loop; returns losses, clip norms, weights (student, teacher) and names.
+    ``keep_grads``: ``zero_grad(set_to_none=False)`` (gradients kept, zeroed in place), and
+    some gradients replaced by other tensors between steps."""
     student, teacher = _models(sharded)
     params = list(student.parameters())
     if optimizer_name == "sgd":
@@ -89,7 +91,10 @@ def _client_loop(rank, world, sharded: bool, optimizer_name: str):
         clip = student.clip_grad_norm_ if sharded else torch.nn.utils.clip_grad_norm_
         norms.append(clip(0.5) if sharded else clip(params, 0.5))
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=not keep_grads)
+        if keep_grads and step == 1:  # gradients that no longer view what the last step made
+            inner.trunk[0].weight.grad = torch.zeros_like(inner.trunk[0].weight.grad)
+            inner.trunk[2].bias.grad.data = torch.zeros_like(inner.trunk[2].bias.grad)
         with torch.no_grad():  # EMA teacher: zip of parameters, no communication
             m = 0.9
             for t, s in zip(teacher.parameters(), student.parameters()):
@@ -111,15 +116,23 @@ def _client_loop(rank, world, sharded: bool, optimizer_name: str):
 
 
 def _both(rank, world, optimizer_name):
-    return _client_loop(rank, world, False, optimizer_name), _client_loop(rank, world, True, optimizer_name)
+    return [
+        (
+            _client_loop(rank, world, False, optimizer_name, keep),
+            _client_loop(rank, world, True, optimizer_name, keep),
+        )
+        for keep in (False, True)
+    ]
 
 
 @pytest.mark.parametrize("world,optimizer_name", [(2, "adamw"), (3, "sgd")])
 def test_a_clients_own_loop_equals_ddp(world, optimizer_name):
     """In-place row normalisation, ``p.data = ...``, an EMA teacher over ``zip(parameters())``,
     ``p.grad = None``, ``mul_`` / ``clamp_`` of gradients and clipping: same losses, clip norms
-    (1e-6 relative), student and teacher weights as DDP, names of the unwrapped model."""
-    for ddp, ours in run_on_ranks(_both, world, optimizer_name):
+    (1e-6 relative), student and teacher weights as DDP, names of the unwrapped model; also with
+    gradients kept between steps (``zero_grad(set_to_none=False)``) and some replaced by the
+    user (``p.grad = tensor``, ``p.grad.data = tensor``)."""
+    for ddp, ours in (pair for rank in run_on_ranks(_both, world, optimizer_name) for pair in rank):
         assert max_rel_diff(ours[0], ddp[0]) < TOL
         assert ((ours[1] - ddp[1]).abs() / ddp[1]).max() < 1e-6, (ours[1], ddp[1])
         assert (ddp[1] > 0.5).any()  # clipping did clip

@@ -425,11 +425,12 @@ class FlatParamHandle:
         """Put back what code outside forward assigned with ``p.data = ...``: its values go
         into the shard and ``p`` views the shard again (in-place writes need nothing). Called
         before every gather: one pointer comparison per local parameter."""
-        shard = self.shard.detach()
+        ptr, size = self.shard.data_ptr(), self.shard.element_size()
         for i, s_start, _, n in self.local_slices():
-            param, view = self.local_params[i], shard[s_start : s_start + n]
-            if param.data_ptr() == view.data_ptr() and param.numel() == n:
+            param = self.local_params[i]
+            if param.data_ptr() == ptr + s_start * size and param.numel() == n:
                 continue
+            view = self.shard.detach()[s_start : s_start + n]
             if param.numel() != n:
                 raise ValueError(
                     f"parameter {self.origins[i].fqn or self.origins[i].local_fqn} was given "

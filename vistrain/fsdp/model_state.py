@@ -179,7 +179,8 @@ class ModelState:
         self.order.end_backward(announce=self._announces_backward())
         if self.reductions.deferred or (self.options.find_unused_parameters and self.require_grad_sync):
             self.reductions.reduce_deferred(self.handles(), self.groups.data_parallel())
-        self.reductions.finish_all()
+        agree = self.require_grad_sync and self.binding is None and not self.options.find_unused_parameters
+        self.reductions.finish_all(self.handles(), self.groups.data_parallel() if agree else ())
         for unit in self.units:
             unit.end_backward()
         if self.require_grad_sync:

@@ -62,6 +62,7 @@ class PendingReduction:
     source: torch.Tensor  # (padded_numel,) the full gradient being reduced; alive until the wait
     without_grad: Tuple[int, ...] = ()  # origins no rank gave a gradient (find_unused_parameters)
     used: Optional[UsedFlags] = None  # the ranks' agreement on ``without_grad``, in flight
+    pending: Tuple[int, ...] = ()  # origins this rank gave none, settled at the end of backward
 
 
 class ReductionQueue:
@@ -77,6 +78,9 @@ class ReductionQueue:
         self.across: List[PendingReduction] = []  # cross-replica all-reduces in flight (hybrid)
         # find_unused_parameters: full gradients kept until the end of backward, by handle.
         self.deferred: Dict[FlatParamHandle, torch.Tensor] = {}
+        # this backward's per-origin "got a gradient here" flags of the handles of several
+        # parameters, agreed on once at its end (``agree_on_used``)
+        self.local_used: Dict[FlatParamHandle, List[bool]] = {}
 
     def start(
         self, handle: FlatParamHandle, grad: torch.Tensor, without_grad: Optional[Tuple[int, ...]] = None
@@ -88,9 +92,10 @@ class ReductionQueue:
         # (gloo reduces the full vector in place: its buffer lives until the reduce-scatter is
         # waited); a cross-replica all-reduce holds only a shard.
         self._advance()
-        used = None
+        used, pending = None, ()
         if without_grad is None:
-            used, without_grad = UsedFlags(handle, handle.shard_grad.used_origins(), grad.device), ()
+            used, pending = self._used_flags(handle, grad.device)
+            without_grad = ()
         if handle.world_size == 1 and handle.groups.replica is not None:
             # replicated (shard groups of one rank): the gradient is the shard; one all-reduce over
             # the replicas, started now, as DDP's buckets (no reduce-scatter over one rank first)
@@ -98,21 +103,70 @@ class ReductionQueue:
             work, reduced = handle.start_replicated_all_reduce(grad, group)
             if used is not None:
                 used.start(group)
-            self.across.append(PendingReduction(handle, work, reduced, reduced, without_grad, used))
+            self.across.append(PendingReduction(handle, work, reduced, reduced, without_grad, used, pending))
             return
         group = self.reduction_groups[group_ranks(handle.groups.shard)]
         work, reduced, source = handle.start_reduce_scatter(grad, group)
         if used is not None:
             used.start(group)
-        self.pending.append(PendingReduction(handle, work, reduced, source, without_grad, used))
+        self.pending.append(PendingReduction(handle, work, reduced, source, without_grad, used, pending))
+
+    def _used_flags(self, handle: FlatParamHandle, device) -> Tuple[Optional[UsedFlags], Tuple[int, ...]]:
+        """How the ranks agree on the origins of ``handle`` no rank gave a gradient: with the
+        step in backward, flags all-reduced beside this reduction (the step needs them when it
+        is final); else kept for one all-reduce at the end of backward (``agree_on_used``),
+        the origins this rank gave none ``pending`` until then."""
+        local = handle.shard_grad.used_origins()
+        if self.on_shard_grad_ready is not None:
+            return UsedFlags(handle, local, device), ()
+        if len(local) < 2:  # its reduction runs only once its gradient arrived: used
+            return None, ()
+        local = local if any(local) else [True] * len(local)  # as UsedFlags counts it
+        self.local_used[handle] = local
+        return None, tuple(i for i, u in enumerate(local) if not u)
 
     def defer(self, handle: FlatParamHandle, grad: torch.Tensor) -> None:
         self.deferred[handle] = grad
 
-    def finish_all(self) -> None:
-        """Wait for every in-flight reduction and add its result to the shard's gradient."""
+    def finish_all(self, handles: Sequence[FlatParamHandle] = (), groups: Sequence = ()) -> None:
+        """Wait for every in-flight reduction and add its result to the local gradients. With
+        ``groups`` (a synced backward without the step inside it), the ranks then agree on
+        which origins of ``handles`` (the model's, in its order) any of them gave a gradient."""
+        flags = self._start_agreement(handles, groups)
         self._advance()
         self._advance()  # the cross-replica all-reduces the first pass started
+        if flags is not None:
+            self._finish_agreement(flags, groups)
+
+    def _start_agreement(self, handles, groups) -> Optional[Tuple[list, torch.Tensor, object]]:
+        """One MAX all-reduce (over ``groups[0]``, asynchronous: it overlaps the last reductions)
+        of every multi-parameter handle's per-origin flags, zeros where a handle was not reduced;
+        the same length on every rank (DDP's unused-parameter bitmap: one per backward)."""
+        local, self.local_used = self.local_used, {}
+        handles = [h for h in handles if h.shard.requires_grad and len(h.origins) > 1]
+        if not groups or not handles:
+            return None
+        flat = [u for h in handles for u in local.get(h, [False] * len(h.origins))]
+        flags = torch.tensor(flat, dtype=torch.uint8, device=handles[0].compute_device)
+        work = None
+        if dist.get_world_size(groups[0]) > 1:
+            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=groups[0], async_op=True)
+        return handles, flags, work
+
+    def _finish_agreement(self, started, groups) -> None:
+        """Wait for the flags (then over the replica group), hand the pending origins over."""
+        handles, flags, work = started
+        what, timeout = "the used-parameter flags", handles[0].timeout
+        if work is not None:
+            wait_within(work, timeout, what, flags.device)
+        for group in groups[1:]:
+            if dist.get_world_size(group) > 1:
+                work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
+                wait_within(work, timeout, what, flags.device)
+        used, at = flags.tolist(), 0
+        for handle in handles:
+            handle.shard_grad.add_pending(used[at : at + len(handle.origins)])
+            at += len(handle.origins)
 
     def _advance(self) -> None:
         """Move every reduction in flight one stage on: cross-replica all-reduces finish;
@@ -134,7 +188,9 @@ class ReductionQueue:
             if reduction.used is not None:
                 reduction.used.start(group)
             self.across.append(
-                PendingReduction(handle, work, shard, shard, reduction.without_grad, reduction.used)
+                PendingReduction(
+                    handle, work, shard, shard, reduction.without_grad, reduction.used, reduction.pending
+                )
             )
 
     @staticmethod
@@ -151,7 +207,7 @@ class ReductionQueue:
         without_grad = reduction.without_grad
         if reduction.used is not None:
             without_grad = reduction.used.without_grad()
-        reduction.handle.shard_grad.add_reduced(reduction.reduced, without_grad)
+        reduction.handle.shard_grad.add_reduced(reduction.reduced, without_grad, reduction.pending)
         if self.on_shard_grad_ready is not None:
             self.on_shard_grad_ready(reduction.handle)
 
@@ -165,6 +221,7 @@ class ReductionQueue:
         self.pending.clear()
         self.across.clear()
         self.deferred.clear()
+        self.local_used.clear()
 
     def reduce_deferred(self, handles: List[FlatParamHandle], groups: Sequence) -> None:
         """find_unused_parameters: reduce, in the canonical unit order, every handle some rank used.
