@@ -36,12 +36,16 @@ def _tiny(run_dir, *overrides, config="test/simclr_tiny"):
 
 
 # a real collapse: VICReg's invariance term alone is minimised by a constant output, and at lr 0.5
-# the tiny trunk gets there within its one epoch (RankMe ~1.05, feature std ~0.001)
+# the tiny trunk gets there within its first epoch (RankMe ~1.05, feature std ~0.001) and stays
+# there: the verdict needs two passes in a row
 COLLAPSING = (
     "config.LOSS.vicreg_loss.variance_weight=0",
     "config.LOSS.vicreg_loss.covariance_weight=0",
-    "config.OPTIMIZER.num_epochs=1",
+    "config.OPTIMIZER.num_epochs=2",
     "config.OPTIMIZER.param_schedulers.lr.base_value=0.5",
+    "config.OPTIMIZER.param_schedulers.lr.name=multistep",  # then 0.0005 in the second epoch
+    "config.OPTIMIZER.param_schedulers.lr.milestones=[1]",
+    "config.OPTIMIZER.param_schedulers.lr.gamma=0.001",
     "config.MONITOR.EVERY_EPOCHS=1",
 )
 
@@ -200,6 +204,28 @@ def test_two_sharded_ranks_measure_what_one_process_does(tmp_path):
     assert "knn_top1" in one[0][0] and "knn_top1" not in one[1][0]
 
 
+class _Meter:
+    writer = None
+
+    def write_values(self, record, tag):
+        pass
+
+
+def test_a_collapse_is_told_only_when_two_passes_in_a_row_show_it(caplog):
+    """Narrow features on one pass that spread again by the next (early DINO) stay quiet."""
+    monitor = Monitor(
+        load_config(["config=test/vicreg_tiny"]), torch.nn.Identity(), _Meter(), 9, torch.device("cpu")
+    )
+    healthy, narrow = {"rankme": 12.0, "feature_std": 0.1}, {"rankme": 12.0, "feature_std": 0.001}
+    seconds = {"monitor_seconds": 0.0, "train_seconds": 0.0}
+    for epoch, values in enumerate([narrow, healthy, narrow, healthy], 1):
+        monitor._report(values, 64, epoch, epoch, seconds)
+    assert not monitor.warned
+    monitor._report(narrow, 64, 5, 5, seconds)
+    monitor._report(narrow, 64, 6, 6, seconds)
+    assert monitor.warned and "collapsed by epoch 6" in caplog.text
+
+
 def test_a_collapsing_run_warns_once(tmp_path):
     run_on_ranks(_train_on_rank, 2, _tiny(tmp_path, *COLLAPSING, config="test/vicreg_tiny"))
     warnings = [line for line in (tmp_path / "log.txt").read_text().splitlines() if "collapsed" in line]
@@ -217,8 +243,8 @@ def test_stop_on_collapse_exits_3_in_one_line_and_keeps_the_checkpoint(tmp_path,
     assert code == 3, err[-3000:]
     lines = [line for line in err.splitlines() if line.startswith("collapsed: ")]
     assert len(lines) == 1 and "Traceback" not in err
-    assert "the representation collapsed by epoch 1" in lines[0]
-    assert find_latest_checkpoint(str(tmp_path)).endswith("checkpoint_4")
+    assert "the representation collapsed by epoch 2" in lines[0]
+    assert find_latest_checkpoint(str(tmp_path)).endswith("checkpoint_8")
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,8 @@ with the monitor on or off. It measures
   features spread over the sphere, 0 when every image maps to one point.
 
 A collapse (RankMe below ``MONITOR.RANKME_MIN`` or 10x below its peak so far, or feature std below
-``MONITOR.STD_MIN / sqrt(D)``) prints one warning naming the knobs to try; with
+``MONITOR.STD_MIN / sqrt(D)``, on two passes in a row: early in a healthy run the features can be
+narrow for a pass and spread again by the next) prints one warning naming the knobs to try; with
 ``MONITOR.STOP_ON_COLLAPSE`` every rank stops with :class:`CollapseError` (exit 3, as a divergence;
 the checkpoint of that epoch was saved before the pass). Rank 0 writes each pass as one log line,
 one metrics.jsonl record (``knn_top1``, ``rankme``, ``feature_std``), TensorBoard scalars
@@ -207,6 +208,7 @@ class Monitor:
         self.knn_cfg = knn_config(cfg)
         self.feature = feature_name(cfg)
         self.peak_rankme = 0.0
+        self.suspect = False  # the last pass met a collapse rule
         self.warned = False
         self.knn_note: Optional[str] = None  # why there is no kNN, once known
         self.labelled = None  # ((bank images, test images), classes): HeldOutImages, built once
@@ -311,9 +313,10 @@ class Monitor:
         record = {"iteration": iteration, "epoch": epochs_done - 1, **values, **seconds}
         self.meter.write_values(record, "monitor")
         reasons = collapse_reasons(values, self.peak_rankme, dim, monitor.RANKME_MIN, monitor.STD_MIN)
-        if not reasons:
+        confirmed, self.suspect = self.suspect and bool(reasons), bool(reasons)
+        if not confirmed:
             return
-        what = f"the representation collapsed by epoch {epochs_done} ({reasons})"
+        what = f"the representation collapsed by epoch {epochs_done} ({reasons}, as on the pass before)"
         if monitor.STOP_ON_COLLAPSE:  # the same numbers on every rank: every rank stops here
             raise CollapseError(
                 f"{what}; checkpoints in {self.cfg.CHECKPOINT.DIR} kept (MONITOR.STOP_ON_COLLAPSE); {KNOBS}",
