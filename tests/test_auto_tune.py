@@ -2,13 +2,12 @@
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from fresh_launcher import FreshLauncher
 
 from vistrain.config import ConfigError, explicit_keys
 from vistrain.distributed.testing import run_on_ranks
@@ -254,11 +253,20 @@ def _train(rank, world_size, cfg):
     train(cfg)
 
 
-def _run(*args):
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "run_distributed.py"), *args], capture_output=True, text=True
-    )
-    return proc.returncode, proc.stdout, proc.stderr
+@pytest.fixture(scope="module")
+def launcher():
+    """The command line's launcher, each job in a fork of one fresh interpreter (one torch
+    start-up for the module's jobs; its RSS, the auto-tuner's baseline, is a fresh launcher's)."""
+    with FreshLauncher() as fresh:
+        yield fresh
+
+
+def _run(launcher, folder: Path, *args):
+    """(exit code, stdout, stderr) of the command line's ``args``; its output in ``folder``."""
+    n = len(list(folder.glob("job*.out")))
+    out, err = folder / f"job{n}.out", folder / f"job{n}.err"
+    code = launcher.run(args, out, err)
+    return code, out.read_text(), err.read_text()
 
 
 def _losses(run_dir: Path):
@@ -283,13 +291,19 @@ def _small_budget_mib(args):
     return (forced + others) / 2
 
 
-def test_small_budget_forces_zero3_with_checkpointing_large_one_zero2_same_losses_and_resume(tmp_path):
+def test_small_budget_forces_zero3_with_checkpointing_large_one_zero2_same_losses_and_resume(
+    tmp_path, launcher
+):
     head = (ROOT / "configs" / "test" / "simclr_tiny.yaml").read_text()
     assert "AUTO_TUNE" not in head  # the test sets it itself
     small, large = tmp_path / "small", tmp_path / "large"
     budget = _small_budget_mib([*REAL, f"config.CHECKPOINT.DIR={small}"])
     code, out, err = _run(
-        *REAL, f"config.CHECKPOINT.DIR={small}", f"config.MACHINE.MEMORY_BUDGET_MIB={budget}"
+        launcher,
+        tmp_path,
+        *REAL,
+        f"config.CHECKPOINT.DIR={small}",
+        f"config.MACHINE.MEMORY_BUDGET_MIB={budget}",
     )
     assert code == 0, err[-2000:]
     chosen = yaml.safe_load((small / "config.yaml").read_text())
@@ -317,6 +331,8 @@ def test_small_budget_forces_zero3_with_checkpointing_large_one_zero2_same_losse
     assert _losses(small) == pytest.approx(_losses(large), rel=1e-5, abs=1e-6)
     # resume the small-budget run with a large budget: its knobs still fit and are kept
     code, out, err = _run(
+        launcher,
+        tmp_path,
         *REAL,
         f"config.CHECKPOINT.DIR={small}",
         "config.OPTIMIZER.num_epochs=2",
@@ -329,10 +345,12 @@ def test_small_budget_forces_zero3_with_checkpointing_large_one_zero2_same_losse
     assert resumed["MODEL"]["ACTIVATION_CHECKPOINTING"] == chosen["MODEL"]["ACTIVATION_CHECKPOINTING"]
 
 
-def test_refusal_exits_2_with_one_line_and_writes_nothing(tmp_path):
+def test_refusal_exits_2_with_one_line_and_writes_nothing(tmp_path, launcher):
     run_dir = tmp_path / "run"
     tuned = [*SHARDED, "config.MODEL.FSDP_CONFIG.AUTO_TUNE=True"]
-    code, out, err = _run(*tuned, f"config.CHECKPOINT.DIR={run_dir}", "config.MACHINE.MEMORY_BUDGET_MIB=1")
+    code, out, err = _run(
+        launcher, tmp_path, *tuned, f"config.CHECKPOINT.DIR={run_dir}", "config.MACHINE.MEMORY_BUDGET_MIB=1"
+    )
     assert code == 2
     assert err.strip().count("\n") == 0 and err.startswith(
         "config error: MODEL.FSDP_CONFIG.AUTO_TUNE: nothing fits"
