@@ -134,6 +134,34 @@ class Job:
         return True
 
 
+class ForkedJob(Job):
+    """A :class:`Job` of ``python script ARGS`` forked by ``launcher`` (tests/fresh_launcher.py:
+    no torch start-up of its own), its own process group too; ``env``: added to the launcher's."""
+
+    def __init__(self, launcher, script: str, args, run_dir: Path, env: dict):
+        self.run_dir, self.env = run_dir, env
+        self.out, self.err = run_dir.parent / f"{run_dir.name}.out", run_dir.parent / f"{run_dir.name}.err"
+        launcher.start(args, self.out, self.err, script=script, env=env)
+        self.proc = _Forked(launcher)
+
+
+class _Forked:
+    """What :class:`Job` reads of a Popen, for the job a FreshLauncher started last."""
+
+    def __init__(self, launcher):
+        self.launcher, self.pid, self.returncode = launcher, launcher.job, None
+
+    def poll(self):
+        if self.returncode is None and self.launcher.ended():
+            self.returncode = self.launcher.wait(0)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        if self.returncode is None:
+            self.returncode = self.launcher.wait(HANG if timeout is None else timeout)
+        return self.returncode
+
+
 def last_iteration(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     if not path.exists():

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from job_processes import REPO, Job, job_env, last_iteration, losses, slurm_env
+from fresh_launcher import FreshLauncher
+from job_processes import REPO, ForkedJob, Job, job_env, last_iteration, losses, slurm_env
 
 from vistrain.distributed.testing import run_on_ranks
 
@@ -29,9 +30,18 @@ ARGS = [f"config.OPTIMIZER.num_epochs={EPOCHS}", "config.CHECKPOINT.KEEP_LAST=10
 STOP_LIMIT = 60  # seconds from the signal to the exit: the schedulers' grace this must fit
 
 
-def _job(run_dir: Path, *overrides, step_seconds=0.0, **env) -> Job:
-    command = [sys.executable, JOB, *ARGS, f"config.CHECKPOINT.DIR={run_dir}", *overrides]
-    return Job(command, run_dir, job_env(STOP_JOB_STEP_SECONDS=str(step_seconds), **env))
+@pytest.fixture(scope="module")
+def launcher():
+    """The launcher jobs below, each forked from one fresh interpreter (tests/fresh_launcher.py):
+    one torch start-up for the module. The jobs that a signal hits while they start are real new
+    processes."""
+    with FreshLauncher(env=job_env()) as fresh:
+        yield fresh
+
+
+def _job(launcher, run_dir: Path, *overrides, step_seconds=0.0, **env) -> Job:
+    args = [*ARGS, f"config.CHECKPOINT.DIR={run_dir}", *overrides]
+    return ForkedJob(launcher, JOB, args, run_dir, job_env(STOP_JOB_STEP_SECONDS=str(step_seconds), **env))
 
 
 def _train(rank, world_size, argv):
@@ -83,7 +93,9 @@ def _assert_stopped_at_a_boundary(run_dir: Path, code: int, err, took: float, si
 # the spawn launcher
 
 
-def test_stop_signals_to_the_launcher_to_one_rank_and_to_every_process_lose_nothing(tmp_path, reference):
+def test_stop_signals_to_the_launcher_to_one_rank_and_to_every_process_lose_nothing(
+    tmp_path, reference, launcher
+):
     """One run folder, stopped three times: SIGTERM to the launcher only; SIGTERM to rank 1 only;
     SIGUSR1 to every process of the job at once, DataLoader workers included (as SLURM's --signal
     does). Every rerun resumes
@@ -100,7 +112,7 @@ def test_stop_signals_to_the_launcher_to_one_rank_and_to_every_process_lose_noth
         ),
     ]
     for sig, send, overrides in targets:
-        job = _job(run_dir, *overrides, step_seconds=0.3)
+        job = _job(launcher, run_dir, *overrides, step_seconds=0.3)
         job.wait_for_iteration((stops[-1] if stops else 0) + 1)
         sent = time.monotonic()
         send(job)
@@ -116,11 +128,12 @@ def test_stop_signals_to_the_launcher_to_one_rank_and_to_every_process_lose_noth
     _assert_same_losses(run_dir, reference, until=stops[-1])
 
 
-def test_a_step_that_cannot_finish_within_the_grace_is_abandoned(tmp_path):
+def test_a_step_that_cannot_finish_within_the_grace_is_abandoned(tmp_path, launcher):
     """Rank 0 hangs in the 4th step; SIGTERM to the launcher: exit 143 within the grace (3 s here),
     one line, and checkpoint_2 (saved before) stays the latest: nothing partial replaced it."""
     run_dir = tmp_path / "run"
     job = _job(
+        launcher,
         run_dir,
         "config.CHECKPOINT.STOP_GRACE_SECONDS=3",
         "config.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY=2",
