@@ -136,15 +136,6 @@ def _assert_rank0_side_effects(run_dir: Path, iterations: int):
 # torchrun
 
 
-def test_torchrun_standalone_two_processes(tmp_path, reference):
-    run_dir = tmp_path / "run"
-    command = [*TORCHRUN, "--standalone", "--nproc_per_node", "2", RUN, *_args(run_dir)]
-    (output,) = _run_together([command], run_dir)
-    _assert_same_losses(run_dir, reference(2), iterations=8)
-    _assert_rank0_side_effects(run_dir, iterations=8)
-    assert "training 2 epochs x 4 iterations on 2 ranks" in output
-
-
 def test_two_torchrun_nodes_with_c10d_rendezvous(tmp_path, reference):
     """Two agents (nodes) of 2 workers each meet in a c10d rendezvous on 127.0.0.1: world size 4,
     a shard group per node."""
@@ -188,17 +179,22 @@ def _die_once_before_step(kill_at: int, marker: Path):
     trainer._optimizer_step = step_or_die
 
 
-def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(tmp_path, reference):
-    """Rank 1 dies mid-epoch 0 (after checkpoint_2); torchrun restarts both, they resume from iteration 2."""
+def test_torchrun_standalone_restarts_a_killed_worker_and_resumes_exactly(tmp_path, reference):
+    """torchrun --standalone, 2 workers: rank 1 dies mid-epoch 0 (after checkpoint_2); torchrun
+    restarts both, they resume from iteration 2 and end with the losses of the uninterrupted run;
+    global rank 0 alone writes the run's files in each attempt."""
     run_dir, marker = tmp_path / "run", tmp_path / "killed"
     script = [str(Path(__file__).resolve()), "3", str(marker)]
     command = [*TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", *script, *_args(run_dir)]
     (output,) = _run_together([command], run_dir)
     assert marker.exists(), "the worker was never killed"
+    assert output.count("training 2 epochs x 4 iterations on 2 ranks") == 2  # once per attempt
     assert "resumed from" in output and "checkpoint_2" in output
     records = [json.loads(line)["iteration"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records == [1, 2, 3, 3, 4, 5, 6, 7, 8]  # iteration 3 logged, killed before step 4, re-done
     _assert_same_losses(run_dir, reference(2), iterations=8)
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "log.txt").is_file()
+    assert len(list((run_dir / "tb").glob("events.out.tfevents.*"))) == 2  # one per attempt
 
 
 # --------------------------------------------------------------------------------------------
