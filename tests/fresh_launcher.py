@@ -48,8 +48,10 @@ for line in sys.stdin:
         # runs now as what the imports left, or the launcher would spawn its CPU ranks, not fork them
         spawn._THREADS_AT_IMPORT = spawn._thread_count()
         os.environ.update(env)
-        for fd, path in ((1, out), (2, err)):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
+        for path in {out, err}:
+            open(path, "w").close()
+        for fd, path in ((1, out), (2, err)):  # appending: one file may take both
+            os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), fd)
         sys.exit(run(script, argv))  # the interpreter's exit: atexit handlers, flushed files
     print(pid, flush=True)
     print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
@@ -74,7 +76,7 @@ class FreshLauncher:
 
     def start(self, argv, out: Path, err: Path = None, script: str = RUN, env=None) -> None:
         """Start ``python script *argv`` (the command line's launcher by default), ``env`` added
-        to its environment, its stdout appended to ``out``, its stderr to ``err`` (default: ``out``)."""
+        to its environment, its stdout written to ``out``, its stderr to ``err`` (default: ``out``)."""
         job = [str(script), list(argv), dict(env or {}), str(out), str(err or out)]
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
