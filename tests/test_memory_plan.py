@@ -299,7 +299,8 @@ TRUNK_RUN = [
     "config=regnet_fsdp",
     "config.MODEL.FSDP_CONFIG.AUTO_TUNE=False",
     "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=16",
-    "config.DATA.TRAIN.DATA_LIMIT=192",
+    # 3 steps: in 6 the peak rose by 1% at most (ResNet-18 690 against 683 MiB, ViT-tiny 800 both)
+    "config.DATA.TRAIN.DATA_LIMIT=96",
 ]
 RUNS = {
     "quick_start": [
