@@ -184,18 +184,31 @@ NEEDS_USER_DATA = {"pretrain/simclr_regnet_y_400mf_imagenet", "pretrain/swav_reg
 
 # recipes on ELPV read the optional elpv-dataset package (`.[elpv]`, not in `.[dev]`); without it
 # their check is the one line naming the install (tests/test_real_images.py runs them on a folder)
-NEEDS_ELPV = {"pretrain/simclr_regnet_elpv", "benchmark/linear_eval_elpv", "benchmark/finetune_elpv"}
+def _reads_elpv(cfg) -> bool:
+    """The recipe reads ELPV where the elpv-dataset package put it (no DATA_PATHS of its own)."""
+    return any(
+        "elpv" in split.DATA_SOURCES and not any(split.DATA_PATHS)
+        for split in (cfg.DATA.TRAIN, cfg.DATA.TEST)
+    )
 
 
 def test_every_shipped_config_passes_the_checks():
     elpv_installed = importlib.util.find_spec("elpv_dataset") is not None
+    needs_elpv = set()
     for name in sorted(set(available_configs()) - NEEDS_USER_DATA):
         cfg = load_config([f"config={name}"])
-        if name in NEEDS_ELPV and not elpv_installed:
+        if _reads_elpv(cfg):
+            needs_elpv.add(name)
+        if _reads_elpv(cfg) and not elpv_installed:
             with pytest.raises(ConfigError, match=r"elpv-dataset package is not installed; pip install"):
                 check_values(cfg)
         else:
             check_values(cfg)
+    assert {
+        "pretrain/simclr_regnet_elpv",
+        "benchmark/linear_eval_elpv",
+        "pretrain/mae_vit_elpv",
+    } <= needs_elpv
 
 
 def test_every_rule_names_an_existing_key():
