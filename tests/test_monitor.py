@@ -5,6 +5,7 @@ STOP_ON_COLLAPSE exits 3, bad MONITOR values exit 2, and 2 sharded ranks measure
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -226,11 +227,43 @@ def test_a_collapse_is_told_only_when_two_passes_in_a_row_show_it(caplog):
     assert monitor.warned and "collapsed by epoch 6" in caplog.text
 
 
-def test_a_collapsing_run_warns_once(tmp_path):
-    run_on_ranks(_train_on_rank, 2, _tiny(tmp_path, *COLLAPSING, config="test/vicreg_tiny"))
-    warnings = [line for line in (tmp_path / "log.txt").read_text().splitlines() if "collapsed" in line]
-    assert len(warnings) == 1
-    assert "RankMe" in warnings[0] and "OPTIMIZER.weight_decay" in warnings[0]
+def test_a_resumed_run_keeps_the_peak_rankme_of_the_passes_before_its_checkpoint(tmp_path):
+    """Passes at iterations 4 and 8 before the checkpoint at 8; one at 12 the earlier run made
+    past it (the resumed run makes it again): only the first two count, and the pass at 8 that
+    fell 10x from the peak makes the resumed run's first such pass the second in a row."""
+    passes = [(4, 30.0, 0), (8, 2.5, 1), (12, 50.0, 0)]
+    lines = [
+        json.dumps({"iteration": i, "epoch": i // 4 - 1, "rankme": r, "collapse_suspect": s})
+        for i, r, s in passes
+    ]
+    (tmp_path / "metrics.jsonl").write_text(
+        "\n".join([json.dumps({"iteration": 1, "loss": 5.0}), *lines]) + "\n"
+    )
+    cfg = load_config(_tiny(tmp_path, "config.MONITOR.EVERY_EPOCHS=1"))
+    resumed = Monitor(cfg, torch.nn.Identity(), _Meter(), 9, torch.device("cpu"), start=8)
+    assert resumed.peak_rankme == 30.0 and resumed.suspect  # the pass at 8 fell 10x from 30
+    fresh = Monitor(cfg, torch.nn.Identity(), _Meter(), 9, torch.device("cpu"))
+    assert fresh.peak_rankme == 0.0 and not fresh.suspect
+    # the second pass in a row below a tenth of the peak before the checkpoint: told
+    seconds = {"monitor_seconds": 0.0, "train_seconds": 0.0}
+    resumed._report({"rankme": 2.5, "feature_std": 0.1}, 64, 3, 12, seconds)
+    assert resumed.warned
+
+
+def test_a_collapsing_run_warns_once_also_across_a_resume(tmp_path):
+    """The run warns once; without its last checkpoint, rerun from the first epoch's, it warns
+    again: the pass before that checkpoint and the resumed run's pass are two in a row."""
+    argv = _tiny(tmp_path, *COLLAPSING, "config.CHECKPOINT.KEEP_LAST=2", config="test/vicreg_tiny")
+
+    def warnings():
+        return [line for line in (tmp_path / "log.txt").read_text().splitlines() if "collapsed" in line]
+
+    run_on_ranks(_train_on_rank, 2, argv)
+    assert len(warnings()) == 1
+    assert "RankMe" in warnings()[0] and "OPTIMIZER.weight_decay" in warnings()[0]
+    shutil.rmtree(tmp_path / "checkpoint_8")
+    run_on_ranks(_train_on_rank, 2, argv)
+    assert len(warnings()) == 2 and "collapsed by epoch 2" in warnings()[1]
 
 
 def test_stop_on_collapse_exits_3_in_one_line_and_keeps_the_checkpoint(tmp_path, capfd):

@@ -202,13 +202,18 @@ class Monitor:
     whether it warned. ``network``: the student or teacher as trained; ``meter``: the run's
     TrainingMeter (it owns metrics.jsonl and TensorBoard)."""
 
-    def __init__(self, cfg, network: nn.Module, meter, num_epochs: int, device: torch.device):
+    def __init__(self, cfg, network: nn.Module, meter, num_epochs: int, device: torch.device, start: int = 0):
+        """Collective when ``start`` (the iteration a resumed run starts from) > 0 and the monitor
+        is on: the peak RankMe of the passes up to ``start`` (metrics.jsonl) and whether the last
+        of them met a collapse rule carry over."""
         self.cfg, self.network, self.meter = cfg, network, meter
         self.num_epochs, self.device = num_epochs, device
         self.knn_cfg = knn_config(cfg)
         self.feature = feature_name(cfg)
         self.peak_rankme = 0.0
         self.suspect = False  # the last pass met a collapse rule
+        if start and cfg.MONITOR.EVERY_EPOCHS:
+            self.peak_rankme, self.suspect = _history_before(cfg, start)
         self.warned = False
         self.knn_note: Optional[str] = None  # why there is no kNN, once known
         self.labelled = None  # ((bank images, test images), classes): HeldOutImages, built once
@@ -310,9 +315,9 @@ class Monitor:
             f"monitor epoch {epochs_done}: {line} ({seconds['monitor_seconds']:.1f} s; training since "
             f"the last pass {seconds['train_seconds']:.1f} s)"
         )
-        record = {"iteration": iteration, "epoch": epochs_done - 1, **values, **seconds}
-        self.meter.write_values(record, "monitor")
         reasons = collapse_reasons(values, self.peak_rankme, dim, monitor.RANKME_MIN, monitor.STD_MIN)
+        record = {"iteration": iteration, "epoch": epochs_done - 1, **values, **seconds}
+        self.meter.write_values({**record, "collapse_suspect": int(bool(reasons))}, "monitor")
         confirmed, self.suspect = self.suspect and bool(reasons), bool(reasons)
         if not confirmed:
             return
@@ -331,9 +336,8 @@ class Monitor:
         resumed run included)."""
         if self.meter.writer is None:
             return
-        path = os.path.join(self.cfg.CHECKPOINT.DIR, "metrics.jsonl")
-        with open(path) as lines:
-            records = [json.loads(line) for line in lines if '"rankme"' in line]
+        # a resumed run's passes replace those its earlier run made past the checkpoint
+        records = list({r["epoch"]: r for r in _monitor_records(self.cfg.CHECKPOINT.DIR)}.values())
         curves: Dict[str, List[Tuple[float, float]]] = {}
         for name in METRICS:
             points = [(r["epoch"] + 1, r[name]) for r in records if name in r]
@@ -347,3 +351,24 @@ class Monitor:
             "monitor/curves",
             iteration,
         )
+
+
+def _monitor_records(run_dir: str) -> List[dict]:
+    """The monitor's records of ``run_dir``/metrics.jsonl, in the order written (none: [])."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as lines:
+        return [json.loads(line) for line in lines if '"rankme"' in line]
+
+
+def _history_before(cfg, start: int) -> Tuple[float, bool]:
+    """Collective: (the highest RankMe of the passes up to iteration ``start``, whether the last
+    of them met a collapse rule), as rank 0 reads them (the file is rank 0's), on every rank
+    (their collapse decisions agree)."""
+    history = (0.0, False)
+    if comm.is_main_process():
+        before = [r for r in _monitor_records(cfg.CHECKPOINT.DIR) if r["iteration"] <= start]
+        if before:
+            history = (max(r["rankme"] for r in before), bool(before[-1].get("collapse_suspect", 0)))
+    return comm.all_gather_object(history)[0]

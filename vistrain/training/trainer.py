@@ -184,7 +184,8 @@ def _train_epochs(cfg, run: _Run, iteration: int) -> None:
         cfg.CHECKPOINT.DIR, cfg.LOG_FREQUENCY, run.total_iterations, settings.device, settings.scaling
     )
     stop = BoundaryStop(cfg, run.total_iterations)  # SIGTERM / SIGUSR1: stop and save at a boundary
-    monitor = Monitor(cfg, run.watched(cfg.BENCHMARK.WEIGHTS_FROM), meter, run.num_epochs, settings.device)
+    watched = run.watched(cfg.BENCHMARK.WEIGHTS_FROM)
+    monitor = Monitor(cfg, watched, meter, run.num_epochs, settings.device, start=iteration)
     if meter.writer is not None:  # rank 0: what the loss compares, before the first step
         transforms = cfg.DATA.TRAIN.TRANSFORMS
         views = view_grid(
