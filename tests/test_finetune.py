@@ -258,6 +258,19 @@ def test_held_out_choice_trains_the_final_run_to_the_best_epoch(tmp_path):
     # two runs of 3 epochs on 38 images (4 steps of 8), then `epochs` epochs on 48 (6 steps)
     assert record["iterations"] == 2 * 3 * 4 + 6 * epochs
     assert record["results"]["avgpool"]["holdout_top1"] == scores[lr][epochs - 1]
+    # stopped after the first lr's run: the rerun reads its scores and trains the second again
+    saved = json.loads((tmp_path / "finetune_selection.json").read_text())
+    saved["holdout_top1"] = {"0.01": [-1.0, -1.0, 200.0]}  # marked: only a read gives 200
+    (tmp_path / "finetune_selection.json").write_text(json.dumps(saved))
+    run_on_ranks(_finetune, 2, argv)
+    rerun = json.loads((tmp_path / "metrics.json").read_text())
+    assert rerun["selection"]["holdout_top1"] == {"0.01": [-1.0, -1.0, 200.0], "0.2": scores[0.2]}
+    assert (rerun["lr"], rerun["epochs"], rerun["iterations"]) == (0.01, 3, 2 * 3 * 4 + 6 * 3)
+    assert "lr 0.01: the held-out scores of an earlier run" in (tmp_path / "log.txt").read_text()
+    # another job in the folder (another epoch count) trains every lr
+    run_on_ranks(_finetune, 2, [*argv, "config.OPTIMIZER.num_epochs=2"])
+    other = json.loads((tmp_path / "metrics.json").read_text())["selection"]["holdout_top1"]
+    assert all(len(s) == 2 and 200.0 not in s for s in other.values())
 
 
 def test_finetuning_reads_the_student_or_the_teacher(tmp_path):

@@ -15,7 +15,9 @@ per candidate lr would cost k x the grid, so the selection is one held-out fold.
 ``HOLDOUT_FRACTION`` of the training images is held out; for every lr of ``LRS`` one run trains on
 the rest for ``num_epochs`` and scores the held-out images after every epoch (read with DATA.TEST's
 transform and ``BENCHMARK.FEATURE_VIEWS``); the best (lr, epoch) pair wins (ties: the smaller lr,
-the earlier epoch). The final run trains on all the training images with that lr and the
+the earlier epoch). Each finished lr's scores go to ``CHECKPOINT.DIR/finetune_selection.json``
+with the resolved config: a rerun of the same job in the same folder (after a stop) reads them
+instead of training those runs again. The final run trains on all the training images with that lr and the
 schedule of ``num_epochs``, stopped after that epoch: the trajectory the held-out images scored.
 Cost: ``len(LRS) * (1 - HOLDOUT_FRACTION) + 1`` runs. Without LRS: one run of ``OPTIMIZER``.
 
@@ -27,6 +29,8 @@ checkpoint in CHECKPOINT.DIR (world-size independent; any job reads it as PARAMS
 """
 
 import dataclasses
+import json
+import os
 import time
 from typing import List, Optional, Tuple
 
@@ -153,9 +157,15 @@ def _select(job: _Job, lrs: List[float]) -> Tuple[float, int, dict]:
     """One run per lr on the fit part, scored on the held-out part after every epoch. Returns
     (lr, epochs, the record: every held-out top-1 by lr and epoch, the best)."""
     fit_loader, held_out = job.holdout
-    scores = {}
+    epochs, earlier, scores = job.cfg.OPTIMIZER.num_epochs, _earlier_scores(job.cfg), {}
     for lr in lrs:
-        _, scores[lr] = train_run(job, lr, fit_loader, job.cfg.OPTIMIZER.num_epochs, held_out)
+        if lr in earlier:
+            scores[lr] = earlier[lr]
+            job.iterations += epochs * len(fit_loader)  # counted as run: the ETA stays true
+            logger.info(f"lr {lr:g}: the held-out scores of an earlier run of this job ({SELECTION_FILE})")
+            continue
+        _, scores[lr] = train_run(job, lr, fit_loader, epochs, held_out)
+        _save_scores(job.cfg, scores)
         best = max(scores[lr])
         logger.info(
             f"lr {lr:g} done ({job.clock.elapsed()}): best held-out top-1 {best:.2f}% after "
@@ -174,6 +184,28 @@ def _select(job: _Job, lrs: List[float]) -> Tuple[float, int, dict]:
         "best": {"lr": lr, "epochs": epochs, "holdout_top1": top1},
     }
     return lr, epochs, selection
+
+
+SELECTION_FILE = "finetune_selection.json"
+
+
+def _earlier_scores(cfg) -> dict:
+    """Collective: {lr: held-out top-1 per epoch} of the selection runs that an earlier run of
+    the same job (the same resolved config) in CHECKPOINT.DIR finished; {} when none."""
+    scores = {}
+    path = os.path.join(cfg.CHECKPOINT.DIR, SELECTION_FILE)
+    if comm.is_main_process() and os.path.isfile(path):
+        with open(path) as f:
+            saved = json.load(f)
+        if saved.get("config") == cfg.dump():
+            scores = {float(lr): s for lr, s in saved["holdout_top1"].items()}
+    return comm.all_gather_object(scores)[0]
+
+
+def _save_scores(cfg, scores: dict) -> None:
+    """Rank 0: the finished selection runs' scores, with the config they belong to."""
+    record = {"config": cfg.dump(), "holdout_top1": {repr(lr): s for lr, s in scores.items()}}
+    common.write_metrics(cfg.CHECKPOINT.DIR, record, SELECTION_FILE)
 
 
 def best_run(scores: dict) -> Tuple[float, int]:
