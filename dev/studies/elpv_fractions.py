@@ -72,7 +72,7 @@ def evaluate(args, config: str, name: str, seed: int, weights: str) -> dict:
             f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={weights}",
             *args.eval,
         ]
-        run(f"{name}, label seed {seed}", argv, {}, folder.with_suffix(".log"))
+        run(f"{name}, label seed {seed}", argv, {}, folder.parent / f"{folder.name}.log")
     metrics = json.loads((folder / "metrics.json").read_text())
     return {**metrics["picked"], "epochs": metrics.get("epochs")}
 
