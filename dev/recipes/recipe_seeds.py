@@ -271,7 +271,7 @@ def print_table(args, records, pixels: dict) -> dict:
     print(
         f"\n{args.method} ({METHODS[args.method]}"
         + (" " + " ".join(overrides(args.pretrain)) if args.pretrain else "")
-        + f") -> {EVAL_CONFIGS.get(args.method, 'benchmark/linear_eval_regnet')}"
+        + f") -> {args.eval_config or EVAL_CONFIGS.get(args.method, 'benchmark/linear_eval_regnet')}"
         + (" " + " ".join(overrides(args.eval)) if args.eval else "")
         + ": linear-eval top-1 on the 360 val digits"
     )
