@@ -15,7 +15,7 @@ from torch import nn
 from torchvision.models.vision_transformer import Encoder, EncoderBlock
 
 from vistrain.benchmarks import finetune
-from vistrain.benchmarks.finetune import best_run
+from vistrain.benchmarks.finetune import best_run, grid_edge
 from vistrain.benchmarks.finetune_model import (
     Classifier,
     build_run_model,
@@ -238,6 +238,13 @@ def test_best_run_takes_the_highest_held_out_score_ties_to_smaller_lr_and_fewer_
     assert best_run({0.1: [60.0, 60.0, 60.0]}) == (0.1, 1)
 
 
+def test_a_choice_at_the_end_of_the_lr_grid_is_named():
+    assert grid_edge(0.03, [0.03, 0.1]) == "smallest"
+    assert grid_edge(0.1, [0.03, 0.1]) == "largest"
+    assert grid_edge(0.1, [0.03, 0.1, 0.3]) == ""
+    assert grid_edge(0.1, [0.1]) == ""
+
+
 def test_held_out_choice_trains_the_final_run_to_the_best_epoch(tmp_path):
     argv = _tiny(
         tmp_path,
@@ -258,6 +265,8 @@ def test_held_out_choice_trains_the_final_run_to_the_best_epoch(tmp_path):
     # two runs of 3 epochs on 38 images (4 steps of 8), then `epochs` epochs on 48 (6 steps)
     assert record["iterations"] == 2 * 3 * 4 + 6 * epochs
     assert record["results"]["avgpool"]["holdout_top1"] == scores[lr][epochs - 1]
+    edge = "smallest" if lr == 0.01 else "largest"
+    assert f"lr {lr:g} is the {edge} of BENCHMARK.FINETUNE.LRS" in (tmp_path / "log.txt").read_text()
     # stopped after the first lr's run: the rerun reads its scores and trains the second again
     saved = json.loads((tmp_path / "finetune_selection.json").read_text())
     saved["holdout_top1"] = {"0.01": [-1.0, -1.0, 200.0]}  # marked: only a read gives 200

@@ -177,6 +177,11 @@ def _select(job: _Job, lrs: List[float]) -> Tuple[float, int, dict]:
         f"held-out choice on {plural(len(held_out.dataset), 'training image')} "
         f"({len(fit_loader.dataset)} fit): lr {lr:g}, {plural(epochs, 'epoch')} ({top1:.2f}%)"
     )
+    edge = grid_edge(lr, lrs)
+    if edge:
+        logger.info(
+            f"note: lr {lr:g} is the {edge} of BENCHMARK.FINETUNE.LRS: a grid past it may choose better"
+        )
     selection = {
         "lrs": lrs,
         "holdout_images": len(held_out.dataset),
@@ -206,6 +211,13 @@ def _save_scores(cfg, scores: dict) -> None:
     """Rank 0: the finished selection runs' scores, with the config they belong to."""
     record = {"config": cfg.dump(), "holdout_top1": {repr(lr): s for lr, s in scores.items()}}
     common.write_metrics(cfg.CHECKPOINT.DIR, record, SELECTION_FILE)
+
+
+def grid_edge(lr: float, lrs: List[float]) -> str:
+    """ "smallest" or "largest" when the chosen ``lr`` ends a grid of several lrs, else ""."""
+    if len(set(lrs)) < 2:
+        return ""
+    return "smallest" if lr == min(lrs) else "largest" if lr == max(lrs) else ""
 
 
 def best_run(scores: dict) -> Tuple[float, int]:
