@@ -105,7 +105,9 @@ def test_the_table_prints_the_standard_error_beside_the_std(recipe_seeds, capsys
         }
         for s in range(4)
     ]
-    stats = recipe_seeds.print_table(SimpleNamespace(method="SimCLR", pretrain=[], eval=[]), records, PIXELS)
+    stats = recipe_seeds.print_table(
+        SimpleNamespace(method="SimCLR", pretrain=[], eval=[], eval_config=""), records, PIXELS
+    )
     lines = capsys.readouterr().out.splitlines()
     rows = {line.split(" | ")[0]: line for line in lines if line.startswith("| mean")}
     # s2 (chosen) over the seeds: 97, 98, 99, 100: mean 98.5, sample std 1.29, standard error 1.29 / 2
