@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "dev" / "recipes"))
 
 from demo_pretrain_then_eval import run  # noqa: E402
+from elpv_seeds import overrides  # noqa: E402
 
 PRETRAIN, FINETUNE, LINEAR = (
     "pretrain/simclr_regnet_elpv",
@@ -49,7 +50,8 @@ def pretrained(args) -> Path:
     done = args.out / f"pretrain_{args.pretrain_seed}.json"
     if not done.exists():
         argv = [f"config={PRETRAIN}", f"config.CHECKPOINT.DIR={folder}", *split(args), *args.pretrain]
-        cpu = run("pretrain", argv, timings := {}, args.out / f"pretrain_{args.pretrain_seed}.log")
+        timings = {}
+        cpu = run("pretrain", argv, timings, args.out / f"pretrain_{args.pretrain_seed}.log")
         done.write_text(json.dumps({"wall_s": timings["pretrain"], "cpu_per_rank_s": cpu / 2}))
     return folder
 
@@ -100,8 +102,7 @@ def main() -> int:
     args = parser.parse_args()
     args.out = Path(args.out).resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    args.pretrain = [v if v.startswith("config.") else f"config.{v}" for v in args.pretrain]
-    args.eval = [v if v.startswith("config.") else f"config.{v}" for v in args.eval]
+    args.pretrain, args.eval = overrides(args.pretrain), overrides(args.eval)
     trunk = str(pretrained(args))
     rows = []
     for seed in args.label_seeds:

@@ -17,8 +17,9 @@ the rest for ``num_epochs`` and scores the held-out images after every epoch (re
 transform and ``BENCHMARK.FEATURE_VIEWS``); the best (lr, epoch) pair wins (ties: the smaller lr,
 the earlier epoch). Each finished lr's scores go to ``CHECKPOINT.DIR/finetune_selection.json``
 with the resolved config: a rerun of the same job in the same folder (after a stop) reads them
-instead of training those runs again. The final run trains on all the training images with that lr and the
-schedule of ``num_epochs``, stopped after that epoch: the trajectory the held-out images scored.
+instead of training those runs again. The final run trains on all the training images with that
+lr and the schedule of ``num_epochs``, stopped after that epoch: the trajectory the held-out
+images scored.
 Cost: ``len(LRS) * (1 - HOLDOUT_FRACTION) + 1`` runs. Without LRS: one run of ``OPTIMIZER``.
 
 The test images are scored once, at the end, their logits averaged over ``FEATURE_VIEWS`` (ELPV:
@@ -214,7 +215,7 @@ def _save_scores(cfg, scores: dict) -> None:
 
 
 def grid_edge(lr: float, lrs: List[float]) -> str:
-    """ "smallest" or "largest" when the chosen ``lr`` ends a grid of several lrs, else ""."""
+    """Which end of a grid of several lrs the chosen ``lr`` is ("smallest", "largest"), else ""."""
     if len(set(lrs)) < 2:
         return ""
     return "smallest" if lr == min(lrs) else "largest" if lr == max(lrs) else ""
