@@ -276,6 +276,12 @@ def test_held_out_choice_trains_the_final_run_to_the_best_epoch(tmp_path):
     assert rerun["selection"]["holdout_top1"] == {"0.01": [-1.0, -1.0, 200.0], "0.2": scores[0.2]}
     assert (rerun["lr"], rerun["epochs"], rerun["iterations"]) == (0.01, 3, 2 * 3 * 4 + 6 * 3)
     assert "lr 0.01: the held-out scores of an earlier run" in (tmp_path / "log.txt").read_text()
+    # a damaged file is read as none: every lr trains again
+    (tmp_path / "finetune_selection.json").write_text('{"config": ')
+    run_on_ranks(_finetune, 2, argv)
+    assert json.loads((tmp_path / "metrics.json").read_text())["selection"]["holdout_top1"] == {
+        f"{lr:g}": s for lr, s in scores.items()
+    }
     # another job in the folder (another epoch count) trains every lr
     run_on_ranks(_finetune, 2, [*argv, "config.OPTIMIZER.num_epochs=2"])
     other = json.loads((tmp_path / "metrics.json").read_text())["selection"]["holdout_top1"]

@@ -201,10 +201,13 @@ def _earlier_scores(cfg) -> dict:
     scores = {}
     path = os.path.join(cfg.CHECKPOINT.DIR, SELECTION_FILE)
     if comm.is_main_process() and os.path.isfile(path):
-        with open(path) as f:
-            saved = json.load(f)
-        if saved.get("config") == cfg.dump():
-            scores = {float(lr): s for lr, s in saved["holdout_top1"].items()}
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+            if saved.get("config") == cfg.dump():
+                scores = {float(lr): list(s) for lr, s in saved["holdout_top1"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError):  # not ours to read: run every lr again
+            logger.warning(f"{path} is unreadable: every lr of BENCHMARK.FINETUNE.LRS runs again")
     return comm.all_gather_object(scores)[0]
 
 
