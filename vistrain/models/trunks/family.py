@@ -9,7 +9,7 @@ all families: each class occurs only in its own family's models), the config che
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Sequence, Tuple, Type
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
 from torch import nn
 
@@ -34,6 +34,12 @@ class TrunkFamily:
     to_torchvision: Callable[[Dict, str], Dict]
     # config-check catalog key -> valid names (e.g. {"resnets": [...]} for MODEL.TRUNK.RESNET.NAME)
     names: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    # (trunk state dict, prefix) -> the state dict ``timm.create_model(name, num_classes=0)``
+    # loads (None: the family's trunks are not timm models)
+    to_timm: Optional[Callable[[Dict, str], Dict]] = None
+    # (MODEL.TRUNK, library, path) -> the Python line that builds the trunk in ``library``
+    # ("timm" or "torchvision") and loads the exported file ``path`` (None: no such line)
+    load_line: Optional[Callable[..., str]] = None
 
 
 def check_out_features(out_features: Sequence[str], valid: List[str]) -> List[str]:
