@@ -3,8 +3,10 @@
 The registry ``vistrain.models.trunks.TRUNKS`` maps ``MODEL.TRUNK.NAME`` to one of these. The
 sharding transform and the planner read ``units`` / ``checkpointed`` (module classes, merged over
 all families: each class occurs only in its own family's models), the config check reads
-``feature_names`` and ``names``, the torchvision export picks the family by
-``torchvision_prefixes`` and calls its ``to_torchvision``.
+``feature_names`` and ``names``, the exports (``vistrain/checkpoint/export.py``) call
+``to_torchvision`` / ``to_timm`` (renaming keys only: the values pass through untouched, so an
+export streams one tensor at a time) and write ``load_line`` into the model card; without the
+run's config they pick the family by ``torchvision_prefixes``.
 """
 
 from collections import OrderedDict
@@ -38,7 +40,9 @@ class TrunkFamily:
     # loads (None: the family's trunks are not timm models)
     to_timm: Optional[Callable[[Dict, str], Dict]] = None
     # (MODEL.TRUNK, library, path) -> the Python line that builds the trunk in ``library``
-    # ("timm" or "torchvision") and loads the exported file ``path`` (None: no such line)
+    # ("timm" or "torchvision") and loads the exported file ``path`` (a torch or .safetensors file):
+    # lines that bind ``model``, whose ``model(x)`` is the trunk's pooled feature; ValueError (one
+    # line) for a trunk ``library`` has no model for (None: no such line)
     load_line: Optional[Callable[..., str]] = None
 
 
@@ -71,3 +75,24 @@ def torchvision_keys(state_dict: Dict, prefix: str, prefixes: Sequence[str], fam
     if not out:
         raise ValueError(f"no {family} trunk keys found (prefix {prefix!r})")
     return out
+
+
+def torchvision_load_line(build: str, classifier: str, path: str) -> str:
+    """Lines that build a torchvision model (``build``, an expression), replace its classifier
+    attribute ``classifier`` by ``nn.Identity`` and load the torch or ``.safetensors`` file ``path``
+    strictly: ``model(x)`` is then the trunk's pooled feature."""
+    if path.endswith(".safetensors"):
+        imports, state = (
+            "import safetensors.torch, torch, torchvision",
+            f"safetensors.torch.load_file({path!r})",
+        )
+    else:
+        imports, state = "import torch, torchvision", f"torch.load({path!r}, weights_only=True)"
+    return "\n".join(
+        [
+            imports,
+            f"model = {build}",
+            f"model.{classifier} = torch.nn.Identity()",
+            f"model.load_state_dict({state})",
+        ]
+    )

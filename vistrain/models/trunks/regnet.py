@@ -19,10 +19,16 @@ from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence
 
 import torch
+import torchvision
 from torch import nn
 from torchvision.models.regnet import AnyStage, BlockParams, ResBottleneckBlock, SimpleStemIN
 
-from vistrain.models.trunks.family import TrunkFamily, check_out_features, torchvision_keys
+from vistrain.models.trunks.family import (
+    TrunkFamily,
+    check_out_features,
+    torchvision_keys,
+    torchvision_load_line,
+)
 from vistrain.torch_compat import regnet_stage_settings
 
 # name -> (depth, w_0, w_a, w_m, group_width, se_ratio). The torchvision sizes copy the arguments
@@ -59,6 +65,15 @@ def feature_names(regnet_cfg) -> List[str]:
 
 def block_params_from_config(regnet_cfg) -> BlockParams:
     """Per-stage settings for ``cfg.MODEL.TRUNK.REGNET`` (a published NAME or "custom")."""
+    # torchvision computes the widths with tensors and reads them back with .tolist(): pin them
+    # to the CPU so that building the model on the meta device (per-unit init) works.
+    with torch.device("cpu"):
+        return BlockParams.from_init_params(*design_space(regnet_cfg))
+
+
+def design_space(regnet_cfg) -> tuple:
+    """``BlockParams.from_init_params``' arguments (depth, w_0, w_a, w_m, group_width,
+    bottleneck_multiplier, se_ratio) for ``cfg.MODEL.TRUNK.REGNET``; ValueError (one line)."""
     name = regnet_cfg.NAME
     if name == "custom":
         depth, w_0, w_a, w_m = regnet_cfg.DEPTH, regnet_cfg.W_0, regnet_cfg.W_A, regnet_cfg.W_M
@@ -77,10 +92,7 @@ def block_params_from_config(regnet_cfg) -> BlockParams:
             f"W_A >= 0, W_M > 1 (got DEPTH={depth}, W_0={w_0}, W_A={w_a}, W_M={w_m}, "
             f"GROUP_WIDTH={group_width})"
         )
-    # torchvision computes the widths with tensors and reads them back with .tolist(): pin them
-    # to the CPU so that building the model on the meta device (per-unit init) works.
-    with torch.device("cpu"):
-        return BlockParams.from_init_params(depth, w_0, w_a, w_m, group_width, bottleneck, se_ratio)
+    return depth, w_0, w_a, w_m, group_width, bottleneck, se_ratio
 
 
 class RegNetTrunk(nn.Module):
@@ -183,6 +195,25 @@ def describe(block_params: BlockParams) -> Dict[str, Optional[List]]:
     }
 
 
+def load_line(trunk_cfg, library: str, path: str) -> str:
+    """The lines that build the torchvision RegNet of ``trunk_cfg`` (its builder for a published
+    size torchvision has, else ``RegNet(BlockParams.from_init_params(...), stem_width)``) and
+    load the torchvision export ``path``."""
+    if library != "torchvision":
+        raise ValueError(f"a RegNet trunk has a torchvision model, not a {library} one")
+    regnet_cfg = trunk_cfg.REGNET
+    if regnet_cfg.NAME in PUBLISHED_REGNETS and hasattr(torchvision.models, regnet_cfg.NAME):
+        build = f"torchvision.models.{regnet_cfg.NAME}()"
+    else:
+        stem = regnet_cfg.STEM_WIDTH if regnet_cfg.NAME == "custom" else PUBLISHED_STEM_WIDTH
+        args = ", ".join(map(repr, design_space(regnet_cfg)))
+        build = (
+            "torchvision.models.regnet.RegNet(torchvision.models.regnet.BlockParams.from_init_params("
+            f"{args}), stem_width={stem})"
+        )
+    return torchvision_load_line(build, "fc", path)
+
+
 REGNET = TrunkFamily(
     build=build_regnet,
     feature_names=lambda trunk_cfg: feature_names(trunk_cfg.REGNET),
@@ -191,4 +222,5 @@ REGNET = TrunkFamily(
     torchvision_prefixes=TORCHVISION_PREFIXES,
     to_torchvision=to_torchvision_state_dict,
     names={"regnets": [*PUBLISHED_REGNETS, "custom"]},
+    load_line=load_line,
 )

@@ -23,7 +23,13 @@ import torch
 from torch import nn
 from torchvision.models.resnet import BasicBlock, Bottleneck, conv1x1
 
-from vistrain.models.trunks.family import TrunkFamily, check_out_features, torchvision_keys, unknown_name
+from vistrain.models.trunks.family import (
+    TrunkFamily,
+    check_out_features,
+    torchvision_keys,
+    torchvision_load_line,
+    unknown_name,
+)
 
 Block = Type[Union[BasicBlock, Bottleneck]]
 # name -> (block, blocks per stage, groups, width per group): torchvision's builders' arguments
@@ -193,6 +199,22 @@ def to_torchvision_state_dict(trunk_state_dict: Dict[str, torch.Tensor], prefix:
     return torchvision_keys(trunk_state_dict, prefix, TORCHVISION_PREFIXES, "ResNet")
 
 
+def load_line(trunk_cfg, library: str, path: str) -> str:
+    """The lines that build ``torchvision.models.<RESNET.NAME>()`` and load the torchvision export
+    ``path``; ValueError for a trunk whose shapes no torchvision builder has (WIDTH_MULTIPLIER,
+    SMALL_STEM)."""
+    resnet_cfg = trunk_cfg.RESNET
+    if library != "torchvision":
+        raise ValueError(f"a ResNet trunk has a torchvision model, not a {library} one")
+    if resnet_cfg.WIDTH_MULTIPLIER != 1 or resnet_cfg.SMALL_STEM:
+        raise ValueError(
+            f"no torchvision builder makes {resnet_cfg.NAME} with WIDTH_MULTIPLIER "
+            f"{resnet_cfg.WIDTH_MULTIPLIER} and SMALL_STEM {resnet_cfg.SMALL_STEM}: build a torchvision "
+            "ResNet of the trunk's shapes, then load the file"
+        )
+    return torchvision_load_line(f"torchvision.models.{resnet_cfg.NAME}()", "fc", path)
+
+
 RESNET = TrunkFamily(
     build=build_resnet,
     feature_names=feature_names,
@@ -201,4 +223,5 @@ RESNET = TrunkFamily(
     torchvision_prefixes=TORCHVISION_PREFIXES,
     to_torchvision=to_torchvision_state_dict,
     names={"resnets": list(PUBLISHED_RESNETS)},
+    load_line=load_line,
 )

@@ -31,7 +31,13 @@ from torchvision.models.vision_transformer import Encoder, EncoderBlock
 
 from vistrain.config.errors import ConfigError
 from vistrain.models.masking import sincos_position_embedding
-from vistrain.models.trunks.family import TrunkFamily, check_out_features, torchvision_keys, unknown_name
+from vistrain.models.trunks.family import (
+    TrunkFamily,
+    check_out_features,
+    torchvision_keys,
+    torchvision_load_line,
+    unknown_name,
+)
 
 # name -> (depth, width, heads, mlp_ratio): ViT-Ti/S/B (DeiT, DINO), ViT-L/H (Dosovitskiy et al.),
 # ViT-g (dinov2's 1.1B giant: width 1536, 40 blocks, 24 heads; here with a plain GELU MLP)
@@ -347,6 +353,24 @@ def to_torchvision_state_dict(trunk_state_dict: Dict[str, torch.Tensor], prefix:
     return out
 
 
+def load_line(trunk_cfg, library: str, path: str) -> str:
+    """The lines that build the ``torchvision.models.VisionTransformer`` of ``trunk_cfg`` and load
+    the torchvision export ``path`` (``model(x)``: our ``"cls"``)."""
+    vit_cfg = trunk_cfg.VIT
+    if library != "torchvision":
+        raise ValueError(f"a ViT trunk has a torchvision model, not a {library} one")
+    if not vit_cfg.CLASS_TOKEN:
+        raise ValueError(
+            "a ViT without class token (MODEL.TRUNK.VIT.CLASS_TOKEN=False) has no torchvision model"
+        )
+    depth, width, heads, mlp_dim = vit_dims(vit_cfg)
+    build = (
+        f"torchvision.models.VisionTransformer(image_size={vit_cfg.IMAGE_SIZE}, patch_size={vit_cfg.PATCH_SIZE}, "
+        f"num_layers={depth}, num_heads={heads}, hidden_dim={width}, mlp_dim={mlp_dim})"
+    )
+    return torchvision_load_line(build, "heads", path)
+
+
 VIT = TrunkFamily(
     build=build_vit,
     feature_names=feature_names,
@@ -356,4 +380,5 @@ VIT = TrunkFamily(
     torchvision_prefixes=TORCHVISION_PREFIXES,
     to_torchvision=to_torchvision_state_dict,
     names={"vits": ["custom", *VIT_SIZES], "vit_position_embeddings": list(POSITION_EMBEDDINGS)},
+    load_line=load_line,
 )
