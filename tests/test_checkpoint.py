@@ -7,7 +7,6 @@ checkpoint code.
 
 import json
 import os
-import runpy
 import signal
 import subprocess
 import sys
@@ -24,14 +23,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from vistrain.checkpoint import (
     CheckpointError,
     EpochLayout,
-    consolidated_state_dict,
     find_latest_checkpoint,
     load_pretrained,
     load_sharded_checkpoint,
     read_metadata,
     resume_iteration,
     save_sharded_checkpoint,
-    to_torchvision,
 )
 from vistrain.checkpoint import save as save_module
 from vistrain.distributed.testing import run_on_ranks
@@ -255,67 +252,6 @@ def test_resume_position_maps_samples_seen(saved, now, expected):
 
 # --------------------------------------------------------------------------------------------
 # conversion and weights init
-
-
-def _sharded_recipe_worker(rank, world, run_dir):
-    run_dir = Path(run_dir)
-    train(
-        load_config(
-            _tiny(run_dir, "config.OPTIMIZER.num_epochs=1", "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=true")
-        )
-    )
-
-
-def test_conversion_to_torchvision_and_consolidated(tmp_path, capsys):
-    import torchvision
-
-    from vistrain.methods import build_model
-    from vistrain.models.trunks.regnet import block_params_from_config
-
-    run_on_ranks(_sharded_recipe_worker, 2, str(tmp_path))
-    ckpt = find_latest_checkpoint(str(tmp_path))
-    cfg = load_config(_tiny(tmp_path))
-    ours = build_model(cfg.MODEL).eval()
-    report = load_pretrained(ours, _weights_cfg(cfg, str(tmp_path)))  # a run folder: its latest
-    assert not report.missing and not report.unexpected
-    tv_state = to_torchvision(ckpt, str(tmp_path / "tv.pt"))
-    tv = torchvision.models.regnet.RegNet(block_params_from_config(cfg.MODEL.TRUNK.REGNET), stem_width=8)
-    tv.fc = nn.Identity()
-    tv.load_state_dict(torch.load(tmp_path / "tv.pt", weights_only=True), strict=True)
-    tv.eval()
-    x = torch.randn(3, 3, 16, 16)
-    with torch.no_grad():
-        torch.testing.assert_close(tv(x), ours.trunk(x)["avgpool"], rtol=1e-5, atol=1e-6)
-    consolidated = consolidated_state_dict(ckpt)
-    assert consolidated.keys() == ours.state_dict().keys()
-    assert all(torch.equal(v, ours.state_dict()[k]) for k, v in consolidated.items())
-    assert tv_state.keys() == {k[len("trunk.") :] for k in consolidated if k.startswith("trunk.")}
-    inspect = runpy.run_path(str(REPO / "tools" / "convert_checkpoint.py"))["main"]  # in this process
-    capsys.readouterr()
-    assert inspect([ckpt, "--inspect"]) == 0
-    printed = capsys.readouterr().out
-    assert "iteration 4, epoch 1" in printed and "written by 2 ranks" in printed
-    tool = [sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), ckpt]  # the real command
-    out = subprocess.run(
-        [*tool, "--to-consolidated", str(tmp_path / "c.pt")], capture_output=True, text=True, cwd=REPO
-    )
-    assert out.returncode == 0, out.stderr
-    written = torch.load(tmp_path / "c.pt", weights_only=True)
-    assert all(torch.equal(written[k], v) for k, v in consolidated.items())
-    # the trainer initialises from PARAMS_FILE (the consolidated file); lr 0 keeps the weights
-    run_on_ranks(
-        _train_worker,
-        1,
-        _tiny(
-            tmp_path / "init",
-            "config.OPTIMIZER.num_epochs=1",
-            "config.OPTIMIZER.param_schedulers.lr.base_value=0",
-            f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={tmp_path / 'c.pt'}",
-        ),
-    )
-    initialised = consolidated_state_dict(str(tmp_path / "init"))
-    params = [k for k, _ in ours.named_parameters()]
-    assert all(torch.equal(initialised[k], consolidated[k]) for k in params)
 
 
 def _weights_cfg(cfg, path, **kw):

@@ -48,7 +48,8 @@ tensors when the sharded engine creates that unit; the conversions write their o
 tensor by tensor.
 """
 
-from vistrain.checkpoint.convert import consolidate, consolidated_state_dict, describe, to_torchvision
+from vistrain.checkpoint.convert import consolidate, consolidated_state_dict, describe
+from vistrain.checkpoint.export import Export, to_safetensors, to_timm, to_torchvision
 from vistrain.checkpoint.files import (
     CheckpointError,
     find_latest_checkpoint,
@@ -66,6 +67,7 @@ from vistrain.checkpoint.save import save_sharded_checkpoint, write_sharded_chec
 __all__ = [
     "CheckpointError",
     "EpochLayout",
+    "Export",
     "LoadReport",
     "capture_rng",
     "consolidate",
@@ -81,6 +83,8 @@ __all__ = [
     "resume_iteration",
     "save_sharded_checkpoint",
     "set_aside",
+    "to_safetensors",
+    "to_timm",
     "to_torchvision",
     "write_sharded_checkpoint",
 ]

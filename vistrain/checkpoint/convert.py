@@ -1,9 +1,9 @@
 """Offline conversions of a sharded checkpoint (``tools/convert_checkpoint.py``).
 
 * :func:`consolidate`: one plain state-dict file (``model.load_state_dict(torch.load(f))``).
-* :func:`to_torchvision`: the trunk as the state dict of its torchvision model (RegNet, ResNet, ViT;
-  no classifier).
 * :func:`describe`: what a checkpoint holds, as text.
+* the trunk alone for torchvision, timm or as safetensors: ``export.py``, with its model card
+  (``model_card.py``).
 
 The output is streamed (``tensor_file.save_streamed``): each tensor is assembled from the slices
 in the rank files, written at its place in the output file and dropped before the next one, so
@@ -14,14 +14,13 @@ models).
 
 import math
 from collections import Counter, OrderedDict
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 
 from vistrain.checkpoint.pretrained import WeightsSource
 from vistrain.checkpoint.tensor_file import save_streamed
 from vistrain.config.words import plural
-from vistrain.models.trunks import to_torchvision_state_dict
 
 
 def consolidated_state_dict(path: str, prefix: str = "") -> "OrderedDict[str, torch.Tensor]":
@@ -40,32 +39,16 @@ def consolidate(path: str, out: str) -> int:
     return len(specs)
 
 
-def to_torchvision(path: str, out: str) -> "OrderedDict[str, Tuple[Tuple[int, ...], torch.dtype]]":
-    """Write the trunk of ``path`` as a torchvision state dict (atomically, one tensor in
-    memory at a time); returns its keys -> (shape, dtype).
-
-    Load with ``tv = torchvision.models.regnet_y_...()`` (or ``RegNet(block_params, stem_width=...)``
-    for a custom size), ``tv.fc = nn.Identity()``, ``tv.load_state_dict(sd, strict=True)``; then
-    ``tv(x)`` equals our trunk's ``"avgpool"`` feature. A ResNet loads into ``resnet50()`` etc. the
-    same way, a ViT into ``VisionTransformer(...)`` / ``vit_b_16()`` with ``tv.heads = nn.Identity()``
-    (``tv(x)``: our ``"cls"``).
-    """
-    source = WeightsSource(path)
-    ours = source.specs()
-    names = to_torchvision_state_dict(OrderedDict((k, k) for k in ours), prefix="trunk.")
-    specs = OrderedDict((name, ours[key]) for name, key in names.items())
-    save_streamed(out, specs, lambda name: source.read(names[name]))
-    return specs
-
-
 def describe(path: str) -> str:
     """Human-readable summary: progress, world size, parameters, optimizer state kinds."""
     source = WeightsSource(path)
     reader = source.reader
     if reader is None:
         shapes = source.shapes()
+        nested = getattr(source.file, "nested", "")
+        where = f" (under {nested!r})" if nested else ""
         return (
-            f"{source.path}: consolidated state dict, {plural(len(shapes), 'tensor')}, "
+            f"{source.path}: state dict{where}, {plural(len(shapes), 'tensor')}, "
             f"{sum(math.prod(s) for s in shapes.values()):,} elements"
         )
     meta = reader.meta
