@@ -27,7 +27,7 @@ def unit_calls(
 ) -> List[Tuple[nn.Module, torch.Size]]:
     """``(unit, input shape)`` of every outermost unit call of one forward of ``model`` (meta);
     ``head_units``: the head's fp32 unit classes (``ModelShapes.head_units``)."""
-    classes = tuple(unit_classes(False, "block", head_units))
+    classes = tuple(unit_classes(False, "block", head_units, model))
     calls, depth = [], [0]
 
     def enter(module, args):

@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 from vistrain.distributed.join import joined_job
 from vistrain.methods import build_loss, build_meta_model, fp32_units, method_of
-from vistrain.models.units import CHECKPOINTED
+from vistrain.models.units import checkpointed_classes
 from vistrain.planner.collectives import Collective
 from vistrain.runtime.sharding import wrap_policy
 from vistrain.torch_compat import fused_attention, redispatch_torch_function, storage_id
@@ -99,7 +99,7 @@ class ModelShapes:
         """:func:`unit_sizes` under the SSL wrap policy."""
         key = (low, granularity)
         if key not in self._units:
-            policy = wrap_policy(low, granularity, self.head_units)
+            policy = wrap_policy(low, granularity, self.head_units, self.model)
             self._units[key] = tuple(unit_sizes(self.model, lambda m: policy(m) is not None))
         return self._units[key]
 
@@ -131,7 +131,7 @@ def measure_activations(
             counter[0] += t.untyped_storage().nbytes()
         return t
 
-    target = CHECKPOINTED.get(granularity or "")
+    target = checkpointed_classes(model, granularity) if granularity else None
     per_module, inputs, started_at = [], [], {}
 
     def pre(module, args):

@@ -1,6 +1,7 @@
 """Trunks: ``build_trunk(cfg.MODEL.TRUNK)`` picks a family from the flat ``TRUNKS`` registry.
 
-Each family is one file (``regnet``, ``resnet``, ``vit``) declaring a :class:`TrunkFamily`: its
+Each family is one file (``regnet``, ``resnet``, ``vit``; ``timm_models`` and ``torchvision_models``
+adopt those libraries' models) declaring a :class:`TrunkFamily`: its
 builder, feature names, sharded-unit and checkpoint classes and torchvision key prefixes. Code
 outside the family files asks this registry, never a family by name.
 """
@@ -12,11 +13,19 @@ from torch import nn
 from vistrain.models.trunks.family import TrunkFamily, torchvision_keys
 from vistrain.models.trunks.regnet import REGNET, RegNetTrunk
 from vistrain.models.trunks.resnet import RESNET, ResNetTrunk
+from vistrain.models.trunks.timm_models import TIMM
+from vistrain.models.trunks.torchvision_models import TORCHVISION
 from vistrain.models.trunks.vit import VIT, ViTTrunk
 
 # MODEL.TRUNK.NAME -> family; a family's builder(trunk_cfg) returns an nn.Module with
 # forward(x) -> Dict[str, Tensor], feature_dims, out_features
-TRUNKS: Dict[str, TrunkFamily] = {"regnet": REGNET, "resnet": RESNET, "vit": VIT}
+TRUNKS: Dict[str, TrunkFamily] = {
+    "regnet": REGNET,
+    "resnet": RESNET,
+    "vit": VIT,
+    "timm": TIMM,
+    "torchvision": TORCHVISION,
+}
 
 
 def family(trunk_cfg) -> TrunkFamily:
