@@ -116,7 +116,9 @@ _C.DATA.TRAIN.LABEL_SUBSET_SEED = 0
 _C.MODEL = CN()
 _C.MODEL.TRUNK = CN()
 _C.MODEL.TRUNK.NAME = "regnet"  # registry name of the trunk: regnet | resnet | vit | timm | torchvision
-_C.MODEL.TRUNK.IN_CHANNELS = 3  # channels of the images the trunk takes (timm's in_chans)
+# channels of the images the trunk takes: timm's in_chans; in the other families the first
+# convolution takes IN_CHANNELS inputs (torch's default initialisation when it is not 3)
+_C.MODEL.TRUNK.IN_CHANNELS = 3
 _C.MODEL.TRUNK.REGNET = CN()
 _C.MODEL.TRUNK.REGNET.NAME = "regnet_y_400mf"  # published name, or "custom" to use the raw parameters
 _C.MODEL.TRUNK.REGNET.DEPTH = 0  # raw design-space parameters (used when NAME is "custom")

@@ -14,7 +14,7 @@ from vistrain.models.trunks.family import TrunkFamily, torchvision_keys
 from vistrain.models.trunks.regnet import REGNET, RegNetTrunk
 from vistrain.models.trunks.resnet import RESNET, ResNetTrunk
 from vistrain.models.trunks.timm_models import TIMM
-from vistrain.models.trunks.torchvision_models import TORCHVISION
+from vistrain.models.trunks.torchvision_models import TORCHVISION, set_input_channels
 from vistrain.models.trunks.vit import VIT, ViTTrunk
 
 # MODEL.TRUNK.NAME -> family; a family's builder(trunk_cfg) returns an nn.Module with
@@ -36,7 +36,12 @@ def family(trunk_cfg) -> TrunkFamily:
 
 
 def build_trunk(trunk_cfg) -> nn.Module:
-    return family(trunk_cfg).build(trunk_cfg)
+    """The trunk of ``cfg.MODEL.TRUNK``, taking images of ``IN_CHANNELS`` channels."""
+    fam = family(trunk_cfg)
+    trunk = fam.build(trunk_cfg)
+    if trunk_cfg.IN_CHANNELS != 3 and not fam.builds_in_channels:
+        set_input_channels(trunk, trunk_cfg.IN_CHANNELS)
+    return trunk
 
 
 def trunk_feature_names(trunk_cfg) -> List[str]:

@@ -40,6 +40,9 @@ class TrunkFamily:
     # (MODEL.TRUNK, library, path) -> the Python line that builds the trunk in ``library``
     # ("timm" or "torchvision") and loads the exported file ``path`` (None: no such line)
     load_line: Optional[Callable[..., str]] = None
+    # whether ``build`` honours MODEL.TRUNK.IN_CHANNELS itself; else the registry replaces the first
+    # convolution of the built trunk by one of IN_CHANNELS inputs (torch's default initialisation)
+    builds_in_channels: bool = False
 
 
 def check_out_features(out_features: Sequence[str], valid: List[str]) -> List[str]:

@@ -199,4 +199,5 @@ TIMM = TrunkFamily(
     to_torchvision=_no_torchvision,
     to_timm=to_timm_state_dict,
     load_line=load_line,
+    builds_in_channels=True,
 )

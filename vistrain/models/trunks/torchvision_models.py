@@ -202,4 +202,5 @@ TORCHVISION = TrunkFamily(
     torchvision_prefixes=("torchvision",),
     to_torchvision=to_torchvision_state_dict,
     load_line=load_line,
+    builds_in_channels=True,
 )
