@@ -143,7 +143,7 @@ def _model_problem(cfg) -> Optional[str]:
         trunk = build_meta_model(cfg.MODEL).trunk
         with torch.no_grad():  # one batch per crop side (2 images: BatchNorm refuses one)
             for side in sorted(set(cfg.DATA.TRAIN.TRANSFORMS.SIZE_CROPS)):
-                trunk(torch.empty(2, 3, side, side, device="meta"))
+                trunk(torch.empty(2, cfg.MODEL.TRUNK.IN_CHANNELS, side, side, device="meta"))
     except InputError as error:
         return str(error)
     return None

@@ -24,11 +24,15 @@ what we rely on, so an upgrade that changes it fails loudly there instead of sil
 * ``current_saved_tensors_hooks`` / ``saved_tensors_hooks_enabled``
   (``torch._C._autograd._top_saved_tensors_default_hooks`` / ``_saved_tensors_hooks_is_enabled``):
   the engine's saved-tensor hooks wrap those already active (activation checkpointing's).
+* ``meta_trunc_normal_refused`` (``torch.nn.init._no_grad_trunc_normal_``): torch's truncated
+  normal returns a meta tensor untouched and rejection-samples (data-dependent draws), so a
+  meta-device build that uses it cannot be replayed unit by unit; the per-unit build refuses it.
 * ``fused_attention`` (``aten._scaled_dot_product_flash_attention_for_cpu``) and
   ``redispatch_torch_function`` (``torch._C._skip_one_hop_torch_function``): the planner's meta
   trace computes attention as a run does, fused, where the meta device has only the math path.
 """
 
+import contextlib
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -119,6 +123,24 @@ def saved_tensors_hooks_enabled() -> bool:
 # ``TorchDispatchMode`` sees every ATen call with its arguments (public in spirit, private by
 # module name); pytree maps nested arguments; a storage's ``_cdata`` identifies it also on the
 # meta device, where ``data_ptr()`` is 0 for every tensor.
+
+
+@contextlib.contextmanager
+def meta_trunc_normal_refused(refuse: Callable[[torch.Tensor], None]):
+    """Within the block, ``torch.nn.init.trunc_normal_`` on a meta tensor calls ``refuse(t)``
+    (which raises); on other tensors it runs as usual."""
+    original = torch.nn.init._no_grad_trunc_normal_
+
+    def checked(tensor, *args, **kwargs):
+        if tensor.is_meta:
+            refuse(tensor)
+        return original(tensor, *args, **kwargs)
+
+    torch.nn.init._no_grad_trunc_normal_ = checked
+    try:
+        yield
+    finally:
+        torch.nn.init._no_grad_trunc_normal_ = original
 
 
 def op_is_mutable(func) -> bool:

@@ -115,7 +115,10 @@ _C.DATA.TRAIN.LABEL_SUBSET_SEED = 0
 # ---------------------------------------------------------------------------------------------
 _C.MODEL = CN()
 _C.MODEL.TRUNK = CN()
-_C.MODEL.TRUNK.NAME = "regnet"  # registry name of the trunk: regnet | resnet | vit
+_C.MODEL.TRUNK.NAME = "regnet"  # registry name of the trunk: regnet | resnet | vit | timm | torchvision
+# channels of the images the trunk takes: timm's in_chans; in the other families the first
+# convolution takes IN_CHANNELS inputs (torch's default initialisation when it is not 3)
+_C.MODEL.TRUNK.IN_CHANNELS = 3
 _C.MODEL.TRUNK.REGNET = CN()
 _C.MODEL.TRUNK.REGNET.NAME = "regnet_y_400mf"  # published name, or "custom" to use the raw parameters
 _C.MODEL.TRUNK.REGNET.DEPTH = 0  # raw design-space parameters (used when NAME is "custom")
@@ -147,8 +150,22 @@ _C.MODEL.TRUNK.VIT.FROZEN_PATCH_PROJECTION = False  # never train the random pat
 # stochastic depth (Huang et al. 2016, as DeiT's and MAE's fine-tuning): in training each residual
 # branch of block i (0-based, of D) is dropped per sample with probability DROP_PATH_RATE * i / (D - 1)
 _C.MODEL.TRUNK.VIT.DROP_PATH_RATE = 0.0
+# timm (pip install -e ".[timm]"): any timm.create_model name, built with num_classes=0
+_C.MODEL.TRUNK.TIMM = CN()
+_C.MODEL.TRUNK.TIMM.NAME = "vit_small_patch16_224"
+_C.MODEL.TRUNK.TIMM.KWARGS = CN(new_allowed=True)  # its keyword arguments: img_size, drop_path_rate...
+# class names of the model's blocks (sharded units, activation checkpoints); []: found from its
+# structure (vistrain/models/trunks/structure.py), printed at build
+_C.MODEL.TRUNK.TIMM.BLOCKS = []
+# torchvision: any classification builder of torchvision.models, its classifier's last layer removed
+_C.MODEL.TRUNK.TORCHVISION = CN()
+_C.MODEL.TRUNK.TORCHVISION.NAME = "resnet50"
+_C.MODEL.TRUNK.TORCHVISION.KWARGS = CN(new_allowed=True)  # its keyword arguments (not weights)
+_C.MODEL.TRUNK.TORCHVISION.BLOCKS = []  # as TIMM.BLOCKS
 # features returned. RegNet: stem, s1..sK, avgpool; ResNet: conv1, res2..res5, avgpool; ViT: cls,
-# avgpool (mean patch token), tokens (patch-token map), block1..blockD
+# avgpool (mean patch token), tokens (patch-token map), block1..blockD; timm: stage1..stageK
+# (feature_info), avgpool (pooled; a token model's mean patch token), cls, tokens, sequence;
+# torchvision: stage1..stageK (convolutional models), avgpool
 _C.MODEL.TRUNK.OUT_FEATURES = ["avgpool"]
 
 # The head: "identity" (the benchmarks' frozen trunk) or a method's (vistrain/methods/registry.py

@@ -14,11 +14,15 @@ instead); normalised activations are far from that regime. It works on any devic
 conversion picks torch's SyncBatchNorm, whose kernels are faster.
 """
 
+import functools
+import inspect
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from vistrain.distributed.comm import all_reduce_sum, get_rank, get_world_size
 from vistrain.torch_compat import BatchNormBase
@@ -167,8 +171,57 @@ class CPUSyncBatchNorm(BatchNormBase):
         return self.momentum
 
 
+class SyncedSubclass:
+    """Mixed into a BatchNorm subclass of another library (timm's ``BatchNormAct2d``, which adds
+    its activation): the class's own ``forward`` runs unchanged, its ``F.batch_norm`` call in
+    training mode computing the global batch's statistics (:class:`_SyncBatchNormFn`). So what the
+    subclass adds is kept, and its eval-mode output is exactly the unconverted module's."""
+
+    process_group = None
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self.training or get_world_size(self.process_group) == 1:
+            return super().forward(input)
+        with _GlobalBatchNorm(self):
+            return super().forward(input)
+
+
+_BATCH_NORM_ARGS = list(inspect.signature(F.batch_norm).parameters)
+
+
+class _GlobalBatchNorm(TorchFunctionMode):
+    """Routes a training-mode ``F.batch_norm`` on ``module``'s weight to :class:`_SyncBatchNormFn`."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.batch_norm:
+            return func(*args, **kwargs)
+        call = {**dict(zip(_BATCH_NORM_ARGS, args)), **kwargs}
+        if not call.get("training", False) or call.get("weight") is not self.module.weight:
+            return func(*args, **kwargs)
+        with torch.autocast(device_type=call["input"].device.type, enabled=False):
+            return _SyncBatchNormFn.apply(
+                call["input"], call.get("weight"), call.get("bias"), call.get("running_mean"),
+                call.get("running_var"), call.get("eps", 1e-5), call.get("momentum", 0.1),
+                self.module.process_group,
+            )  # fmt: skip
+
+
+@functools.cache
+def _synced_class(cls: type) -> type:
+    """``cls`` with :class:`SyncedSubclass` mixed in (one class per BatchNorm subclass)."""
+    return type(f"Synced{cls.__name__}", (SyncedSubclass, cls), {"__module__": __name__})
+
+
+PLAIN_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
 def _is_synced(module: nn.Module) -> bool:
-    return isinstance(module, (nn.SyncBatchNorm, CPUSyncBatchNorm))
+    return isinstance(module, (nn.SyncBatchNorm, CPUSyncBatchNorm, SyncedSubclass))
 
 
 def _on_cuda(module: nn.Module) -> bool:
@@ -196,10 +249,15 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
     Parameters on CUDA -> ``torch.nn.SyncBatchNorm``, else :class:`CPUSyncBatchNorm`. The new
     module reuses the old parameters and buffers (so requires_grad, values, device and dtype are
     kept) and copies eps, momentum, affine, track_running_stats and train/eval mode; all other
-    modules are kept as they are. Returns ``module`` itself, or its replacement when ``module``
+    modules are kept as they are. A subclass of another library (timm's ``BatchNormAct2d``) keeps
+    its class and forward, with :class:`SyncedSubclass` mixed in. Returns ``module`` itself, or its replacement when ``module``
     is a BatchNorm.
     """
     if isinstance(module, BatchNormBase) and not _is_synced(module):
+        if type(module) not in PLAIN_BATCH_NORMS:  # a subclass adding behaviour: keep it
+            module.__class__ = _synced_class(type(module))
+            module.process_group = process_group
+            return module
         return _synced_copy(module, process_group)
     for name, child in module.named_children():
         new_child = convert_sync_batchnorm(child, process_group)

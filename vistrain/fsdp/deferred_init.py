@@ -24,7 +24,14 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from vistrain.fsdp.ownership import init_recipe_of, set_init_recipe
-from vistrain.torch_compat import TorchDispatchMode, op_is_mutable, storage_id, tree_flatten, tree_map
+from vistrain.torch_compat import (
+    TorchDispatchMode,
+    meta_trunc_normal_refused,
+    op_is_mutable,
+    storage_id,
+    tree_flatten,
+    tree_map,
+)
 
 
 class _Target:
@@ -157,7 +164,7 @@ class _Recorder(TorchDispatchMode):
             if id(a) in self.nodes:
                 return self.nodes[id(a)]
             recipe = self.recipes.get(_key(a))
-            if recipe is not None and _covers_storage(a):
+            if recipe is not None and _covers_storage(a) and not recipe.unreplayable:
                 return _StorageRef(recipe, len(recipe.steps))
             return _Unknown()
 
@@ -177,7 +184,11 @@ class _Recorder(TorchDispatchMode):
         if any(isinstance(r, _Unknown) for r in tree_flatten(refs)[0]):
             return
         self._alive.append(out)
-        self.nodes[id(out)] = _Node(func, refs[0], refs[1], rng_state)
+        node = _Node(func, refs[0], refs[1], rng_state)
+        self.nodes[id(out)] = node
+        # a parameter may wrap this value (timm's ``nn.Parameter(init * torch.ones(d))``) and be
+        # changed in place afterwards: its storage gets a record starting from the node
+        self.recipes[_key(out)] = InitRecipe([_Step(_value_of, (node,), {}, None)])
 
     def _record_in_place(self, func, args, kwargs, rng_state) -> None:
         target = args[0]
@@ -191,6 +202,11 @@ class _Recorder(TorchDispatchMode):
             )
             return
         recipe.steps.append(_Step(func, (_TARGET,) + others[0], others[1], rng_state))
+
+
+def _value_of(value: torch.Tensor) -> torch.Tensor:
+    """The first step of a record that starts from a value computed out of place."""
+    return value
 
 
 class _TensorLiterals(TorchFunctionMode):
@@ -224,7 +240,8 @@ def build_on_meta(build_fn: Callable[..., nn.Module], *args: Any, **kwargs: Any)
     """``build_fn(*args, **kwargs)`` with every tensor on the meta device, each parameter and
     buffer carrying the record ``materialize`` replays. Raises when one cannot be replayed."""
     recorder = _Recorder()
-    with torch.device("meta"), _TensorLiterals(recorder), recorder:
+    refuse = meta_trunc_normal_refused(_refuse_trunc_normal)
+    with torch.device("meta"), refuse, _TensorLiterals(recorder), recorder:
         model = build_fn(*args, **kwargs)
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         recipe = recorder.recipes.get(_key(tensor)) if tensor.is_meta else None
@@ -233,6 +250,13 @@ def build_on_meta(build_fn: Callable[..., nn.Module], *args: Any, **kwargs: Any)
             raise ValueError(f"cannot initialise {name} unit by unit: {why}")
         set_init_recipe(tensor, recipe)
     return model
+
+
+def _refuse_trunc_normal(tensor: torch.Tensor) -> None:
+    raise ValueError(
+        f"cannot initialise a tensor of shape {tuple(tensor.shape)} unit by unit: torch.nn.init.trunc_normal_ "
+        "leaves meta tensors untouched and draws a data-dependent number of values"
+    )
 
 
 def defer_value(tensor: torch.Tensor, make: Callable[[], torch.Tensor]) -> None:

@@ -27,7 +27,7 @@ def unit_calls(
 ) -> List[Tuple[nn.Module, torch.Size]]:
     """``(unit, input shape)`` of every outermost unit call of one forward of ``model`` (meta);
     ``head_units``: the head's fp32 unit classes (``ModelShapes.head_units``)."""
-    classes = tuple(unit_classes(False, "block", head_units))
+    classes = tuple(unit_classes(False, "block", head_units, model))
     calls, depth = [], [0]
 
     def enter(module, args):
@@ -79,5 +79,7 @@ def time_unit(meta_unit: nn.Module, shape: torch.Size, device: torch.device, fir
 def compute_seconds(shape: RunShape, device: torch.device) -> float:
     """Seconds of one step's forward and backward on one rank of ``shape`` (its batch per rank and
     crops) on ``device`` with this process's threads, measured unit by unit."""
-    calls = unit_calls(shape.model.model, meta_crops(shape.crops, shape.batch), shape.model.head_units)
+    calls = unit_calls(
+        shape.model.model, meta_crops(shape.crops, shape.batch, shape.model.channels), shape.model.head_units
+    )
     return sum(time_unit(unit, shape, device, first=i == 0) for i, (unit, shape) in enumerate(calls))

@@ -190,7 +190,7 @@ def activation_bytes(shape: RunShape) -> float:
     """Autograd's saved bytes of one forward (halved in 16 bits) plus the batch itself."""
     total, per_module, inputs = shape.model.activations(shape.crops, shape.batch, shape.checkpointed)
     saved = checkpointed_activations(total, per_module, inputs) * (0.5 if shape.precision.low else 1.0)
-    return saved + sum(c.numel() * 4 for c in meta_crops(shape.crops, shape.batch))
+    return saved + sum(c.numel() * 4 for c in meta_crops(shape.crops, shape.batch, shape.model.channels))
 
 
 def runtime_bytes(shape: RunShape, device: str) -> float:

@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 from vistrain.distributed.join import joined_job
 from vistrain.methods import build_loss, build_meta_model, fp32_units, method_of
-from vistrain.models.units import CHECKPOINTED
+from vistrain.models.units import checkpointed_classes
 from vistrain.planner.collectives import Collective
 from vistrain.runtime.sharding import wrap_policy
 from vistrain.torch_compat import fused_attention, redispatch_torch_function, storage_id
@@ -91,6 +91,7 @@ class ModelShapes:
         self.model = build_meta_model(model_cfg)
         self.masking = build_loss(loss_cfg, model_cfg).masking if loss_cfg is not None else None
         self.head_units = fp32_units(model_cfg)  # the head's fp32 units of the wrap policy
+        self.channels = model_cfg.TRUNK.IN_CHANNELS
         self.baseline_mib = baseline_mib
         self._units: Dict[Tuple[bool, str], Tuple[int, ...]] = {}
         self._activations: Dict[tuple, Tuple[int, List[int], List[int]]] = {}
@@ -99,7 +100,7 @@ class ModelShapes:
         """:func:`unit_sizes` under the SSL wrap policy."""
         key = (low, granularity)
         if key not in self._units:
-            policy = wrap_policy(low, granularity, self.head_units)
+            policy = wrap_policy(low, granularity, self.head_units, self.model)
             self._units[key] = tuple(unit_sizes(self.model, lambda m: policy(m) is not None))
         return self._units[key]
 
@@ -108,7 +109,7 @@ class ModelShapes:
         key = (crops, batch, granularity)
         if key not in self._activations:
             self._activations[key] = measure_activations(
-                self.model, meta_crops(crops, batch), granularity, self.masking
+                self.model, meta_crops(crops, batch, self.channels), granularity, self.masking
             )
         return self._activations[key]
 
@@ -131,7 +132,7 @@ def measure_activations(
             counter[0] += t.untyped_storage().nbytes()
         return t
 
-    target = CHECKPOINTED.get(granularity or "")
+    target = checkpointed_classes(model, granularity) if granularity else None
     per_module, inputs, started_at = [], [], {}
 
     def pre(module, args):
@@ -177,9 +178,11 @@ def _fusable(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None
     return q.is_meta and attn_mask is None and dropout_p == 0.0 and not enable_gqa and q.dim() == 4
 
 
-def meta_crops(crops: Crops, batch: int) -> List[torch.Tensor]:
+def meta_crops(crops: Crops, batch: int, channels: int = 3) -> List[torch.Tensor]:
     """One batch of every crop of ``crops`` ((count, side) per resolution), on the meta device."""
-    return [torch.empty(batch, 3, side, side, device="meta") for count, side in crops for _ in range(count)]
+    return [
+        torch.empty(batch, channels, side, side, device="meta") for count, side in crops for _ in range(count)
+    ]
 
 
 def crops_of(data_cfg) -> Crops:

@@ -8,6 +8,7 @@ and arithmetic), so statistics never see bf16/fp16.
 
 import contextlib
 import functools
+import logging
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -26,19 +27,24 @@ from vistrain.fsdp import (
 )
 from vistrain.fsdp.deferred_init import build_on_meta
 from vistrain.methods import fp32_units
-from vistrain.models.units import CHECKPOINTED, is_large_layer, unit_classes
+from vistrain.models.units import CHECKPOINTED, checkpointed_classes, is_large_layer, unit_classes
 from vistrain.runtime.precision import compute_dtype
 from vistrain.torch_compat import BatchNormBase
 
 BACKENDS = ("builtin", "torch")
+logger = logging.getLogger("vistrain")
 
 
 def wrap_policy(
-    fp32_batchnorm: bool, granularity: str = "block", head_units: Sequence[type] = ()
+    fp32_batchnorm: bool,
+    granularity: str = "block",
+    head_units: Sequence[type] = (),
+    model: Optional[nn.Module] = None,
 ) -> Callable[[nn.Module], Optional[dict]]:
-    """The builtin backend's units: :func:`unit_classes` (``head_units``: the head's fp32 units)
-    plus every large layer; the fp32 units run in full precision with autocast off (``KEEP_FP32``)."""
-    table = unit_classes(fp32_batchnorm, granularity, head_units)
+    """The builtin backend's units: :func:`unit_classes` (``head_units``: the head's fp32 units;
+    ``model``: the model to wrap, whose library trunks add their blocks) plus every large layer;
+    the fp32 units run in full precision with autocast off (``KEEP_FP32``)."""
+    table = unit_classes(fp32_batchnorm, granularity, head_units, model)
     by_type = by_class(
         {cls: {"precision": KEEP_FP32} if opts.get("keep_fp32") else {} for cls, opts in table.items()}
     )
@@ -64,8 +70,9 @@ def apply_activation_checkpointing(model: nn.Module, granularity: str) -> nn.Mod
             f"MODEL.ACTIVATION_CHECKPOINTING.GRANULARITY must be one of "
             f"{sorted(CHECKPOINTED)}, got {granularity!r}"
         )
+    classes = checkpointed_classes(model, granularity)
     for module in model.modules():
-        if isinstance(module, CHECKPOINTED[granularity]):
+        if isinstance(module, classes):
             contexts = functools.partial(_recompute_contexts, module)
             module.forward = functools.partial(_checkpointed, module.forward, contexts)
     return model
@@ -106,9 +113,17 @@ def initialises_per_unit(model_cfg) -> bool:
 
 
 def build_for_run(build_fn: Callable[..., nn.Module], model_cfg) -> nn.Module:
-    """``build_fn(model_cfg)``: on the meta device when :func:`initialises_per_unit`, else plain."""
+    """``build_fn(model_cfg)``: on the meta device when :func:`initialises_per_unit`, else plain.
+    A model whose initialisation cannot be replayed unit by unit (torchvision's Swin and ConvNeXt:
+    ``torch.nn.init.trunc_normal_``; RegNet computes its widths on tensors) is built whole, with
+    one warning naming why: the same weights, the full model in memory once while it is sharded."""
     if initialises_per_unit(model_cfg):
-        return build_on_meta(build_fn, model_cfg)
+        state = torch.random.get_rng_state()
+        try:
+            return build_on_meta(build_fn, model_cfg)
+        except (ValueError, NotImplementedError) as e:  # cannot be replayed: build it whole
+            torch.random.set_rng_state(state)
+            logger.warning(f"per-unit initialisation refused ({e}); building the whole model first")
     return build_fn(model_cfg)
 
 
@@ -122,7 +137,7 @@ def shard_model(model: nn.Module, model_cfg, param_group_fn: Optional[Callable] 
     # BACKEND and compute_dtype were checked before launch (vistrain.config.checks)
     low_precision = fsdp_cfg.mixed_precision or model_cfg.AMP_PARAMS.USE_AMP
     head_units = fp32_units(model_cfg)
-    classes = unit_classes(low_precision, fsdp_cfg.wrap_granularity, head_units)
+    classes = unit_classes(low_precision, fsdp_cfg.wrap_granularity, head_units, model)
     if fsdp_cfg.BACKEND == "torch":
         sharded = torch_fully_shard(
             model, classes, fsdp_cfg.reshard_after_forward, fsdp_cfg.shard_group_size,
@@ -131,7 +146,7 @@ def shard_model(model: nn.Module, model_cfg, param_group_fn: Optional[Callable] 
         return TorchShardedModel(sharded)
     return auto_wrap(
         model,
-        wrap_policy(low_precision, fsdp_cfg.wrap_granularity, head_units),
+        wrap_policy(low_precision, fsdp_cfg.wrap_granularity, head_units, model),
         # hybrid sharding: shards within groups of shard_group_size ranks, replicas across them
         groups=hybrid_groups(fsdp_cfg.shard_group_size),
         reshard_after_forward=fsdp_cfg.reshard_after_forward,

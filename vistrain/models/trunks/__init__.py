@@ -1,6 +1,7 @@
 """Trunks: ``build_trunk(cfg.MODEL.TRUNK)`` picks a family from the flat ``TRUNKS`` registry.
 
-Each family is one file (``regnet``, ``resnet``, ``vit``) declaring a :class:`TrunkFamily`: its
+Each family is one file (``regnet``, ``resnet``, ``vit``; ``timm_models`` and ``torchvision_models``
+adopt those libraries' models) declaring a :class:`TrunkFamily`: its
 builder, feature names, sharded-unit and checkpoint classes and torchvision key prefixes. Code
 outside the family files asks this registry, never a family by name.
 """
@@ -12,11 +13,19 @@ from torch import nn
 from vistrain.models.trunks.family import TrunkFamily, torchvision_keys
 from vistrain.models.trunks.regnet import REGNET, RegNetTrunk
 from vistrain.models.trunks.resnet import RESNET, ResNetTrunk
+from vistrain.models.trunks.timm_models import TIMM
+from vistrain.models.trunks.torchvision_models import TORCHVISION, set_input_channels
 from vistrain.models.trunks.vit import VIT, ViTTrunk
 
 # MODEL.TRUNK.NAME -> family; a family's builder(trunk_cfg) returns an nn.Module with
 # forward(x) -> Dict[str, Tensor], feature_dims, out_features
-TRUNKS: Dict[str, TrunkFamily] = {"regnet": REGNET, "resnet": RESNET, "vit": VIT}
+TRUNKS: Dict[str, TrunkFamily] = {
+    "regnet": REGNET,
+    "resnet": RESNET,
+    "vit": VIT,
+    "timm": TIMM,
+    "torchvision": TORCHVISION,
+}
 
 
 def family(trunk_cfg) -> TrunkFamily:
@@ -27,7 +36,12 @@ def family(trunk_cfg) -> TrunkFamily:
 
 
 def build_trunk(trunk_cfg) -> nn.Module:
-    return family(trunk_cfg).build(trunk_cfg)
+    """The trunk of ``cfg.MODEL.TRUNK``, taking images of ``IN_CHANNELS`` channels."""
+    fam = family(trunk_cfg)
+    trunk = fam.build(trunk_cfg)
+    if trunk_cfg.IN_CHANNELS != 3 and not fam.builds_in_channels:
+        set_input_channels(trunk, trunk_cfg.IN_CHANNELS)
+    return trunk
 
 
 def trunk_feature_names(trunk_cfg) -> List[str]:

@@ -44,6 +44,9 @@ class TrunkFamily:
     # lines that bind ``model``, whose ``model(x)`` is the trunk's pooled feature; ValueError (one
     # line) for a trunk ``library`` has no model for (None: no such line)
     load_line: Optional[Callable[..., str]] = None
+    # whether ``build`` honours MODEL.TRUNK.IN_CHANNELS itself; else the registry replaces the first
+    # convolution of the built trunk by one of IN_CHANNELS inputs (torch's default initialisation)
+    builds_in_channels: bool = False
 
 
 def check_out_features(out_features: Sequence[str], valid: List[str]) -> List[str]:

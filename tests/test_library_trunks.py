@@ -1,0 +1,239 @@
+"""timm and torchvision models as trunks: features, blocks found from the structure, per-unit
+initialisation, BatchNorm subclasses under sync BN, one-line errors; on 2 gloo ranks each method
+family trains sharded with the first 3 losses of DDP (fp32, 1e-5), and the planner counts them."""
+
+import pytest
+import timm
+import torch
+from test_shipped_configs import losses
+from torch import nn
+
+from vistrain.config import ConfigError
+from vistrain.distributed.sync_batchnorm import convert_sync_batchnorm
+from vistrain.distributed.testing import run_on_ranks
+from vistrain.fsdp.deferred_init import build_on_meta, materialize
+from vistrain.jobs import check_values
+from vistrain.methods import build_model, load_config
+from vistrain.models.trunks import trunk_feature_names
+from vistrain.models.trunks.structure import repeated_blocks
+from vistrain.models.units import unit_classes
+from vistrain.runtime.sharding import build_for_run
+from vistrain.training.trainer import train
+
+TIMM = ["config.MODEL.TRUNK.NAME=timm"]
+TV = ["config.MODEL.TRUNK.NAME=torchvision"]
+CONVNEXT = [*TIMM, "config.MODEL.TRUNK.TIMM.NAME=test_convnext"]  # its last stage needs 32 px
+EFFICIENTNET = [*TIMM, "config.MODEL.TRUNK.TIMM.NAME=test_efficientnet", "config.MODEL.HEAD.DIMS=[256,32,16]"]
+VIT = [
+    *TIMM,
+    "config.MODEL.TRUNK.TIMM.NAME=test_vit",
+    "config.MODEL.TRUNK.TIMM.KWARGS={img_size: 16, patch_size: 4}",
+]
+MOBILENET = [
+    *TV,
+    "config.MODEL.TRUNK.TORCHVISION.NAME=mobilenet_v3_small",
+    "config.MODEL.HEAD.DIMS=[1024,32,16]",
+]
+
+
+def _cfg(*overrides, recipe="test/simclr_tiny"):
+    return load_config([f"config={recipe}", "config.MODEL.HEAD.DIMS=[64,32,16]", *overrides])
+
+
+@pytest.mark.parametrize(
+    "model, blocks, stages",
+    [
+        (lambda: timm.create_model("test_convnext"), {"ConvNeXtBlock"}, {"ConvNeXtStage"}),
+        (lambda: timm.create_model("test_vit"), {"Block"}, {"Block"}),
+        (lambda: timm.create_model("test_efficientnet"), {"EdgeResidual", "InvertedResidual"}, None),
+        (lambda: timm.create_model("test_resnet"), {"BasicBlock"}, None),
+        (lambda: __import__("torchvision").models.convnext_tiny(), {"CNBlock"}, None),
+        (lambda: __import__("torchvision").models.swin_t(), {"SwinTransformerBlock", "PatchMerging"}, None),
+        (
+            lambda: __import__("torchvision").models.mobilenet_v3_small(),
+            {"Conv2dNormActivation", "SqueezeExcitation"},
+            {"InvertedResidual"},
+        ),
+    ],
+)
+def test_repeated_blocks_are_found_from_the_structure(model, blocks, stages):
+    with torch.device("meta"):
+        found = repeated_blocks(model())
+    assert {c.__name__ for c in found["block"]} == blocks
+    assert {c.__name__ for c in found["stage"]} == (stages or blocks)
+
+
+def test_a_timm_trunk_offers_its_stages_and_a_vit_its_tokens():
+    convnext = build_model(_cfg(*CONVNEXT, "config.MODEL.TRUNK.OUT_FEATURES=[avgpool,stage2,stage4]").MODEL)
+    x = torch.randn(2, 3, 32, 32)
+    out = convnext.trunk(x)
+    assert {k: tuple(v.shape) for k, v in out.items()} == {
+        "stage2": (2, 32, 4, 4),
+        "stage4": (2, 64, 1, 1),
+        "avgpool": (2, 64),
+    }
+    torch.testing.assert_close(out["avgpool"], convnext.trunk.timm(x), rtol=0, atol=0)  # timm's pooled
+    vit_cfg = _cfg(*VIT, "config.MODEL.TRUNK.OUT_FEATURES=[avgpool,cls,tokens,stage6]")
+    assert trunk_feature_names(vit_cfg.MODEL.TRUNK) == [
+        *(f"stage{i}" for i in range(1, 7)),
+        *("cls", "avgpool", "tokens", "sequence"),
+    ]
+    vit = build_model(vit_cfg.MODEL).trunk
+    x = torch.randn(2, 3, 16, 16)
+    out, tokens = vit(x), vit.timm.forward_features(x)
+    torch.testing.assert_close(out["cls"], tokens[:, 0], rtol=0, atol=0)
+    torch.testing.assert_close(out["avgpool"], tokens[:, 1:].mean(1), rtol=0, atol=0)
+    assert out["tokens"].shape == (2, 64, 4, 4) and out["stage6"].shape == (2, 64, 4, 4)
+    assert vit.vector_features == ["cls", "avgpool"] and vit.num_lr_layers == 7
+    assert vit.lr_layer_of("timm.blocks.2.attn.qkv.weight") == 3 and vit.lr_layer_of("timm.cls_token") == 0
+    assert vit.lr_layer_of("timm.norm.weight") == 7
+
+
+def test_a_torchvision_trunk_drops_only_the_classifiers_last_layer():
+    cfg = _cfg(*MOBILENET, "config.MODEL.TRUNK.OUT_FEATURES=[avgpool,stage2]")
+    trunk = build_model(cfg.MODEL).trunk
+    assert trunk_feature_names(cfg.MODEL.TRUNK) == ["stage1", "stage2", "stage3", "stage4", "avgpool"]
+    out = trunk.eval()(torch.randn(2, 3, 64, 64))
+    assert out["avgpool"].shape == (2, 1024) and out["stage2"].shape == (2, 24, 8, 8)
+    import torchvision
+
+    reference = torchvision.models.mobilenet_v3_small()
+    reference.classifier[3] = nn.Identity()
+    missing, unexpected = reference.load_state_dict(trunk.torchvision.state_dict(), strict=True), ()
+    assert not unexpected and not missing.missing_keys
+
+
+@pytest.mark.parametrize("overrides", [CONVNEXT, EFFICIENTNET, VIT, MOBILENET])
+def test_per_unit_initialisation_gives_the_plain_builds_weights(overrides):
+    cfg = _cfg(*overrides)
+    torch.manual_seed(0)
+    plain = build_model(cfg.MODEL)
+    torch.manual_seed(0)
+    meta = build_on_meta(build_model, cfg.MODEL)
+    named = lambda m: list(m.named_parameters()) + list(m.named_buffers())
+    for (name, value), (_, recorded) in zip(named(plain), named(meta)):
+        torch.testing.assert_close(materialize(recorded), value, rtol=0, atol=0, msg=name)
+
+
+def test_torchs_trunc_normal_on_meta_builds_the_whole_model_with_one_warning(caplog):
+    """torchvision's Swin initialises with torch's trunc_normal_, which skips meta tensors: the
+    run builds the whole model (the same weights as a plain build) and says why."""
+    cfg = _cfg(*TV, "config.MODEL.TRUNK.TORCHVISION.NAME=swin_t", "config.MODEL.HEAD.DIMS=[768,32,16]")
+    cfg.defrost()
+    cfg.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP = True
+    torch.manual_seed(0)
+    model = build_for_run(build_model, cfg.MODEL)
+    after = torch.rand(1)
+    torch.manual_seed(0)
+    plain = build_model(cfg.MODEL)
+    assert not any(p.is_meta for p in model.parameters()) and torch.rand(1) == after
+    assert "trunc_normal_" in caplog.text and "building the whole model" in caplog.text
+    for (name, a), (_, b) in zip(model.state_dict().items(), plain.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_timms_batchnorm_with_activation_keeps_it_under_sync_bn():
+    model = timm.create_model("test_efficientnet", num_classes=0)
+    x = torch.randn(4, 3, 32, 32)
+    model(x)  # moves the running statistics away from 0 / 1
+    model.eval()
+    before = model(x)
+    convert_sync_batchnorm(model)
+    assert type(model.bn1).__name__ == "SyncedBatchNormAct2d" and not isinstance(model.bn1.act, nn.Identity)
+    torch.testing.assert_close(model(x), before, rtol=0, atol=0)
+    model.train()
+    plain = timm.create_model("test_efficientnet", num_classes=0)
+    plain.load_state_dict(model.state_dict())
+    torch.testing.assert_close(model(x), plain.train()(x), rtol=0, atol=0)  # one process: plain BN
+
+
+def test_in_channels_reach_every_family():
+    for overrides in (CONVNEXT, MOBILENET, ["config.MODEL.HEAD.DIMS=[16,32,16]"]):  # the last: a RegNet
+        model = build_model(_cfg(*overrides, "config.MODEL.TRUNK.IN_CHANNELS=4").MODEL)
+        first = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+        assert first.in_channels == 4
+        assert model(torch.randn(2, 4, 32, 32)).shape[0] == 2
+
+
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        ([*TIMM, "config.MODEL.TRUNK.TIMM.NAME=convnxt_tiny"], "close names: convnext_tiny"),
+        ([*TV, "config.MODEL.TRUNK.TORCHVISION.NAME=mobilenet_v3_smal"], "mobilenet_v3_small"),
+        (
+            [
+                *TIMM,
+                "config.MODEL.TRUNK.TIMM.NAME=test_vit",
+                "config.MODEL.TRUNK.TIMM.KWARGS={num_classes: 10}",
+            ],
+            "remove it",
+        ),
+        ([*CONVNEXT, "config.MODEL.TRUNK.TIMM.KWARGS={in_chans: 1}"], "set MODEL.TRUNK.IN_CHANNELS only"),
+        ([*CONVNEXT, "config.MODEL.TRUNK.OUT_FEATURES=[stage9]"], "OUT_FEATURES"),
+        ([*CONVNEXT, "config.MODEL.TRUNK.TIMM.BLOCKS=[ConvNextBlock]"], "ConvNeXtBlock"),
+    ],
+)
+def test_a_wrong_library_model_is_one_line(overrides, line):
+    with pytest.raises((ConfigError, ValueError), match=line) as info:
+        cfg = _cfg(*overrides)
+        check_values(cfg, files=False)
+        build_model(cfg.MODEL)
+    assert "\n" not in str(info.value)
+
+
+def test_blocks_named_by_class_override_the_structure():
+    cfg = _cfg(*CONVNEXT, "config.MODEL.TRUNK.TIMM.BLOCKS=[ConvNeXtStage]")
+    model = build_model(cfg.MODEL)
+    names = {c.__name__ for c in unit_classes(False, "block", (), model)}
+    assert "ConvNeXtStage" in names and "ConvNeXtBlock" not in names
+
+
+# --------------------------------------------------------------------------------------------
+# 2 ranks: sharded = DDP
+
+RUNS = {
+    "simclr_convnext": (
+        "test/simclr_tiny",
+        [
+            *CONVNEXT,
+            "config.MODEL.HEAD.DIMS=[64,32,16]",
+            "config.DATA.TRAIN.IMAGE_SIZE=32",
+            "config.DATA.TRAIN.TRANSFORMS.SIZE_CROPS=[32]",
+        ],
+    ),  # fmt: skip
+    "byol_efficientnet": ("test/byol_tiny", EFFICIENTNET),
+    "dino_vit": ("test/dino_tiny", [*VIT, "config.MODEL.HEAD.DIMS=[64,32,16]"]),
+    "simclr_mobilenet": ("test/simclr_tiny", MOBILENET),
+}
+
+
+def _argv(recipe, overrides, run_dir, sharded):
+    return [
+        f"config={recipe}",
+        *overrides,
+        f"config.CHECKPOINT.DIR={run_dir}",
+        f"config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP={sharded}",
+        "config.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN=True",
+        "config.DATA.TRAIN.SYNTHETIC_SIZE=48",
+        "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
+        "config.OPTIMIZER.num_epochs=1",
+        "config.LOG_FREQUENCY=1",
+    ]
+
+
+def _train_each(rank, world, argvs):
+    for argv in argvs:
+        train(load_config(argv))
+
+
+def test_every_library_trunk_trains_sharded_as_under_ddp(tmp_path):
+    argvs = [
+        _argv(recipe, overrides, tmp_path / f"{name}_{sharded}", sharded)
+        for name, (recipe, overrides) in RUNS.items()
+        for sharded in (True, False)
+    ]
+    run_on_ranks(_train_each, 2, argvs)
+    for name in RUNS:
+        sharded, ddp = losses(tmp_path / f"{name}_True"), losses(tmp_path / f"{name}_False")
+        assert len(sharded) == 3, name
+        torch.testing.assert_close(sharded, ddp, rtol=1e-5, atol=0, msg=name)
