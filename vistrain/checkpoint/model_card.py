@@ -1,6 +1,7 @@
 """The model card written beside an exported trunk: ``<OUT without suffix>.README.md``.
 
-It holds the exact lines that load the file (the family's ``load_line``), what trained the trunk
+It holds the exact lines that load the file (the family's ``load_line``, with the imports it
+needs: :func:`runnable`), what trained the trunk
 (``LOSS.NAME``, ``DATA.TRAIN.DATA_SOURCES`` / ``DATA_PATHS``, epochs, from the run's
 ``config.yaml`` and the checkpoint's metadata) and the top-1 of every feature of each evaluation
 of it: the ``metrics.json`` of every sibling run folder (the benchmarks write one) whose recorded
@@ -8,6 +9,7 @@ of it: the ``metrics.json`` of every sibling run folder (the benchmarks write on
 the exported network, and of every folder given (``--eval``).
 """
 
+import ast
 import json
 import os
 from dataclasses import dataclass
@@ -18,6 +20,13 @@ from vistrain.config import InputError
 from vistrain.models.trunks import TRUNKS
 
 METRICS = "metrics.json"  # what an evaluation (vistrain.benchmarks) writes into its run folder
+# names a loading line may use -> the import that makes them available
+LIBRARIES = {
+    "safetensors": "safetensors.torch",
+    "timm": "timm",
+    "torch": "torch",
+    "torchvision": "torchvision",
+}
 
 
 @dataclass
@@ -153,7 +162,18 @@ def _loading(export: Export, name: str) -> List[str]:
         code = fam.load_line(export.cfg.MODEL.TRUNK, export.library, name)
     except ValueError as error:
         return [f"No {export.library} model has this trunk: {error}."]
-    return ["```python", code, "```", "", "`model(images)` is the trunk's pooled feature, one row per image."]
+    return ["```python", runnable(code), "```"]
+
+
+def runnable(code: str) -> str:
+    """A family's ``load_line`` as a script: the imports of the libraries it names first, and
+    ``model = `` before it when it is an expression."""
+    tree = ast.parse(code)
+    if len(tree.body) == 1 and isinstance(tree.body[0], ast.Expr):
+        code = f"model = {code}"
+    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    imports = [f"import {module}" for root, module in LIBRARIES.items() if root in names]
+    return "\n".join([*imports, code])
 
 
 def _training(cfg, meta: dict) -> List[str]:

@@ -41,8 +41,9 @@ class TrunkFamily:
     to_timm: Optional[Callable[[Dict, str], Dict]] = None
     # (MODEL.TRUNK, library, path) -> the Python line that builds the trunk in ``library``
     # ("timm" or "torchvision") and loads the exported file ``path`` (a torch or .safetensors file):
-    # lines that bind ``model``, whose ``model(x)`` is the trunk's pooled feature; ValueError (one
-    # line) for a trunk ``library`` has no model for (None: no such line)
+    # an expression, or statements binding ``model``; the model card adds the imports of the
+    # libraries it names (and ``model = `` before an expression). ValueError (one line) for a
+    # trunk ``library`` has no model of (None: no such line)
     load_line: Optional[Callable[..., str]] = None
     # whether ``build`` honours MODEL.TRUNK.IN_CHANNELS itself; else the registry replaces the first
     # convolution of the built trunk by one of IN_CHANNELS inputs (torch's default initialisation)
@@ -81,21 +82,17 @@ def torchvision_keys(state_dict: Dict, prefix: str, prefixes: Sequence[str], fam
 
 
 def torchvision_load_line(build: str, classifier: str, path: str) -> str:
-    """Lines that build a torchvision model (``build``, an expression), replace its classifier
-    attribute ``classifier`` by ``nn.Identity`` and load the torch or ``.safetensors`` file ``path``
-    strictly: ``model(x)`` is then the trunk's pooled feature."""
+    """Statements that build a torchvision model (``build``, an expression), replace its
+    classifier attribute ``classifier`` by ``nn.Identity`` and load the torch or ``.safetensors``
+    file ``path`` strictly: ``model(x)`` is then the trunk's pooled feature."""
     if path.endswith(".safetensors"):
-        imports, state = (
-            "import safetensors.torch, torch, torchvision",
-            f"safetensors.torch.load_file({path!r})",
-        )
+        state = f"safetensors.torch.load_file({path!r})"
     else:
-        imports, state = "import torch, torchvision", f"torch.load({path!r}, weights_only=True)"
+        state = f"torch.load({path!r}, weights_only=True)"
     return "\n".join(
         [
-            imports,
             f"model = {build}",
-            f"model.{classifier} = torch.nn.Identity()",
+            f"model.{classifier} = torch.nn.Identity()  # model(x): the trunk's pooled feature",
             f"model.load_state_dict({state})",
         ]
     )
