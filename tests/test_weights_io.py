@@ -299,3 +299,77 @@ def test_a_checkpoint_that_does_not_fit_is_one_line_naming_keys_and_the_fix(tmp_
     (tmp_path / "w.safetensors").write_bytes(b"")
     with pytest.raises(CheckpointError, match=r'safetensors package: pip install -e "\.\[safetensors\]"$'):
         load_pretrained(regnet, _weights_cfg(tmp_path / "w.safetensors"))
+
+
+# --------------------------------------------------------------------------------------------
+# the timm and torchvision families: their own keys in, their library's form out
+
+
+LIBRARY_TRUNKS = {  # family -> (overrides, the library model with a classifier, the feature it gives)
+    "timm": (
+        ["config.MODEL.TRUNK.NAME=timm", "config.MODEL.TRUNK.TIMM.NAME=test_vit",
+         "config.MODEL.TRUNK.TIMM.KWARGS={img_size: 16, patch_size: 4}", "config.MODEL.TRUNK.OUT_FEATURES=[cls,avgpool]",
+         "config.MODEL.HEAD.DIMS=[64,32,16]"],
+        lambda: __import__("timm").create_model("test_vit", img_size=16, patch_size=4, num_classes=10),
+        "cls",
+    ),
+    "torchvision": (
+        ["config.MODEL.TRUNK.NAME=torchvision", "config.MODEL.TRUNK.TORCHVISION.NAME=mobilenet_v3_small",
+         "config.MODEL.HEAD.DIMS=[1024,32,16]"],
+        lambda: torchvision.models.mobilenet_v3_small(num_classes=10),
+        "avgpool",
+    ),
+}  # fmt: skip
+
+
+def _headless(model: nn.Module) -> nn.Module:
+    """A library model whose ``model(x)`` is its pooled feature (classifier's last layer dropped)."""
+    from vistrain.models.trunks.torchvision_models import drop_classifier
+
+    if hasattr(model, "reset_classifier"):  # timm
+        model.reset_classifier(0)
+    else:
+        drop_classifier(model)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", list(LIBRARY_TRUNKS))
+def test_library_trunks_take_their_librarys_keys_and_export_to_its_form(
+    family, tmp_path, monkeypatch, one_thread
+):
+    """The library's own state dict (with a classifier) loads into the family's trunk with the
+    prefix found; a run's checkpoint of it exports to a file the card's line loads back (then
+    ``model(x)`` without the classifier's last layer is the trunk's feature)."""
+    from vistrain.checkpoint import save_sharded_checkpoint
+
+    overrides, library_model, feature = LIBRARY_TRUNKS[family]
+    cfg = load_config(_tiny(tmp_path / "run", *overrides))
+    ours = build_model(cfg.MODEL).eval()
+    reference = library_model()
+    torch.save(reference.state_dict(), tmp_path / "library.pt")
+    report = load_pretrained(ours, _weights_cfg(tmp_path / "library.pt"))
+    assert (report.key_map.remove, report.key_map.append) == ("", f"trunk.{family}.")
+    assert len(report.classifier) == 2 and not report.unexpected
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        expected = ours.trunk(x)[feature]
+        torch.testing.assert_close(_headless(reference)(x), expected, rtol=0, atol=1e-6)
+    save_sharded_checkpoint(str(tmp_path / "run"), 1, ours, None, {}, {"config": cfg.dump()}, keep_last=0)
+    (tmp_path / "run" / "config.yaml").write_text(cfg.dump())
+    main = runpy.run_path(str(TOOL))["main"]
+    flag = "--to-timm" if family == "timm" else "--to-torchvision"
+    for out in ("trunk.pt", "trunk.safetensors"):
+        assert (
+            main(
+                [
+                    str(tmp_path / "run"),
+                    "--to-safetensors" if out.endswith("s") else flag,
+                    str(tmp_path / out),
+                ]
+            )
+            == 0
+        )
+        loaded = _load_with_card(tmp_path / "trunk.README.md", monkeypatch)
+        assert f"'{out}'" in _card_code((tmp_path / "trunk.README.md").read_text())
+        with torch.no_grad():
+            torch.testing.assert_close(_headless(loaded)(x), expected, rtol=0, atol=1e-6)

@@ -113,7 +113,7 @@ def card_text(export: Export, evaluations: Sequence[Evaluation]) -> str:
         f"# {_trunk_title(export)}",
         "",
         f"`{name}`: the {export.network}'s trunk of `{export.source}`{_progress(export.meta)}, "
-        f"{len(export.specs)} tensors in {export.library}'s keys, no classifier.",
+        f"{len(export.specs)} tensors in {export.library}'s keys, without the classifier's last layer.",
         "",
         "## Loading",
         "",
