@@ -27,7 +27,10 @@ setup(
         # DATA_SOURCES: [elpv]: 2,624 solar-cell images (91 MB, CC BY-NC-SA 4.0), vistrain/data/elpv.py;
         # not in dev: the tests run on a generated folder of its layout and read the package if present
         "elpv": ["elpv-dataset>=1.0"],
+        # MODEL.TRUNK.NAME: timm (vistrain/models/trunks/timm_models.py)
+        "timm": ["timm>=1.0"],
         "dev": [
+            "timm>=1.0",
             "pytest>=7",
             "pytest-timeout>=2",
             "pytest-xdist>=3",

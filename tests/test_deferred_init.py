@@ -66,9 +66,21 @@ class _OwnGenerator(nn.Module):
         nn.init.normal_(self.weight, generator=torch.Generator().manual_seed(0))
 
 
+class _TorchTruncNormal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(4))
+        nn.init.trunc_normal_(self.weight, std=0.02)
+
+
+def test_a_value_computed_out_of_place_is_replayed():
+    """timm's layer scale: ``nn.Parameter(init * torch.ones(d))``, then changed in place."""
+    torch.testing.assert_close(materialize(build_on_meta(_ScaledOutOfPlace).weight), torch.full((3,), 2.0))
+
+
 def test_unreplayable_initialisations_fail_loudly_at_build_time():
-    with pytest.raises(ValueError, match="cannot initialise weight unit by unit: its value was computed"):
-        build_on_meta(_ScaledOutOfPlace)
+    with pytest.raises(ValueError, match="torch.nn.init.trunc_normal_ leaves meta tensors untouched"):
+        build_on_meta(_TorchTruncNormal)
     with pytest.raises(ValueError, match="cannot initialise weight unit by unit: .*through a view"):
         build_on_meta(_WrittenThroughView)
     with pytest.raises(ValueError, match="explicit generator"):

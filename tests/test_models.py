@@ -157,7 +157,8 @@ def test_trunk_config_errors():
     cfg = model_cfg()
     cfg.TRUNK.NAME = "resnets"
     with pytest.raises(
-        ValueError, match=r"unknown MODEL.TRUNK.NAME 'resnets'; valid names: \['regnet', 'resnet', 'vit'\]"
+        ValueError,
+        match=r"unknown MODEL.TRUNK.NAME 'resnets'; valid names: \['regnet', 'resnet', 'timm', 'torchvision', 'vit'\]",
     ):
         build_model(cfg)
 
