@@ -29,8 +29,11 @@ setup(
         "elpv": ["elpv-dataset>=1.0"],
         # MODEL.TRUNK.NAME: timm (vistrain/models/trunks/timm_models.py)
         "timm": ["timm>=1.0"],
+        # .safetensors files as WEIGHTS_INIT.PARAMS_FILE (the exports write them without it)
+        "safetensors": ["safetensors>=0.4"],
         "dev": [
             "timm>=1.0",
+            "safetensors>=0.4",
             "pytest>=7",
             "pytest-timeout>=2",
             "pytest-xdist>=3",
