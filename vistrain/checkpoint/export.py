@@ -21,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
-from vistrain.checkpoint.files import METADATA, CheckpointError, read_metadata
+from vistrain.checkpoint.files import METADATA, CheckpointError
 from vistrain.checkpoint.pretrained import WeightsSource
 from vistrain.checkpoint.safetensors_file import is_safetensors, save_safetensors_streamed
 from vistrain.checkpoint.tensor_file import save_streamed
@@ -99,7 +99,7 @@ def export_trunk(path: str, out: str, library: Optional[str], teacher: bool = Fa
         save_safetensors_streamed(out, specs, lambda key: source.read(names[key]), {"format": "pt"})
     else:
         save_streamed(out, specs, lambda key: source.read(names[key]))
-    meta = read_metadata(source.path) if source.reader is not None else {}
+    meta = source.reader.meta if source.reader is not None else {}
     return Export(out, library, specs, source.path, network, name, run_dir, cfg, meta)
 
 

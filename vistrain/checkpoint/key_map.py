@@ -14,9 +14,9 @@ of the same shape wins; ties go to the shorter pair (no change first). So torchv
 a checkpoint saved from DDP (``module.``) into a plain model, and a vistrain checkpoint holding a
 student and its momentum teacher (``teacher.``) loads the student, whose keys need no change.
 
-Checkpoint keys that map onto nothing and whose first component (after the removed part) names a
-classifier (:data:`CLASSIFIERS`) are the checkpoint's classifier, ignored; the errors below name
-keys on both sides and the fix, in one line.
+Checkpoint keys that map into the trunk onto nothing and whose first component (after the removed
+part) names a classifier (:data:`CLASSIFIERS`) are the checkpoint's classifier, ignored; the errors
+below name keys on both sides and the fix, in one line.
 """
 
 from collections import Counter
@@ -57,10 +57,11 @@ class KeyMap:
         return f"REMOVE_PREFIX={self.remove!r}, APPEND_PREFIX={self.append!r} ({how})"
 
     def is_classifier(self, key: str) -> bool:
-        """Whether checkpoint key ``key`` belongs to a classifier (``fc.``, ``head.``...)."""
-        if self.remove and key.startswith(self.remove):
-            key = key[len(self.remove) :]
-        return key.split(".")[0] in CLASSIFIERS
+        """Whether checkpoint key ``key`` belongs to a library model's classifier (``fc.``,
+        ``head.``...): a key that maps into the trunk and whose first component names one (our
+        own ``head.`` keys map outside the trunk)."""
+        stripped = key[len(self.remove) :] if self.remove and key.startswith(self.remove) else key
+        return self(key).startswith(TRUNK) and stripped.split(".")[0] in CLASSIFIERS
 
 
 def leading_prefixes(keys: Sequence[str], share: float = SHARE, depth: int = DEPTH) -> List[str]:
