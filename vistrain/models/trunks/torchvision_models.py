@@ -5,9 +5,9 @@
 keyword arguments. The model is kept at ``trunk.torchvision`` with the classifier's last layer
 (the last ``Linear``, or 1x1 ``Conv2d``, producing the class scores) replaced by ``nn.Identity``:
 its parameter names stay torchvision's, so weights go in and out in torchvision's keys
-(``torchvision.models.<name>()`` loads an export with ``strict=False``: only the classifier's last
-layer is absent). ``MODEL.TRUNK.IN_CHANNELS`` other than 3 replaces the first convolution by one
-of that many input channels (initialised as the model initialises it).
+(``torchvision.models.<name>()`` loads an export once its classifier's last layer is set to
+``nn.Identity``, as the export's model card writes). ``MODEL.TRUNK.IN_CHANNELS`` other than 3 replaces the first convolution by one
+of that many input channels (torch's default initialisation).
 
 Features:
 
@@ -175,7 +175,7 @@ def feature_names(trunk_cfg) -> List[str]:
 
 def to_torchvision_state_dict(trunk_state_dict: Dict, prefix: str = "") -> Dict:
     """Trunk state dict -> the torchvision model's state dict without the classifier's last layer
-    (``torchvision.models.<NAME>(**KWARGS).load_state_dict(sd, strict=False)``)."""
+    (loaded by the lines of :func:`load_line`)."""
     start = prefix + "torchvision."
     out = {k[len(start) :]: v for k, v in trunk_state_dict.items() if k.startswith(start)}
     if not out:
@@ -184,13 +184,18 @@ def to_torchvision_state_dict(trunk_state_dict: Dict, prefix: str = "") -> Dict:
 
 
 def load_line(trunk_cfg, library: str, path: str) -> str:
-    """The lines that build this trunk in torchvision and load the exported file ``path``."""
-    kwargs = "".join(f", {k}={v!r}" for k, v in plain(trunk_cfg.TORCHVISION.KWARGS).items())
+    """The lines that build this trunk in torchvision and load the exported file ``path``: the
+    classifier's last layer replaced by ``nn.Identity`` (then ``model(x)`` is our ``avgpool``)."""
+    kwargs = plain(trunk_cfg.TORCHVISION.KWARGS)
     name = trunk_cfg.TORCHVISION.NAME
+    build = lambda: torchvision.models.get_model(name, **kwargs)
+    fqn, _ = _classifier(meta_build(build) or build())
+    layer = "model" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in fqn.split("."))
     load = "safetensors.torch.load_file" if path.endswith(".safetensors") else "torch.load"
+    args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
     return (
-        f"model = torchvision.models.{name}({kwargs.lstrip(', ')}); "
-        f"model.load_state_dict({load}({path!r}), strict=False)  # all but the classifier's last layer"
+        f"model = torchvision.models.{name}({args}); {layer} = torch.nn.Identity(); "
+        f"model.load_state_dict({load}({path!r}))"
     )
 
 
