@@ -9,12 +9,12 @@ import pytorch_lightning as pl
 import torch
 from lightly.models import utils
 from lightly.models.modules import MaskedVisionTransformerTorchvision
+from lightly.models.modules.masked_autoencoder import MAEDecoder
 from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchvision.models import VisionTransformer
 
-from vistrain.fsdp import register_forward_method
 from vistrain.integrations.lightning.strategy import _own_storage
 
 SAMPLES = 48  # 4 global batches of 12: per device 12, 6 or 4 on 1, 2 or 3 devices
@@ -267,38 +267,45 @@ class SSLClient(pl.LightningModule):
         return DataLoader(dataset(0), batch_size=self.batch_size, shuffle=True)
 
 
-class MaskedClient(pl.LightningModule):
-    """lightly's SimMIM example, small: a torchvision ViT inside lightly's
-    ``MaskedVisionTransformerTorchvision``, called by name (``self.backbone.encode(images=...,
-    idx_mask=...)``), a linear decoder, L1 on the masked patches; the example's unused mask token
-    too. ``register``: the one line that makes ``encode`` gather the backbone's weights, in
-    ``configure_model`` (the ranks run it; under "spawn" or "forkserver" they receive a pickled
-    copy of the module, which does not carry a registration made in ``__init__``)."""
+class MAEClient(pl.LightningModule):
+    """lightly's MAE example, small, with nothing added for sharding: the encoder called by name
+    (``self.backbone.encode(images=..., idx_keep=...)`` on lightly's
+    ``MaskedVisionTransformerTorchvision``), the decoder's ``embed``, ``decode`` and ``predict``
+    (lightly's ``MAEDecoder``), the mask token on the module, MSE on the masked patches."""
 
-    def __init__(self, register: bool = True, batch_size: int = 4):
+    def __init__(self, batch_size: int = 4):
         super().__init__()
         vit = VisionTransformer(
             image_size=16, patch_size=4, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32
         )
+        decoder_dim = 8
         self.batch_size, self.patch_size, self.sequence_length = batch_size, vit.patch_size, vit.seq_length
-        self.mask_token = nn.Parameter(torch.zeros(1, 1, vit.hidden_dim))
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, decoder_dim))
         self.backbone = MaskedVisionTransformerTorchvision(vit=vit)
-        self.decoder = nn.Linear(vit.hidden_dim, vit.patch_size**2 * 3)
-        self.register = register
+        self.decoder = MAEDecoder(
+            seq_length=vit.seq_length, num_layers=1, num_heads=2, embed_input_dim=vit.hidden_dim,
+            hidden_dim=decoder_dim, mlp_dim=4 * decoder_dim, out_dim=vit.patch_size**2 * 3,
+        )  # fmt: skip
+        self.criterion = nn.MSELoss()
 
-    def configure_model(self):
-        if self.register:
-            register_forward_method(self.backbone, "encode")
+    def forward_encoder(self, images, idx_keep=None):
+        return self.backbone.encode(images=images, idx_keep=idx_keep)
+
+    def forward_decoder(self, x_encoded, idx_keep, idx_mask):
+        x_decode = self.decoder.embed(x_encoded)
+        x_masked = utils.repeat_token(self.mask_token, (x_encoded.shape[0], self.sequence_length))
+        x_masked = utils.set_at_index(x_masked, idx_keep, x_decode.type_as(x_masked))
+        x_decoded = self.decoder.decode(x_masked)
+        return self.decoder.predict(utils.get_at_index(x_decoded, idx_mask))
 
     def training_step(self, batch, batch_idx):
         images = batch[0]
         idx_keep, idx_mask = utils.random_token_mask(
             size=(images.shape[0], self.sequence_length), mask_ratio=0.75, device=images.device
         )
-        encoded = self.backbone.encode(images=images, idx_mask=idx_mask)
-        predicted = self.decoder(utils.get_at_index(encoded, idx_mask))
+        x_pred = self.forward_decoder(self.forward_encoder(images, idx_keep), idx_keep, idx_mask)
         target = utils.get_at_index(utils.patchify(images, self.patch_size), idx_mask - 1)
-        loss = nn.functional.l1_loss(predicted, target)
+        loss = self.criterion(x_pred, target)
         self.log("train_loss", loss, sync_dist=True)
         return loss
 

@@ -12,7 +12,8 @@ execution order and its first-step check), ``flat_param`` (flat padded shards), 
 groups, waits),
 ``precision``, ``ownership`` (which unit owns what; the registry), ``wrap`` (policies),
 ``state_dict``, ``grads`` (clipping, LARS norms, the step in backward), ``deferred_init``
-(meta-device builds), ``forward_methods`` (methods other than ``forward`` that gather), ``ema`` (a momentum teacher's update of local shards), ``memory`` (storage bytes, RSS), ``backends`` (how a model is distributed).
+(meta-device builds), ``forward_methods`` (methods other than ``forward`` that gather), ``gathered_writes`` (the
+write check of methods gathered without registration), ``ema`` (a momentum teacher's update of local shards), ``memory`` (storage bytes, RSS), ``backends`` (how a model is distributed).
 """
 
 from vistrain.fsdp.backends import (  # noqa: F401
@@ -34,8 +35,13 @@ from vistrain.fsdp.collectives import (  # noqa: F401
 )
 from vistrain.fsdp.deferred_init import build_on_meta, materialize  # noqa: F401
 from vistrain.fsdp.ema import LayoutMismatchError, ema_update_, foreach_ema_, paired_tensors  # noqa: F401
-from vistrain.fsdp.forward_methods import UnregisteredMethodError, register_forward_method  # noqa: F401
+from vistrain.fsdp.forward_methods import (  # noqa: F401
+    UnregisteredMethodError,
+    keep_on_shards,
+    register_forward_method,
+)
 from vistrain.fsdp.fully_sharded import FullyShardedDataParallel  # noqa: F401
+from vistrain.fsdp.gathered_writes import GatheredWriteError  # noqa: F401
 from vistrain.fsdp.grads import (  # noqa: F401
     OptimizerInBackward,
     PartialStepError,

@@ -14,6 +14,17 @@ Three ways to register, any before or after wrapping:
     by_class({MaskedViT: {"forward_methods": ("encode",)}})         # the wrap policy
     FullyShardedDataParallel(backbone, forward_methods=("encode",))  # a unit's option
 
+Or, with the unit option ``gather_public_methods=True`` (``auto_wrap(..., gather_public_methods=True)``
+for every unit; the Lightning strategy's default), without a line: each public method the wrapped
+module's own class defines (:func:`gathers_by_itself`: ``encode``, ``forward_features``,
+``forward_head``..., not ``nn.Module``'s nor torch's layers') gathers as a registered one does,
+watched by ``gathered_writes.WriteGuard`` for in-place writes the shards would never see.
+``keep_on_shards(module, "normalize")`` keeps one method out of it.
+
+A call made while the same unit's forward or gathered method runs (``unit.forward`` from its own
+``encode`` through a reference to the unit) finds the weights gathered and runs plainly: one
+gather, freed when the outer call ends.
+
 Any other method reached through the wrapper runs as it is, under :class:`ShardGuard`: code that
 keeps to the shards (an EMA, normalising prototype rows in place: rows are whole on every rank)
 works as before, and the first operation that mixes a shard with any other tensor (an
@@ -22,6 +33,7 @@ of a shape error deep inside the method (or, on the rank holding a whole paramet
 partial result).
 """
 
+import inspect
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -30,7 +42,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from vistrain.fsdp.ownership import forward_methods_of, local_param_of, set_forward_methods
+from vistrain.fsdp.ownership import (
+    forward_methods_of,
+    local_param_of,
+    set_forward_methods,
+    set_shard_methods,
+    shard_methods_of,
+)
 from vistrain.fsdp.precision import iter_tensors
 
 
@@ -43,7 +61,7 @@ def register_forward_method(module: nn.Module, *names: str) -> None:
 
     ``module``: a plain module (registered before it becomes a unit) or a unit. Each name must
     be a method of the module; ``forward`` needs no registration."""
-    target = getattr(module, "module", module) if getattr(module, "is_sharded_unit", False) else module
+    target = _wrapped(module)
     for name in names:
         if name == "forward":
             raise ValueError("forward gathers without registration: register other methods only")
@@ -54,11 +72,50 @@ def register_forward_method(module: nn.Module, *names: str) -> None:
     set_forward_methods(target, set(forward_methods_of(target)) | set(names))
 
 
-def gathered_call(unit, name: str, method: Callable) -> Callable:
-    """``method`` (a bound method of ``unit.module``) run inside the unit's forward phases."""
+def keep_on_shards(module: nn.Module, *names: str) -> None:
+    """Never gather ``module``'s weights around ``names``, even with ``gather_public_methods``:
+    they run on this rank's shards, under :class:`ShardGuard` (a method that normalises
+    prototype rows in place under mixed precision; one that runs on some ranks only)."""
+    target = _wrapped(module)
+    registered = sorted(set(names) & forward_methods_of(target))
+    if registered:
+        raise ValueError(
+            f"keep_on_shards: {registered[0]!r} is registered as a forward method of {type(target).__name__}"
+        )
+    for name in names:
+        if not callable(getattr(target, name, None)):
+            raise ValueError(f"keep_on_shards: {type(target).__name__} has no method {name!r}")
+    set_shard_methods(target, set(shard_methods_of(target)) | set(names))
+
+
+def _wrapped(module: nn.Module) -> nn.Module:
+    return getattr(module, "module", module) if getattr(module, "is_sharded_unit", False) else module
+
+
+def gathers_by_itself(module: nn.Module, name: str) -> bool:
+    """Whether ``gather_public_methods`` gathers around ``module.name``: a public plain function
+    (no ``_`` prefix, no property, static or class method) that ``module``'s class or a base
+    class before ``nn.Module`` in its MRO defines, that class not one of torch's own; no name
+    ``nn.Module`` has (``state_dict``, ``apply``, ``train``...); not kept by :func:`keep_on_shards`.
+
+    The method is the first one Python finds: ``type(module).__mro__`` up to ``nn.Module``."""
+    if name.startswith("_") or hasattr(nn.Module, name) or name in shard_methods_of(module):
+        return False
+    for cls in type(module).__mro__:
+        if cls is nn.Module:
+            return False
+        if name in vars(cls):
+            return inspect.isfunction(vars(cls)[name]) and cls.__module__.split(".")[0] != "torch"
+    return False
+
+
+def gathered_call(unit, name: str, method: Callable, watch_writes: bool = False) -> Callable:
+    """``method`` (a bound method of ``unit.module``) run inside the unit's forward phases;
+    ``watch_writes``: under ``WriteGuard`` while the weights are gathered."""
+    watched = f"{type(unit.module).__name__}.{name}" if watch_writes else None
 
     def call(*args, **kwargs):
-        return unit.run_as_forward(method, args, kwargs)
+        return unit.run_as_forward(method, args, kwargs, watched)
 
     call.__name__ = call.__qualname__ = name
     call.__doc__ = method.__doc__
@@ -127,5 +184,6 @@ def _message(what: str, tensor: torch.Tensor) -> str:
         f"{what}() computed with this rank's shard{shard}: a sharded unit gathers its weights for "
         f"forward and for its registered forward methods only; register it in one line, "
         f'vistrain.fsdp.register_forward_method(module, "{method}"), before the first step '
-        f'(or give the wrap policy the unit option forward_methods=("{method}",))'
+        f'(or give the wrap policy the unit option forward_methods=("{method}",), or wrap with '
+        f"gather_public_methods=True)"
     )

@@ -23,7 +23,13 @@ import torch
 from torch import nn
 
 from vistrain.fsdp.collectives import ShardGroups
-from vistrain.fsdp.forward_methods import gathered_call, guarded_call, register_forward_method
+from vistrain.fsdp.forward_methods import (
+    gathered_call,
+    gathers_by_itself,
+    guarded_call,
+    register_forward_method,
+)
+from vistrain.fsdp.gathered_writes import WriteGuard
 from vistrain.fsdp.grads import OptimizerInBackward, clip_grad_norm_
 from vistrain.fsdp.model_state import ModelState, RootOptions, release_free_pages
 from vistrain.fsdp.ownership import (
@@ -75,6 +81,11 @@ class FullyShardedDataParallel(nn.Module):
         forward_methods: names of the module's methods that gather the weights as ``forward``
             does (``unit.encode(...)``; ``forward_methods.py``). Any other method reached
             through the unit runs on the shards and may not mix them with other tensors.
+        gather_public_methods: also gather around every public method the wrapped module's own
+            class defines (``forward_features``, ``encode``...; not ``nn.Module``'s or torch
+            layers', ``forward_methods.gathers_by_itself``), no registration needed; an in-place
+            write into the gathered weights the shards would not see then raises
+            ``GatheredWriteError`` (``gathered_writes.py``).
     """
 
     is_sharded_unit = True
@@ -91,6 +102,7 @@ class FullyShardedDataParallel(nn.Module):
         param_group_fn: Optional[Callable] = None,
         root: Optional[RootOptions] = None,
         forward_methods: Sequence[str] = (),
+        gather_public_methods: bool = False,
     ):
         check_wrappable(module)
         super().__init__()
@@ -98,6 +110,7 @@ class FullyShardedDataParallel(nn.Module):
         self._precision = precision
         self._device = compute_device(module, move_params_to_cpu)
         self._root_options = root
+        self._gather_public_methods = gather_public_methods
         self.add_module(WRAPPED_NAME, module)
         shard_device = torch.device("cpu") if move_params_to_cpu else self._device
         handles = build_handles(
@@ -125,7 +138,8 @@ class FullyShardedDataParallel(nn.Module):
 
     def __getattr__(self, name: str):
         """Attributes the wrapper lacks come from the wrapped module, as with FairScale; its
-        methods gather the weights when registered as forward methods, else run guarded
+        methods gather the weights when registered as forward methods (or, with
+        ``gather_public_methods``, when public methods of its class), else run guarded
         (``forward_methods.py``)."""
         try:
             return super().__getattr__(name)
@@ -138,6 +152,8 @@ class FullyShardedDataParallel(nn.Module):
                 return found
             if name in forward_methods_of(wrapped):
                 return gathered_call(self, name, found)
+            if self._gather_public_methods and gathers_by_itself(wrapped, name):
+                return gathered_call(self, name, found, watch_writes=True)
             return guarded_call(self, name, found)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
@@ -189,13 +205,23 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         return self.run_as_forward(self.module, args, kwargs)
 
-    def run_as_forward(self, function: Callable, args: tuple, kwargs: dict):
+    def run_as_forward(self, function: Callable, args: tuple, kwargs: dict, watched: Optional[str] = None):
         """``function(*args, **kwargs)`` (the wrapped module, or one of its registered forward
-        methods) between the unit's gather and its release, outputs hooked for backward."""
+        methods) between the unit's gather and its release, outputs hooked for backward.
+
+        Called while another forward or gathered method of this unit runs (through a reference
+        to the unit), it runs plainly: the weights are gathered and the outer call frees them.
+        ``watched`` ("Class.method"): under ``WriteGuard`` while gathered."""
+        guard = (lambda: WriteGuard(self._unit.handles, watched)) if watched else contextlib.nullcontext
+        if self._unit.in_call:
+            with guard():
+                return function(*args, **kwargs)
         self._lazy_init()
-        training = self._unit.begin_forward()
-        outputs = self._run_module(function, args, kwargs)
-        return self._unit.end_forward(outputs, training)
+        with self._unit.call():
+            training = self._unit.begin_forward()
+            with guard():
+                outputs = self._run_module(function, args, kwargs)
+            return self._unit.end_forward(outputs, training)
 
     def _run_module(self, function: Callable, args, kwargs):
         precision = self._precision

@@ -48,6 +48,7 @@ class _Registry:
         # local parameter -> (weakref(FlatParamHandle), origin index)
         self.origin_of_local = WeakIdKeyDictionary()
         self.forward_methods = WeakIdKeyDictionary()  # module -> names gathered like its forward
+        self.shard_methods = WeakIdKeyDictionary()  # module -> names never gathered automatically
         self.optimizer_hook = None
 
 
@@ -129,6 +130,16 @@ def set_forward_methods(module: nn.Module, names) -> None:
 def forward_methods_of(module: nn.Module) -> frozenset:
     """The names :func:`set_forward_methods` registered for ``module`` (empty: none)."""
     return _REGISTRY.forward_methods.get(module, frozenset())
+
+
+def set_shard_methods(module: nn.Module, names) -> None:
+    """``module``'s methods ``names`` run on the shards even with ``gather_public_methods``."""
+    _REGISTRY.shard_methods[module] = frozenset(names)
+
+
+def shard_methods_of(module: nn.Module) -> frozenset:
+    """The names :func:`set_shard_methods` registered for ``module`` (empty: none)."""
+    return _REGISTRY.shard_methods.get(module, frozenset())
 
 
 def set_init_recipe(tensor, recipe) -> None:

@@ -105,6 +105,7 @@ class UnitState:
         self.model: Optional[ModelState] = None  # attached by the root's first forward
         self.index = -1  # position in the model's units, outermost first
         self.is_root = False
+        self.calls = 0  # forwards and gathered methods of this unit running now (nested ones count)
         self_ref = weakref.ref(self)  # the gradient hooks must not keep the unit alive
         for handle in handles:
             if handle.shard.requires_grad:
@@ -131,6 +132,21 @@ class UnitState:
         if self.model is not None:
             return f"unit '{self.model.order.names[self.index]}'"
         return f"unit of {self.handles[0].describe()}" if self.handles else "unit without parameters"
+
+    @contextlib.contextmanager
+    def call(self):
+        """One forward or gathered method of the unit runs inside the block; a call made while
+        another runs (``in_call``) finds the weights gathered and runs plainly."""
+        self.calls += 1
+        try:
+            yield
+        finally:
+            self.calls -= 1
+
+    @property
+    def in_call(self) -> bool:
+        """A forward or gathered method of this unit is running: its weights are gathered."""
+        return self.calls > 0
 
     # -- gathering ------------------------------------------------------------------------------
     def unshard(self) -> None:

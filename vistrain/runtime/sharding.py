@@ -154,6 +154,7 @@ def shard_model(model: nn.Module, model_cfg, param_group_fn: Optional[Callable] 
         flatten_parameters=fsdp_cfg.flatten_parameters,
         move_params_to_cpu=fsdp_cfg.move_params_to_cpu,
         param_group_fn=param_group_fn,
+        gather_public_methods=fsdp_cfg.GATHER_PUBLIC_METHODS,
         root=RootOptions(
             # as the DDP path: synced BN keeps statistics equal, else rank 0's are broadcast
             broadcast_buffers=not model_cfg.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN,

@@ -27,6 +27,16 @@ from vistrain.fsdp import (
 from vistrain.fsdp.grads import clip_grad_norm_
 from vistrain.integrations.lightning.errors import StrategyError
 
+# FullyShardedDataParallel's arguments that are no unit options of the strategy: its own arguments
+# (reshard_after_forward, gather_public_methods; precision from mixed_precision) and param_group_fn
+NOT_UNIT_OPTIONS = (
+    "self",
+    "module",
+    "param_group_fn",
+    "precision",
+    "reshard_after_forward",
+    "gather_public_methods",
+)
 Place = Tuple[int, str]  # (id(module), attribute): where a parameter lives in the module tree
 Policy = Callable[[nn.Module], Optional[dict]]
 
@@ -35,11 +45,7 @@ def unit_option_names() -> List[str]:
     """Options of a unit (``FullyShardedDataParallel``) the strategy passes through; ``root``
     (the model's ``RootOptions``) goes to the root unit only."""
     names = list(inspect.signature(FullyShardedDataParallel.__init__).parameters)
-    return [
-        n
-        for n in names
-        if n not in ("self", "module", "param_group_fn", "precision", "reshard_after_forward")
-    ]
+    return [n for n in names if n not in NOT_UNIT_OPTIONS]
 
 
 def unit_precision(mixed, device) -> Precision:

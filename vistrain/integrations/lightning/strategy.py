@@ -8,6 +8,8 @@ parameters made right for shards:
                           pointed at the engine's local parameters in place of the originals
     training_step         through the root unit's forward (automatic optimization); manual
                           optimization opens the root first, then runs the step as written
+    self.backbone.encode  a unit's public methods gather its weights as its forward does
+                          (``gather_public_methods``): masked-image clients train unmodified
     gradient_clip_val     the global norm over every rank's shards (the precision plugin)
     16-mixed              the sharded grad scaler on the run's device
     sync_batchnorm        vistrain's synchronised BatchNorm, on CPU too (``layer_sync.py``)
@@ -67,6 +69,10 @@ class VistrainFSDPStrategy(DDPStrategy):
         step_in_backward: the optimizer steps each shard as soon as its gradient is final and
             frees it (one optimizer, automatic optimization, no gradient clipping or fp16
             scaling: where the result equals the ordinary step).
+        gather_public_methods: a unit's public methods (``self.backbone.encode(...)``,
+            ``forward_features``...) gather its weights as its forward does, as under DDP
+            nothing needs registering; False: only ``forward`` and methods registered with
+            ``vistrain.fsdp.register_forward_method`` gather (``docs/engine.md``).
         start_method, process_group_backend, timeout, accelerator, parallel_devices,
         cluster_environment, precision_plugin: as ``DDPStrategy``.
         unit_options: further options of every unit (``flatten_parameters``, ``move_params_to_cpu``,
@@ -82,6 +88,7 @@ class VistrainFSDPStrategy(DDPStrategy):
         reshard_after_forward: bool = True,
         mixed_precision=False,
         step_in_backward: bool = False,
+        gather_public_methods: bool = True,
         accelerator=None,
         parallel_devices=None,
         cluster_environment=None,
@@ -109,7 +116,11 @@ class VistrainFSDPStrategy(DDPStrategy):
         self.auto_wrap_policy = auto_wrap_policy
         self.step_in_backward = step_in_backward
         self.mixed_precision = mixed_precision
-        self.unit_options = dict(unit_options, reshard_after_forward=reshard_after_forward)
+        self.unit_options = dict(
+            unit_options,
+            reshard_after_forward=reshard_after_forward,
+            gather_public_methods=gather_public_methods,
+        )
         self._interrupted = False  # an exception ended the stage: teardown gathers nothing
 
     @classmethod
