@@ -152,7 +152,7 @@ class FullyShardedDataParallel(nn.Module):
                 return found
             if name in forward_methods_of(wrapped):
                 return gathered_call(self, name, found)
-            if self._gather_public_methods and gathers_by_itself(wrapped, name):
+            if self.gathers_public_methods and gathers_by_itself(wrapped, name):
                 return gathered_call(self, name, found, watch_writes=True)
             return guarded_call(self, name, found)
 
@@ -178,6 +178,11 @@ class FullyShardedDataParallel(nn.Module):
     @property
     def precision(self) -> Precision:
         return self._precision
+
+    @property
+    def gathers_public_methods(self) -> bool:
+        """The unit gathers around its module's public methods (``gather_public_methods``)."""
+        return self._gather_public_methods
 
     @property
     def root_options(self) -> Optional[RootOptions]:
