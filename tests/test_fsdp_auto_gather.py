@@ -3,11 +3,12 @@
 
 A timm-like trunk called by name (``forward_features``, ``forward_head``, ``encode``, and a method
 calling back into its own unit) trains as under DDP on 2 gloo ranks, ZeRO-3 and ZeRO-2: the same
-losses, gradients and weights, including an in-place write the engine writes back. A re-entrant
-call gathers once and frees nothing early; a write the shards would never see (through ``.data``,
-or under mixed precision) stops on one line naming the method; ``nn.Module``'s own methods are not
-gathered; with the option off an unregistered method still stops as before. One process group
-serves the whole module.
+losses, gradients, weights and features, with in-place writes into the gathered weights (tracked,
+through ``.data``, by ``.data =``, SwAV's row normalisation followed by a use with gradients in
+the same call) landing in the shards. A re-entrant call gathers once and frees nothing early; a
+write into low-precision gathered weights stops on one line naming the method; ``nn.Module``'s
+own methods are not gathered; the config key reaches every unit; with the option off an
+unregistered method still stops as before. One process group serves the whole module.
 """
 
 import pytest

@@ -84,8 +84,8 @@ class FullyShardedDataParallel(nn.Module):
         gather_public_methods: also gather around every public method the wrapped module's own
             class defines (``forward_features``, ``encode``...; not ``nn.Module``'s or torch
             layers', ``forward_methods.gathers_by_itself``), no registration needed; an in-place
-            write into the gathered weights the shards would not see then raises
-            ``GatheredWriteError`` (``gathered_writes.py``).
+            write into the weights gathered for such a call lands in the shards at once, under
+            mixed precision it raises ``GatheredWriteError`` (``gathered_writes.py``).
     """
 
     is_sharded_unit = True
