@@ -3,11 +3,12 @@
 
 A timm-like trunk called by name (``forward_features``, ``forward_head``, ``encode``, and a method
 calling back into its own unit) trains as under DDP on 2 gloo ranks, ZeRO-3 and ZeRO-2: the same
-losses, gradients and weights, including an in-place write the engine writes back. A re-entrant
-call gathers once and frees nothing early; a write the shards would never see (through ``.data``,
-or under mixed precision) stops on one line naming the method; ``nn.Module``'s own methods are not
-gathered; with the option off an unregistered method still stops as before. One process group
-serves the whole module.
+losses, gradients, weights and features, with in-place writes into the gathered weights (tracked,
+through ``.data``, by ``.data =``, SwAV's row normalisation followed by a use with gradients in
+the same call) landing in the shards. A re-entrant call gathers once and frees nothing early; a
+write into low-precision gathered weights stops on one line naming the method; ``nn.Module``'s
+own methods are not gathered; the config key reaches every unit; with the option off an
+unregistered method still stops as before. One process group serves the whole module.
 """
 
 import pytest
@@ -28,6 +29,8 @@ from vistrain.fsdp import (
     local_part,
 )
 from vistrain.fsdp.forward_methods import gathers_by_itself
+from vistrain.methods import build_model, load_config
+from vistrain.runtime.sharding import shard_model
 
 STEPS = 3
 TOKENS, KEEP, IN, WIDTH, OUT = 6, 3, 8, 16, 5
@@ -229,6 +232,10 @@ def _corners(rank, world):
     kept.module.trunk.rescale_()  # on this rank's rows, nothing gathered
     off = _wrapped(gather=False)
     out["off"] = _first_error(lambda: off(tokens, keep), UnregisteredMethodError)
+    cfg = load_config(["config=test/simclr_tiny", "config.MODEL.FSDP_CONFIG.GATHER_PUBLIC_METHODS=True"])
+    out["config"] = [
+        unit.gathers_public_methods for unit in shard_model(build_model(cfg.MODEL), cfg.MODEL).units()
+    ]
     return out
 
 
@@ -297,6 +304,12 @@ def test_which_methods_gather():
     assert not gathers_by_itself(trunk, "refine")
     with pytest.raises(ValueError, match="Trunk has no method 'refined'"):
         keep_on_shards(trunk, "refined")
+
+
+def test_the_config_key_reaches_every_unit(ranks):
+    assert load_config([]).MODEL.FSDP_CONFIG.GATHER_PUBLIC_METHODS is False
+    for out in ranks:
+        assert len(out["corners"]["config"]) > 1 and all(out["corners"]["config"])
 
 
 def test_with_the_option_off_an_unregistered_method_stops_as_before(ranks):

@@ -195,8 +195,8 @@ _C.MODEL.FSDP_CONFIG.wrap_granularity = "block"
 _C.MODEL.FSDP_CONFIG.prefetch_depth = 1  # next units whose gather starts early (each: one more gathered)
 # Builtin backend: every unit also gathers its weights around each public method its module's class
 # defines (trunk.forward_features(x), backbone.encode(...)), as around forward, with no
-# register_forward_method line; an in-place write into the gathered weights that the shards would
-# not see (through .data, or under mixed_precision) is an error naming the method (docs/engine.md)
+# register_forward_method line; an in-place write into the weights gathered for such a call lands in
+# the shards (under mixed_precision it is an error naming the method) (docs/engine.md)
 _C.MODEL.FSDP_CONFIG.GATHER_PUBLIC_METHODS = False
 # Before building the model, choose the fastest setting of the knobs that do not change the
 # numbers (wrap_granularity, reshard_after_forward, prefetch_depth, activation checkpointing, the

@@ -18,7 +18,8 @@ Or, with the unit option ``gather_public_methods=True`` (``auto_wrap(..., gather
 for every unit; the Lightning strategy's default), without a line: each public method the wrapped
 module's own class defines (:func:`gathers_by_itself`: ``encode``, ``forward_features``,
 ``forward_head``..., not ``nn.Module``'s nor torch's layers') gathers as a registered one does,
-watched by ``gathered_writes.WriteGuard`` for in-place writes the shards would never see.
+watched by ``gathered_writes.WriteGuard``: an in-place write into the gathered weights lands in
+the shards at once (under mixed precision it is an error).
 ``keep_on_shards(module, "normalize")`` keeps one method out of it.
 
 A call made while the same unit's forward or gathered method runs (``unit.forward`` from its own

@@ -84,8 +84,8 @@ class FullyShardedDataParallel(nn.Module):
         gather_public_methods: also gather around every public method the wrapped module's own
             class defines (``forward_features``, ``encode``...; not ``nn.Module``'s or torch
             layers', ``forward_methods.gathers_by_itself``), no registration needed; an in-place
-            write into the gathered weights the shards would not see then raises
-            ``GatheredWriteError`` (``gathered_writes.py``).
+            write into the weights gathered for such a call lands in the shards at once, under
+            mixed precision it raises ``GatheredWriteError`` (``gathered_writes.py``).
     """
 
     is_sharded_unit = True
@@ -152,7 +152,7 @@ class FullyShardedDataParallel(nn.Module):
                 return found
             if name in forward_methods_of(wrapped):
                 return gathered_call(self, name, found)
-            if self._gather_public_methods and gathers_by_itself(wrapped, name):
+            if self.gathers_public_methods and gathers_by_itself(wrapped, name):
                 return gathered_call(self, name, found, watch_writes=True)
             return guarded_call(self, name, found)
 
@@ -178,6 +178,11 @@ class FullyShardedDataParallel(nn.Module):
     @property
     def precision(self) -> Precision:
         return self._precision
+
+    @property
+    def gathers_public_methods(self) -> bool:
+        """The unit gathers around its module's public methods (``gather_public_methods``)."""
+        return self._gather_public_methods
 
     @property
     def root_options(self) -> Optional[RootOptions]:

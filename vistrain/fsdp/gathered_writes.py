@@ -87,7 +87,8 @@ class WriteGuard(TorchFunctionMode):
             if not isinstance(value, torch.Tensor) or value.shape != tensor.shape:
                 why = f"with another shape ({list(getattr(value, 'shape', []))}): a sharded weight keeps its shape"
                 raise GatheredWriteError(self._message(handle, tensor, func, why))
-            out = tensor.data.copy_(value)
+            tensor.data.copy_(value)
+            out = None
         else:
             if not (torch.is_grad_enabled() and tensor.requires_grad):  # autograd records nothing
                 args, kwargs = tree_map(self._unseen_by_autograd, (args, kwargs))
