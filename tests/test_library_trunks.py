@@ -171,6 +171,7 @@ def test_in_channels_reach_every_family():
         ([*CONVNEXT, "config.MODEL.TRUNK.TIMM.KWARGS={in_chans: 1}"], "set MODEL.TRUNK.IN_CHANNELS only"),
         ([*CONVNEXT, "config.MODEL.TRUNK.OUT_FEATURES=[stage9]"], "OUT_FEATURES"),
         ([*CONVNEXT, "config.MODEL.TRUNK.TIMM.BLOCKS=[ConvNextBlock]"], "ConvNeXtBlock"),
+        ([*CONVNEXT, "config.MODEL.TRUNK.IN_CHANNELS=1"], "makes 3-channel views"),
     ],
 )
 def test_a_wrong_library_model_is_one_line(overrides, line):

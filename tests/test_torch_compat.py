@@ -13,6 +13,7 @@ from vistrain.torch_compat import (
     StageSettings,
     child_modules,
     fused_attention,
+    meta_trunc_normal_refused,
     op_is_mutable,
     own_buffers,
     own_parameters,
@@ -166,3 +167,19 @@ def test_fused_attention_is_sdpa_and_a_mode_can_see_inside_a_torch_function():
     with Mode():
         attention(x, x, x, need_weights=False)
     assert F.multi_head_attention_forward in seen and F.scaled_dot_product_attention in seen
+
+
+def test_torchs_trunc_normal_goes_through_the_helper_we_replace():
+    """Both ``nn.init.trunc_normal_`` and the name imported from ``torch.nn.init`` reach the
+    replaced helper on a meta tensor; other tensors are filled as usual; the helper is restored."""
+    from torch.nn.init import trunc_normal_
+
+    seen = []
+    with meta_trunc_normal_refused(seen.append):
+        nn.init.trunc_normal_(torch.empty(3, device="meta"))
+        trunc_normal_(torch.empty(2, device="meta"))
+        filled = nn.init.trunc_normal_(torch.zeros(1000), std=0.02)
+    assert [tuple(t.shape) for t in seen] == [(3,), (2,)]
+    assert 0.015 < filled.std() < 0.025  # a = -2, b = 2: absolute bounds, far outside
+    nn.init.trunc_normal_(torch.empty(3, device="meta"))
+    assert len(seen) == 2

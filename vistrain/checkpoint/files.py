@@ -1,6 +1,7 @@
 """Files of a sharded checkpoint (format: vistrain.checkpoint): names, safe reading, crash-safe
 writing (``.tmp`` folder, fsync, rename), discovery and pruning."""
 
+import contextlib
 import json
 import os
 import re
@@ -122,6 +123,22 @@ def write_json(obj, path: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(path))
+
+
+@contextlib.contextmanager
+def atomic_file(path: str):
+    """Yield a temporary name beside ``path`` to write; when the block ends without an error it
+    is fsynced and renamed to ``path`` (which is then either absent or complete); else removed."""
+    tmp = path + TMP_SUFFIX
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def fsync_dir(path: str) -> None:

@@ -14,7 +14,6 @@ atomic like ``tensor_file.save_streamed`` (temporary name, fsync, rename).
 
 import json
 import math
-import os
 import struct
 import sys
 from collections import OrderedDict
@@ -22,7 +21,8 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from vistrain.checkpoint.files import TMP_SUFFIX, CheckpointError, fsync_dir
+from vistrain.checkpoint.files import CheckpointError, atomic_file
+from vistrain.checkpoint.tensor_file import announced_value, bytes_of
 
 SUFFIX = ".safetensors"
 INSTALL = 'pip install -e ".[safetensors]"'
@@ -107,29 +107,9 @@ def save_safetensors_streamed(
     header["__metadata__"] = dict(metadata or {"format": "pt"})
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    tmp = path + TMP_SUFFIX
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(text)) + text)
-            for key, (shape, dtype) in specs.items():
-                value = value_of(key)
-                if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
-                    raise ValueError(
-                        f"{key}: got {value.dtype}{tuple(value.shape)}, announced {dtype}{shape}"
-                    )
-                f.write(_bytes(value))
-                del value
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def _bytes(t: torch.Tensor) -> memoryview:
-    flat = t.detach().cpu().contiguous().view(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    with atomic_file(path) as tmp, open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for key, (shape, dtype) in specs.items():
+            value = announced_value(value_of, key, shape, dtype)
+            f.write(bytes_of(value.detach().cpu().contiguous()))
+            del value

@@ -21,14 +21,13 @@ does not check but ``unzip -t`` reports.
 """
 
 import logging
-import os
 import sys
 import zipfile
 from typing import Callable, Dict, Tuple
 
 import torch
 
-from vistrain.checkpoint.files import TMP_SUFFIX, CheckpointError, fsync_dir, load_structure, safe_load
+from vistrain.checkpoint.files import CheckpointError, atomic_file, load_structure, safe_load
 from vistrain.torch_compat import storage_file_offset, tree_flatten, tree_map
 
 logger = logging.getLogger("vistrain")
@@ -87,7 +86,7 @@ class TensorFile:
         return view.clone()
 
     def _read_bytes(self, offset: int, out: torch.Tensor) -> None:
-        buffer = _bytes_of(out)
+        buffer = bytes_of(out)
         with open(self.path, "rb", buffering=0) as f:
             f.seek(offset)
             done = 0
@@ -100,7 +99,7 @@ class TensorFile:
                 done += n
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
+def bytes_of(t: torch.Tensor) -> memoryview:
     """Writable bytes of the contiguous tensor ``t`` (any dtype, also bfloat16)."""
     if not t.is_contiguous():
         raise ValueError("reading or writing the bytes of a tensor needs a contiguous one")
@@ -131,26 +130,23 @@ def save_streamed(
 ) -> None:
     """Write ``{key: value_of(key)}`` for the keys of ``specs`` (key -> (shape, dtype)) to ``path``
     as one ``torch.save`` file, holding one value at a time. Atomic (temporary name, fsync, rename)."""
-    tmp = path + TMP_SUFFIX
-    try:
+    with atomic_file(path) as tmp:
         _write_layout(tmp, specs)
         layout = load_structure(tmp)
         with open(tmp, "r+b", buffering=0) as f:
             for key, spec in layout.items():
-                value = value_of(key)
-                if tuple(value.shape) != tuple(spec.shape) or value.dtype != spec.dtype:
-                    raise ValueError(
-                        f"{key}: got {value.dtype}{tuple(value.shape)}, announced {spec.dtype}{tuple(spec.shape)}"
-                    )
+                value = announced_value(value_of, key, spec.shape, spec.dtype)
                 f.seek(storage_file_offset(spec.untyped_storage()))
-                f.write(_bytes_of(value.contiguous()))
+                f.write(bytes_of(value.contiguous()))
                 del value
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def announced_value(value_of: Callable[[str], torch.Tensor], key: str, shape, dtype) -> torch.Tensor:
+    """``value_of(key)``; ValueError unless it has the announced ``shape`` and ``dtype``."""
+    value = value_of(key)
+    if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
+        raise ValueError(f"{key}: got {value.dtype}{tuple(value.shape)}, announced {dtype}{tuple(shape)}")
+    return value
 
 
 def _write_layout(tmp: str, specs: Dict[str, Tuple[Tuple[int, ...], torch.dtype]]) -> None:

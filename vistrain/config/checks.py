@@ -164,6 +164,7 @@ RULES = {
     "DATA.*.TRANSFORMS.COLOR_DISTORTION": [at_least(0)],
     "MODEL.TRUNK.NAME": [one_of("trunks")],
     "MODEL.TRUNK.REGNET.NAME": [one_of("regnets")],
+    "MODEL.TRUNK.IN_CHANNELS": [at_least(1)],
     "MODEL.TRUNK.RESNET.NAME": [one_of("resnets")],
     "MODEL.TRUNK.RESNET.WIDTH_MULTIPLIER": [above(0)],
     "MODEL.TRUNK.VIT.NAME": [one_of("vits")],
@@ -506,6 +507,18 @@ def _labels_only_where_used(cfg: CfgNode, _: Catalog) -> Problem:
     return None
 
 
+def _input_channels(cfg: CfgNode, _: Catalog) -> Problem:
+    """The views are 3-channel images (a one-channel source's channel repeated): a trunk taking
+    another number of channels would fail at its first convolution."""
+    channels = cfg.MODEL.TRUNK.IN_CHANNELS
+    if channels != 3 and cfg.JOB in SPLITS_READ:
+        return (
+            f"MODEL.TRUNK.IN_CHANNELS={channels}, but the data pipeline makes 3-channel views "
+            "(a one-channel source's channel repeated): set MODEL.TRUNK.IN_CHANNELS=3"
+        )
+    return None
+
+
 def _step_in_backward_is_exact(cfg: CfgNode, _: Catalog) -> Problem:
     """The step inside backward follows the built-in engine's reductions, and cannot wait for
     what needs every gradient first (the global norm, fp16 overflow checks)."""
@@ -534,6 +547,7 @@ def _step_in_backward_is_exact(cfg: CfgNode, _: Catalog) -> Problem:
 
 
 CROSS_RULES = (
+    _input_channels,
     _data_sources,
     _data_paths,
     _one_global_batch,

@@ -19,7 +19,7 @@ Features:
 """
 
 import difflib
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torchvision
@@ -140,21 +140,25 @@ class TorchvisionTrunk(LibraryTrunk):
         dims = {f"stage{i + 1}": c for i, (_, c) in enumerate(stages)}
         dims["avgpool"] = width
         self.setup(model, dims, ["avgpool"], out_features, blocks, f"torchvision {type(model).__name__}")
-        self._captured: Dict[str, torch.Tensor] = {}
+        self._captured: Optional[Dict[str, torch.Tensor]] = None  # a dict during forward only
         for feature, name in self.stage_modules.items():
             if feature in self.out_features:
                 model.get_submodule(name).register_forward_hook(self._capture(feature))
 
     def _capture(self, feature: str):
         def hook(module, args, output):
-            self._captured[feature] = output
+            if self._captured is not None:  # not in activation checkpointing's recomputation
+                self._captured[feature] = output
 
         return hook
 
     def forward(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
         self._captured = {}
-        pooled = self.torchvision(x)
-        out, self._captured = dict(self._captured), {}
+        try:
+            pooled = self.torchvision(x)
+            out = self._captured
+        finally:
+            self._captured = None
         if "avgpool" in self.out_features:
             out["avgpool"] = pooled.flatten(1)
         return out
