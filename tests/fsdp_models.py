@@ -21,6 +21,17 @@ class Block(nn.Module):
         return x + self.proj(torch.relu(self.conv(x)))
 
 
+class TokenBlock(nn.Module):
+    """A residual MLP block on tokens (N, T, width): ``x + MLP(x)``."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+    def forward(self, x):
+        return x + self.mlp(x)
+
+
 class Net(nn.Module):
     """Parameter counts that no world size up to 4 divides evenly; ``twice`` runs twice per step."""
 

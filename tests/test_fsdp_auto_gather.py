@@ -13,7 +13,7 @@ unregistered method still stops as before. One process group serves the whole mo
 
 import pytest
 import torch
-from fsdp_models import max_rel_diff
+from fsdp_models import TokenBlock, max_rel_diff
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -36,15 +36,6 @@ STEPS = 3
 TOKENS, KEEP, IN, WIDTH, OUT = 6, 3, 8, 16, 5
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
-
-    def forward(self, x):
-        return x + self.mlp(x)
-
-
 class Trunk(nn.Module):
     """timm's habits on tokens (N, T, IN): ``forward`` is ``forward_head(forward_features(x))``,
     ``encode`` keeps some tokens (an MAE encoder), ``refine`` calls back into the unit ``via``
@@ -55,7 +46,7 @@ class Trunk(nn.Module):
         self.embed = nn.Linear(IN, WIDTH)
         self.pos = nn.Parameter(torch.randn(1, TOKENS, WIDTH) * 0.1)
         self.cls = nn.Parameter(torch.randn(1, 1, WIDTH) * 0.1)
-        self.blocks = nn.ModuleList([Block(), Block()])
+        self.blocks = nn.ModuleList([TokenBlock(WIDTH), TokenBlock(WIDTH)])
         self.norm = nn.LayerNorm(WIDTH)
         self.head = nn.Linear(WIDTH, OUT)
 
@@ -138,7 +129,7 @@ def _wrapped(gather: bool = True, reshard: bool = True, precision: Precision = F
     torch.manual_seed(0)
     return auto_wrap(
         Client(),
-        by_class({Block: {}, Trunk: {}}),
+        by_class({TokenBlock: {}, Trunk: {}}),
         reshard_after_forward=reshard,
         precision=precision,
         gather_public_methods=gather,

@@ -10,7 +10,7 @@ keeps working.
 
 import pytest
 import torch
-from fsdp_models import max_rel_diff
+from fsdp_models import TokenBlock, max_rel_diff
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -26,15 +26,6 @@ STEPS = 3
 TOKENS, KEEP, IN, WIDTH = 6, 2, 8, 16
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
-
-    def forward(self, x):
-        return x + self.mlp(x)
-
-
 class Encoder(nn.Module):
     """Tokens (N, T, IN) -> (N, 1 + K, WIDTH): embedding, position, the kept tokens, a class
     token, blocks, LayerNorm (what ``encode(images, idx_keep)`` does in an MAE)."""
@@ -44,7 +35,7 @@ class Encoder(nn.Module):
         self.embed = nn.Linear(IN, WIDTH)
         self.pos = nn.Parameter(torch.randn(1, TOKENS, WIDTH) * 0.1)
         self.cls = nn.Parameter(torch.randn(1, 1, WIDTH) * 0.1)
-        self.blocks = nn.ModuleList([Block(), Block()])
+        self.blocks = nn.ModuleList([TokenBlock(WIDTH), TokenBlock(WIDTH)])
         self.norm = nn.LayerNorm(WIDTH)
 
     def forward(self, tokens):
@@ -111,7 +102,7 @@ def _wrapped(how: str, reshard: bool = True):
     elif how == "policy":
         decoder_options = {"forward_methods": ("decode",)}
         register_forward_method(client.backbone, "encode")
-    policy = by_class({Block: {}, Encoder: {}, Decoder: decoder_options})
+    policy = by_class({TokenBlock: {}, Encoder: {}, Decoder: decoder_options})
     model = auto_wrap(client, policy, reshard_after_forward=reshard)
     if how == "unit":
         register_forward_method(model.module.backbone, "encode")
