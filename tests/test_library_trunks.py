@@ -1,13 +1,18 @@
 """timm and torchvision models as trunks: features, blocks found from the structure, per-unit
 initialisation, BatchNorm subclasses under sync BN, one-line errors; on 2 gloo ranks each method
-family trains sharded with the first 3 losses of DDP (fp32, 1e-5), and the planner counts them."""
+family trains sharded with the first losses of DDP (fp32, 1e-5) and resumes on 3 ranks (the planner's
+runs: tests/test_memory_plan.py)."""
+
+import shutil
 
 import pytest
 import timm
 import torch
+import torch.distributed as dist
 from test_shipped_configs import losses
 from torch import nn
 
+from vistrain.checkpoint import consolidated_state_dict
 from vistrain.config import ConfigError
 from vistrain.distributed.sync_batchnorm import convert_sync_batchnorm
 from vistrain.distributed.testing import run_on_ranks
@@ -18,7 +23,8 @@ from vistrain.models.trunks import trunk_feature_names
 from vistrain.models.trunks.structure import repeated_blocks
 from vistrain.models.units import unit_classes
 from vistrain.runtime.sharding import build_for_run
-from vistrain.training.trainer import train
+from vistrain.training.resume import resume
+from vistrain.training.trainer import _build, train
 
 TIMM = ["config.MODEL.TRUNK.NAME=timm"]
 TV = ["config.MODEL.TRUNK.NAME=torchvision"]
@@ -190,28 +196,31 @@ def test_blocks_named_by_class_override_the_structure():
 
 
 # --------------------------------------------------------------------------------------------
-# 2 ranks: sharded = DDP
+# 2 ranks: sharded = DDP; resumed on 3 ranks
 
-RUNS = {
+RUNS = {  # name -> (recipe, overrides, steps)
     "simclr_convnext": (
         "test/simclr_tiny",
-        [
-            *CONVNEXT,
-            "config.MODEL.HEAD.DIMS=[64,32,16]",
-            "config.DATA.TRAIN.IMAGE_SIZE=32",
-            "config.DATA.TRAIN.TRANSFORMS.SIZE_CROPS=[32]",
-        ],
-    ),  # fmt: skip
-    "byol_efficientnet": ("test/byol_tiny", EFFICIENTNET),
-    "dino_vit": ("test/dino_tiny", [*VIT, "config.MODEL.HEAD.DIMS=[64,32,16]"]),
-    "simclr_mobilenet": ("test/simclr_tiny", MOBILENET),
-}
+        [*CONVNEXT, "config.MODEL.HEAD.DIMS=[64,32,16]", "config.DATA.TRAIN.IMAGE_SIZE=32",
+         "config.DATA.TRAIN.TRANSFORMS.SIZE_CROPS=[32]"],
+        3,
+    ),
+    "byol_efficientnet": ("test/byol_tiny", EFFICIENTNET, 3),
+    "dino_vit": ("test/dino_tiny", [*VIT, "config.MODEL.HEAD.DIMS=[64,32,16]"], 3),
+    "simclr_mobilenet": ("test/simclr_tiny", MOBILENET, 3),
+    # 28M parameters, no small size: 2 steps; built whole (torch's trunc_normal_), then sharded
+    "simclr_swin_t": (
+        "test/simclr_tiny",
+        [*TV, "config.MODEL.TRUNK.TORCHVISION.NAME=swin_t", "config.MODEL.HEAD.DIMS=[768,32,16]",
+         "config.DATA.TRAIN.SYNTHETIC_SIZE=32"],
+        2,
+    ),
+}  # fmt: skip
 
 
 def _argv(recipe, overrides, run_dir, sharded):
     return [
         f"config={recipe}",
-        *overrides,
         f"config.CHECKPOINT.DIR={run_dir}",
         f"config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP={sharded}",
         "config.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN=True",
@@ -219,6 +228,7 @@ def _argv(recipe, overrides, run_dir, sharded):
         "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
         "config.OPTIMIZER.num_epochs=1",
         "config.LOG_FREQUENCY=1",
+        *overrides,
     ]
 
 
@@ -227,14 +237,57 @@ def _train_each(rank, world, argvs):
         train(load_config(argv))
 
 
-def test_every_library_trunk_trains_sharded_as_under_ddp(tmp_path):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Every run of RUNS on 2 ranks, sharded and under DDP (one group of ranks)."""
+    root = tmp_path_factory.mktemp("runs")
     argvs = [
-        _argv(recipe, overrides, tmp_path / f"{name}_{sharded}", sharded)
-        for name, (recipe, overrides) in RUNS.items()
+        _argv(recipe, overrides, root / f"{name}_{sharded}", sharded)
+        for name, (recipe, overrides, _) in RUNS.items()
         for sharded in (True, False)
     ]
     run_on_ranks(_train_each, 2, argvs)
-    for name in RUNS:
-        sharded, ddp = losses(tmp_path / f"{name}_True"), losses(tmp_path / f"{name}_False")
-        assert len(sharded) == 3, name
+    return root
+
+
+def test_every_library_trunk_trains_sharded_as_under_ddp(trained):
+    for name, (_, _, steps) in RUNS.items():
+        sharded, ddp = losses(trained / f"{name}_True"), losses(trained / f"{name}_False")
+        assert len(sharded) == steps, name
         torch.testing.assert_close(sharded, ddp, rtol=1e-5, atol=0, msg=name)
+
+
+def _resume_on_three(rank, world, argvs):
+    """Each run's student and teacher right after resuming on this world size."""
+    states = []
+    for argv in argvs:
+        cfg = load_config(argv)
+        run = _build(cfg, torch.device("cpu"))
+        _, iteration = resume(cfg.CHECKPOINT.DIR, run)  # the checkpoint's own iteration
+        teacher = run.teacher.model.state_dict() if run.teacher is not None else {}
+        states.append((iteration, run.model.state_dict(), teacher))  # collective: full weights
+        dist.barrier()
+    return states
+
+
+def test_a_library_trunk_trained_on_two_ranks_resumes_on_three(trained, tmp_path):
+    """The sharded checkpoints of 2 ranks load on 3 as saved (student, and BYOL's and DINO's
+    teacher with its BatchNorm statistics)."""
+    names = [n for n in RUNS if n != "simclr_swin_t"]  # its 28M weights: the others suffice
+    for name in names:
+        step = RUNS[name][2]
+        shutil.copytree(
+            trained / f"{name}_True" / f"checkpoint_{step}", tmp_path / name / f"checkpoint_{step}"
+        )
+    argvs = [_argv(RUNS[n][0], RUNS[n][1], tmp_path / n, True) for n in names]
+    results = run_on_ranks(_resume_on_three, 3, argvs)
+    for i, name in enumerate(names):
+        saved = consolidated_state_dict(str(tmp_path / name / f"checkpoint_{RUNS[name][2]}"))
+        for iteration, student, teacher in (rank[i] for rank in results):
+            assert iteration == RUNS[name][2] and bool(teacher) == (name in ("byol_efficientnet", "dino_vit"))
+            for key, value in student.items():
+                torch.testing.assert_close(value, saved[key], rtol=0, atol=0, msg=f"{name} {key}")
+            for key, value in teacher.items():
+                torch.testing.assert_close(
+                    value, saved[f"teacher.{key}"], rtol=0, atol=0, msg=f"{name} {key}"
+                )

@@ -63,6 +63,8 @@ METHODS = {
     "BarlowTwins": "pretrain/barlow_twins_regnet_demo",
     "VICReg": "pretrain/vicreg_regnet_demo",
     "LeJEPA": "pretrain/lejepa_regnet_demo",
+    # any backbone: a timm model as the trunk
+    "SimCLR-timm": "pretrain/simclr_timm_demo",
 }
 # the others: benchmark/linear_eval_regnet
 EVAL_CONFIGS = {
@@ -70,12 +72,14 @@ EVAL_CONFIGS = {
     "DINOv2-ViT": "benchmark/linear_eval_vit",
     "MAE-ViT": "benchmark/finetune_vit",
     "MoCo-v3-ViT": "benchmark/linear_eval_vit",
+    "SimCLR-timm": "benchmark/linear_eval_timm",
 }
 # mean margin over the pixel logistic regression: SimCLR, SwAV and the DINO ViT demo claim more; the
 # others ask what DINO's and BYOL's ask
 CLAIM_MARGIN = {
     "SimCLR": 1.0, "SwAV": 0.5, "DINO-ViT": 1.0, "DINOv2-ViT": 1.0, "DINO": 0.5, "BYOL": 0.5, "MAE-ViT": 0.0,
     "MoCo-v3": 0.5, "MoCo-v3-ViT": 0.5, "BarlowTwins": 0.5, "VICReg": 0.5, "LeJEPA": 0.5,
+    "SimCLR-timm": 0.5,
 }  # fmt: skip
 
 
