@@ -208,6 +208,13 @@ RUNS = {  # name -> (recipe, overrides, steps)
     "byol_efficientnet": ("test/byol_tiny", EFFICIENTNET, 3),
     "dino_vit": ("test/dino_tiny", [*VIT, "config.MODEL.HEAD.DIMS=[64,32,16]"], 3),
     "simclr_mobilenet": ("test/simclr_tiny", MOBILENET, 3),
+    # masked-image methods through timm's public ViT modules
+    "mae_vit": ("test/mae_tiny", [*VIT, "config.MODEL.HEAD.DIMS=[64,8]"], 3),
+    "dinov2_vit": (
+        "test/dinov2_tiny",
+        [*VIT, "config.MODEL.TRUNK.TIMM.MASK_TOKEN=True", "config.MODEL.HEAD.DIMS=[64,32,16]"],
+        3,
+    ),
     # 28M parameters, no small size: 2 steps; built whole (torch's trunc_normal_), then sharded
     "simclr_swin_t": (
         "test/simclr_tiny",
@@ -284,7 +291,9 @@ def test_a_library_trunk_trained_on_two_ranks_resumes_on_three(trained, tmp_path
     for i, name in enumerate(names):
         saved = consolidated_state_dict(str(tmp_path / name / f"checkpoint_{RUNS[name][2]}"))
         for iteration, student, teacher in (rank[i] for rank in results):
-            assert iteration == RUNS[name][2] and bool(teacher) == (name in ("byol_efficientnet", "dino_vit"))
+            assert iteration == RUNS[name][2] and bool(teacher) == (
+                name in ("byol_efficientnet", "dino_vit", "dinov2_vit")
+            )
             for key, value in student.items():
                 torch.testing.assert_close(value, saved[key], rtol=0, atol=0, msg=f"{name} {key}")
             for key, value in teacher.items():

@@ -95,7 +95,11 @@ def test_ranks_mask_their_images_independently():
     [
         (
             ["config.MODEL.TRUNK.NAME=regnet"],
-            "LOSS.NAME=mae_loss masks a ViT's patches: set MODEL.TRUNK.NAME=vit",
+            "LOSS.NAME=mae_loss masks a ViT's patches: MODEL.TRUNK.NAME=regnet has no patch tokens to mask",
+        ),
+        (
+            ["config.MODEL.TRUNK.NAME=timm", "config.MODEL.TRUNK.TIMM.NAME=test_convnext"],
+            "LOSS.NAME=mae_loss masks a ViT's patches: timm ConvNeXt is no VisionTransformer",
         ),
         (["config.MODEL.TRUNK.OUT_FEATURES=[avgpool]"], "add sequence to MODEL.TRUNK.OUT_FEATURES"),
         (["config.DATA.TRAIN.TRANSFORMS.NUM_CROPS=[2]"], "takes exactly 1 crops per image"),

@@ -157,6 +157,8 @@ _C.MODEL.TRUNK.TIMM.KWARGS = CN(new_allowed=True)  # its keyword arguments: img_
 # class names of the model's blocks (sharded units, activation checkpoints); []: found from its
 # structure (vistrain/models/trunks/structure.py), printed at build
 _C.MODEL.TRUNK.TIMM.BLOCKS = []
+# a learned mask token for masked patches (iBOT, DINOv2) of a timm VisionTransformer (as VIT.MASK_TOKEN)
+_C.MODEL.TRUNK.TIMM.MASK_TOKEN = False
 # torchvision: any classification builder of torchvision.models, its classifier's last layer removed
 _C.MODEL.TRUNK.TORCHVISION = CN()
 _C.MODEL.TRUNK.TORCHVISION.NAME = "resnet50"

@@ -36,6 +36,7 @@ from vistrain.losses.koleo import koleo_loss
 from vistrain.methods.base import Criterion, Head, LossCollective, Method, global_crops_fit, modules_of
 from vistrain.models.heads.mlp import MLP
 from vistrain.models.masking import ibot_masks, mask_to
+from vistrain.models.trunks import TokenLayout, token_layout
 
 CENTERINGS = ("centre", "sinkhorn_knopp")
 
@@ -233,7 +234,7 @@ class DINOCriterion(Criterion):
             width = int(model_cfg.HEAD.PATCH_OUT_DIM or model_cfg.HEAD.OUT_DIM)
             self.ibot = IBOTPatchLoss(width, dino_cfg.student_temp, dino_cfg.center_momentum)
             self.masks = PatchMasks(
-                int(model_cfg.TRUNK.VIT.PATCH_SIZE),
+                _layout(model_cfg.TRUNK).patch_size,
                 dino_cfg.mask_ratio_range,
                 dino_cfg.mask_sample_probability,
             )
@@ -315,6 +316,13 @@ class DINOCriterion(Criterion):
             self.ibot.center.copy_(state["ibot.center"])
 
 
+def _layout(trunk_cfg) -> TokenLayout:
+    layout = token_layout(trunk_cfg)
+    if isinstance(layout, str):
+        raise ConfigError(f"DINOv2's terms read a ViT's patches: {layout}")
+    return layout
+
+
 def tokens_fit(cfg: CfgNode) -> Optional[str]:
     """A method check: DINOv2's terms read the ViT's tokens, iBOT masks them."""
     c, head, trunk = cfg.LOSS.dino_loss, cfg.MODEL.HEAD, cfg.MODEL.TRUNK
@@ -322,17 +330,20 @@ def tokens_fit(cfg: CfgNode) -> Optional[str]:
         return (
             "LOSS.dino_loss.ibot_weight and koleo_weight score the ViT's tokens: set MODEL.HEAD.SEQUENCE=True"
         )
-    if head.SEQUENCE and (
-        trunk.NAME != "vit" or not trunk.VIT.CLASS_TOKEN or "sequence" not in trunk.OUT_FEATURES
-    ):
+    if not head.SEQUENCE:
+        return None
+    layout = token_layout(trunk)
+    if isinstance(layout, str) or not layout.class_token or "sequence" not in trunk.OUT_FEATURES:
+        why = layout if isinstance(layout, str) else f"class token: {layout.class_token}"
         return (
-            "MODEL.HEAD.SEQUENCE=True reads a ViT's class and patch tokens: set MODEL.TRUNK.NAME=vit, "
-            f"MODEL.TRUNK.VIT.CLASS_TOKEN=True and MODEL.TRUNK.OUT_FEATURES=[sequence] (now {trunk.NAME}, "
-            f"{trunk.VIT.CLASS_TOKEN}, {list(trunk.OUT_FEATURES)})"
+            "MODEL.HEAD.SEQUENCE=True reads a ViT's class and patch tokens: a ViT with a class token "
+            f"(vit, or timm's VisionTransformer) and MODEL.TRUNK.OUT_FEATURES=[sequence] (now {trunk.NAME}: "
+            f"{why}; {list(trunk.OUT_FEATURES)})"
         )
-    if c.ibot_weight > 0 and not trunk.VIT.MASK_TOKEN:
+    if c.ibot_weight > 0 and not layout.mask_token:
         return (
-            "LOSS.dino_loss.ibot_weight > 0 masks the student's patches: set MODEL.TRUNK.VIT.MASK_TOKEN=True"
+            "LOSS.dino_loss.ibot_weight > 0 masks the student's patches: set MODEL.TRUNK.VIT.MASK_TOKEN=True "
+            "(a timm ViT: MODEL.TRUNK.TIMM.MASK_TOKEN=True)"
         )
     if head.PATCH_OUT_DIM and c.ibot_weight == 0:
         return "MODEL.HEAD.PATCH_OUT_DIM > 0 is an iBOT head that only LOSS.dino_loss.ibot_weight > 0 trains"
@@ -370,7 +381,7 @@ def loss_memory(cfg: CfgNode) -> int:
     if head.SEQUENCE:
         elements += rows * head.DIMS[0]  # the class tokens, the trunk's width
     if head.SEQUENCE and c.ibot_weight > 0:
-        patches = (transforms.SIZE_CROPS[0] // cfg.MODEL.TRUNK.VIT.PATCH_SIZE) ** 2
+        patches = (transforms.SIZE_CROPS[0] // _layout(cfg.MODEL.TRUNK).patch_size) ** 2
         elements += rows * patches * (head.PATCH_OUT_DIM or head.OUT_DIM)
     return elements * 4
 

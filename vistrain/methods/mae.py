@@ -24,6 +24,7 @@ from vistrain.distributed import comm
 from vistrain.losses.mae import mae_loss
 from vistrain.methods.base import Criterion, Head, Method
 from vistrain.models.masking import patchify, random_keep, sincos_position_embedding
+from vistrain.models.trunks import TokenLayout, token_layout
 from vistrain.models.trunks.vit import LAYER_NORM_EPS, LayerNorm32
 
 
@@ -86,7 +87,9 @@ class MAEDecoder(nn.Module):
 
 def build_head(head_cfg, trunk: nn.Module) -> MAEDecoder:
     if not hasattr(trunk, "patch_size"):
-        raise ConfigError("the mae_decoder head reads a ViT's patches: set MODEL.TRUNK.NAME=vit")
+        raise ConfigError(
+            "the mae_decoder head reads a ViT's patches: set MODEL.TRUNK.NAME=vit (or timm with a VisionTransformer)"
+        )
     dims, depth, heads = list(head_cfg.DIMS), head_cfg.DECODER_DEPTH, head_cfg.DECODER_HEADS
     if len(dims) != 2 or depth < 1 or heads < 1 or dims[1] % heads or dims[1] % 4:
         raise ConfigError(
@@ -107,7 +110,7 @@ class MAECriterion(Criterion):
         super().__init__()
         if model_cfg is None:
             raise ValueError("mae_loss needs MODEL (build it with build_method(cfg))")
-        self.patch_size = int(model_cfg.TRUNK.VIT.PATCH_SIZE)
+        self.patch_size = _layout(model_cfg.TRUNK).patch_size
         self.mask_ratio = float(mae_cfg.mask_ratio)
         self.norm_pix_loss = bool(mae_cfg.norm_pix_loss)
         # the run's seed (set before the criterion is built) and the rank: independent masks per rank
@@ -138,11 +141,20 @@ class MAECriterion(Criterion):
         self.generator.set_state(state["generator"])
 
 
+def _layout(trunk_cfg) -> TokenLayout:
+    layout = token_layout(trunk_cfg)
+    if isinstance(layout, str):
+        raise ConfigError(f"LOSS.NAME=mae_loss masks a ViT's patches: {layout}")
+    return layout
+
+
 def vit_trunk(cfg) -> Optional[str]:
-    """A method check: MAE masks a ViT's patches and its decoder reads the "sequence" feature."""
+    """A method check: MAE masks a ViT's patches (the built-in ViT, or a timm VisionTransformer)
+    and its decoder reads the "sequence" feature."""
     trunk = cfg.MODEL.TRUNK
-    if trunk.NAME != "vit":
-        return f"LOSS.NAME=mae_loss masks a ViT's patches: set MODEL.TRUNK.NAME=vit (now {trunk.NAME})"
+    layout = token_layout(trunk)
+    if isinstance(layout, str):
+        return f"LOSS.NAME=mae_loss masks a ViT's patches: {layout} (now MODEL.TRUNK.NAME={trunk.NAME})"
     if "sequence" not in trunk.OUT_FEATURES:
         return (
             f"LOSS.NAME=mae_loss decodes the ViT's token sequence: add sequence to MODEL.TRUNK.OUT_FEATURES "

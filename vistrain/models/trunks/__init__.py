@@ -6,11 +6,11 @@ builder, feature names, sharded-unit and checkpoint classes and torchvision key 
 outside the family files asks this registry, never a family by name.
 """
 
-from typing import Dict, List
+from typing import Dict, List, Union
 
 from torch import nn
 
-from vistrain.models.trunks.family import TrunkFamily, torchvision_keys
+from vistrain.models.trunks.family import TokenLayout, TrunkFamily, torchvision_keys
 from vistrain.models.trunks.regnet import REGNET, RegNetTrunk
 from vistrain.models.trunks.resnet import RESNET, ResNetTrunk
 from vistrain.models.trunks.timm_models import TIMM
@@ -44,6 +44,15 @@ def build_trunk(trunk_cfg) -> nn.Module:
     return trunk
 
 
+def token_layout(trunk_cfg) -> Union[TokenLayout, str]:
+    """The trunk's :class:`TokenLayout` for masked-image methods, or one line saying why it has
+    none (nothing is built for the built-in ViT; a timm model is built on the meta device)."""
+    fam = family(trunk_cfg)
+    if fam.tokens is None:
+        return f"MODEL.TRUNK.NAME={trunk_cfg.NAME} has no patch tokens to mask: use a ViT (vit, or a timm VisionTransformer)"
+    return fam.tokens(trunk_cfg)
+
+
 def trunk_feature_names(trunk_cfg) -> List[str]:
     """Every feature the trunk of ``trunk_cfg`` offers (nothing is built); ValueError (one line)
     for an impossible trunk."""
@@ -64,11 +73,13 @@ def to_torchvision_state_dict(trunk_state_dict: Dict, prefix: str = "") -> Dict:
 __all__ = [
     "TRUNKS",
     "RegNetTrunk",
+    "TokenLayout",
     "ResNetTrunk",
     "TrunkFamily",
     "ViTTrunk",
     "build_trunk",
     "family",
     "to_torchvision_state_dict",
+    "token_layout",
     "trunk_feature_names",
 ]

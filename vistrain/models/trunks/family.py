@@ -11,9 +11,19 @@ run's config they pick the family by ``torchvision_prefixes``.
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 from torch import nn
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """What a masked-image method needs of a trunk (MAE's decoder, iBOT's masks): a ViT of square
+    ``patch_size`` patches, with or without a class token, with or without a learned mask token."""
+
+    patch_size: int
+    class_token: bool
+    mask_token: bool
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,9 @@ class TrunkFamily:
     # libraries it names (and ``model = `` before an expression). ValueError (one line) for a
     # trunk ``library`` has no model of (None: no such line)
     load_line: Optional[Callable[..., str]] = None
+    # MODEL.TRUNK -> its TokenLayout, or one line saying why masked-image methods cannot mask it
+    # (None: the family has no token models)
+    tokens: Optional[Callable[..., Union[TokenLayout, str]]] = None
     # whether ``build`` honours MODEL.TRUNK.IN_CHANNELS itself; else the registry replaces the first
     # convolution of the built trunk by one of IN_CHANNELS inputs (torch's default initialisation)
     builds_in_channels: bool = False

@@ -18,13 +18,13 @@ Features, from timm's own metadata:
 """
 
 import difflib
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from vistrain.config.errors import ConfigError
-from vistrain.models.trunks.family import TrunkFamily
+from vistrain.models.trunks.family import TokenLayout, TrunkFamily
 from vistrain.models.trunks.library import LibraryTrunk, meta_build
 
 TOKEN_FEATURES = ("cls", "avgpool", "tokens", "sequence")
@@ -102,20 +102,59 @@ def is_token_model(model: nn.Module) -> bool:
     return isinstance(getattr(model, "num_prefix_tokens", None), int)
 
 
+def maskable(model: nn.Module) -> Optional[str]:
+    """None when masked-image methods can mask ``model`` (a timm ``VisionTransformer`` with
+    absolute position embeddings and square patches, its prefix the class and register tokens);
+    else one line saying why not."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    name = type(model).__name__
+    if not isinstance(model, VisionTransformer) or getattr(model, "pos_embed", None) is None:
+        return f"timm {name} is no VisionTransformer with absolute position embeddings: masked methods cannot mask it"
+    prefix = int(model.cls_token is not None) + (
+        model.reg_token.shape[1] if model.reg_token is not None else 0
+    )
+    patch = tuple(model.patch_embed.patch_size)
+    if prefix != model.num_prefix_tokens or patch[0] != patch[1]:
+        return f"timm {name} has prefix tokens or patches masked methods do not know (a distillation token, non-square patches)"
+    return None
+
+
 class TimmTrunk(LibraryTrunk):
     """A timm model without classifier (``self.timm``). ``forward(x)``: x (N, IN_CHANNELS, H, W)
     -> {name: feature} for the requested ``out_features`` (module docstring); a model stops after
-    the last requested stage when no pooled feature is requested."""
+    the last requested stage when no pooled feature is requested.
 
-    def __init__(self, model: nn.Module, out_features, blocks=()):
+    Masked-image modelling on a maskable ViT (:func:`maskable`), through timm's public modules
+    (``patch_embed``, ``cls_token``, ``reg_token``, ``pos_embed``, ``blocks``, ``norm``), as the
+    built-in ViT: ``forward(x, keep=...)`` with ``keep`` (N, K) encodes those patches only, each
+    with its position embedding (MAE); ``forward(x, mask=...)`` with a boolean (N, L) replaces
+    the masked patch embeddings by the trunk's learned ``mask_token`` (``MODEL.TRUNK.TIMM.MASK_TOKEN``,
+    zeros at start as iBOT's) before the position embeddings (iBOT, DINOv2). ``patch_size``, ``grid``
+    (patches per side at the model's ``img_size``) and ``num_prefix`` are MAE's decoder's."""
+
+    def __init__(self, model: nn.Module, out_features, blocks=(), mask_token: bool = False):
         super().__init__()
         self.timm = model
         self.stages, dims, vectors = _layout(model)
         self.token_model = is_token_model(model)
+        if maskable(model) is None:
+            self.patch_size = int(model.patch_embed.patch_size[0])
+            self.grid, self.num_prefix = int(model.patch_embed.grid_size[0]), int(model.num_prefix_tokens)
+        if mask_token:
+            self.mask_token = nn.Parameter(torch.zeros(1, 1, int(model.num_features)))
+        else:
+            self.register_parameter("mask_token", None)
         self.setup(model, dims, vectors, out_features, blocks, f"timm {type(model).__name__}")
 
-    def forward(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, keep: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None
+    ) -> Dict[str, torch.Tensor]:
         wanted = set(self.out_features)
+        if keep is not None or mask is not None:
+            if wanted & set(self.stages) or (keep is not None and "tokens" in wanted):
+                raise ValueError("a masked forward gives the pooled features and the sequence only")
+            return self._pooled(self._masked_sequence(x, keep, mask), x.shape[-2:], wanted)
         indices = [i for i, name in enumerate(self.stages) if name in wanted]
         pooled = bool(wanted - set(self.stages))
         out: Dict[str, torch.Tensor] = {}
@@ -147,6 +186,47 @@ class TimmTrunk(LibraryTrunk):
             out["tokens"] = patches.transpose(1, 2).reshape(patches.shape[0], -1, *grid)
         return out
 
+    def _masked_sequence(
+        self, x: torch.Tensor, keep: Optional[torch.Tensor], mask: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """(N, prefix + L', D) after the final norm: timm's ``forward_features`` with the patches
+        masked (``mask``) or only the kept ones encoded (``keep``)."""
+        m = self.timm
+        problem = maskable(m)
+        if problem is not None:
+            raise ValueError(problem)
+        x = m.patch_embed(x)  # (N, L, D), or (N, h, w, D) with dynamic_img_size
+        grid = tuple(x.shape[1:3]) if x.dim() == 4 else tuple(m.patch_embed.grid_size)
+        x = x.flatten(1, 2) if x.dim() == 4 else x
+        if mask is not None:
+            if self.mask_token is None:
+                raise ValueError("a mask needs the trunk's mask token: set MODEL.TRUNK.TIMM.MASK_TOKEN=True")
+            x = torch.where(mask.to(x.device).unsqueeze(-1), self.mask_token.to(x.dtype), x)
+        prefix_pos, pos = self._position_embeddings(grid)
+        x = x + pos
+        if keep is not None:
+            x = x.gather(1, keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        prefix = [t.expand(x.shape[0], -1, -1) for t in (m.cls_token, m.reg_token) if t is not None]
+        if prefix:
+            prefix = torch.cat(prefix, dim=1)
+            x = torch.cat([prefix + prefix_pos if prefix_pos is not None else prefix, x], dim=1)
+        x = m.norm_pre(m.patch_drop(m.pos_drop(x)))
+        for block in m.blocks:
+            x = block(x)
+        return m.norm(x)
+
+    def _position_embeddings(self, grid: Tuple[int, int]) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+        """(the prefix tokens' position embeddings or None, the patches' (1, h * w, D)), resampled
+        (timm's ``resample_abs_pos_embed``) for a patch ``grid`` other than ``img_size``'s."""
+        from timm.layers import resample_abs_pos_embed
+
+        m = self.timm
+        pos, own = m.pos_embed, tuple(m.patch_embed.grid_size)
+        start = 0 if m.no_embed_class else m.num_prefix_tokens
+        if grid != own:
+            pos = resample_abs_pos_embed(pos, new_size=grid, old_size=own, num_prefix_tokens=start)
+        return (pos[:, :start] if start else None), pos[:, start:]
+
     def _grid(self, size, count: int) -> Tuple[int, int]:
         patch = getattr(getattr(self.timm, "patch_embed", None), "patch_size", None)
         if patch is None:
@@ -157,7 +237,19 @@ class TimmTrunk(LibraryTrunk):
 
 def build_timm(trunk_cfg) -> TimmTrunk:
     """Trunk for ``cfg.MODEL.TRUNK`` (its TIMM section, IN_CHANNELS and OUT_FEATURES)."""
-    return TimmTrunk(create(trunk_cfg), trunk_cfg.OUT_FEATURES, trunk_cfg.TIMM.BLOCKS)
+    timm_cfg = trunk_cfg.TIMM
+    return TimmTrunk(create(trunk_cfg), trunk_cfg.OUT_FEATURES, timm_cfg.BLOCKS, timm_cfg.MASK_TOKEN)
+
+
+def tokens(trunk_cfg) -> Union[TokenLayout, str]:
+    """The patches, class token and mask token of a maskable timm ViT (a meta-device build), or
+    one line saying why masked methods cannot mask the model."""
+    model = meta_build(create, trunk_cfg) or create(trunk_cfg)
+    problem = maskable(model)
+    if problem is not None:
+        return problem
+    patch = int(model.patch_embed.patch_size[0])
+    return TokenLayout(patch, model.cls_token is not None, bool(trunk_cfg.TIMM.MASK_TOKEN))
 
 
 def feature_names(trunk_cfg) -> List[str]:
@@ -199,5 +291,6 @@ TIMM = TrunkFamily(
     to_torchvision=_no_torchvision,
     to_timm=to_timm_state_dict,
     load_line=load_line,
+    tokens=tokens,
     builds_in_channels=True,
 )

@@ -32,6 +32,7 @@ from torchvision.models.vision_transformer import Encoder, EncoderBlock
 from vistrain.config.errors import ConfigError
 from vistrain.models.masking import sincos_position_embedding
 from vistrain.models.trunks.family import (
+    TokenLayout,
     TrunkFamily,
     check_out_features,
     torchvision_keys,
@@ -371,6 +372,12 @@ def load_line(trunk_cfg, library: str, path: str) -> str:
     return torchvision_load_line(build, "heads", path)
 
 
+def tokens(trunk_cfg) -> TokenLayout:
+    """The ViT's patches, class token and mask token, from its config."""
+    vit_cfg = trunk_cfg.VIT
+    return TokenLayout(int(vit_cfg.PATCH_SIZE), bool(vit_cfg.CLASS_TOKEN), bool(vit_cfg.MASK_TOKEN))
+
+
 VIT = TrunkFamily(
     build=build_vit,
     feature_names=feature_names,
@@ -381,4 +388,5 @@ VIT = TrunkFamily(
     to_torchvision=to_torchvision_state_dict,
     names={"vits": ["custom", *VIT_SIZES], "vit_position_embeddings": list(POSITION_EMBEDDINGS)},
     load_line=load_line,
+    tokens=tokens,
 )
