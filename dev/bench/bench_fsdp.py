@@ -3,6 +3,7 @@
 Every exact knob setting of the sharded engine next to DDP and PyTorch's fully_shard, in the same processes.
 
     python dev/bench/bench_fsdp.py [--world 2] [--steps 12] [--batch 8] [--size 64] [--model regnet_y_400mf]
+        (--model: a torchvision name, or timm:NAME / torchvision:NAME for a library trunk)
                              [--shard-group-size K] [--trim-after-mib N]
 
 Each rank gets the threads ``tools/run_distributed.py`` would give it (cores / ranks), builds every
@@ -44,9 +45,33 @@ from vistrain.runtime.sharding import apply_activation_checkpointing, torch_full
 DDP_BUCKET_MIB, DDP_FIRST_BUCKET_MIB = 25, 1  # DDP's defaults
 
 
+class LibraryClassifier(nn.Module):
+    """A library trunk (``timm:NAME``, ``torchvision:NAME``) and a linear classifier on its pooled
+    feature: the blocks the family found from the structure are the units."""
+
+    def __init__(self, trunk):
+        super().__init__()
+        self.trunk = trunk
+        self.fc = nn.Linear(trunk.feature_dims["avgpool"], 10)
+
+    def forward(self, x):
+        return self.fc(self.trunk(x)["avgpool"])
+
+
 def build(name):
+    """torchvision's ``name`` (10 classes), or a library trunk: ``timm:vit_small_patch16_224``."""
     torch.manual_seed(0)
-    return getattr(torchvision.models, name)(num_classes=10)
+    if ":" not in name:
+        return getattr(torchvision.models, name)(num_classes=10)
+    from vistrain.config import load_config
+    from vistrain.models.trunks import build_trunk
+
+    library, model = name.split(":", 1)
+    key = "TIMM" if library == "timm" else "TORCHVISION"
+    trunk_cfg = load_config(
+        [f"config.MODEL.TRUNK.NAME={library}", f"config.MODEL.TRUNK.{key}.NAME={model}"]
+    ).MODEL.TRUNK
+    return LibraryClassifier(build_trunk(trunk_cfg))
 
 
 def settings():
@@ -95,16 +120,19 @@ def make_engines(args, device):
             apply_activation_checkpointing(model, knobs["checkpointing_granularity"])
         wrapped = auto_wrap(
             model,
-            wrap_policy(False, knobs["wrap_granularity"]),
+            wrap_policy(False, knobs["wrap_granularity"], model=model),
             groups=groups,
             reshard_after_forward=knobs["reshard_after_forward"],
             root=RootOptions(prefetch_depth=knobs.get("prefetch_depth", 1)),
         )
         engines[name] = (wrapped, knobs)
-    for reshard in (True, False) if not args.only else ():
+    for reshard in (True, False):
+        if args.only and f"fully_shard {'zero3' if reshard else 'zero2'}" not in args.only:
+            continue
         try:
+            model = build(args.model).to(device)
             model = torch_fully_shard(
-                build(args.model).to(device), unit_classes(False, "block"), reshard, args.shard_group_size
+                model, unit_classes(False, "block", model=model), reshard, args.shard_group_size
             )
             engines[f"fully_shard {'zero3' if reshard else 'zero2'}"] = (model, None)
         except (ImportError, RuntimeError) as error:  # older torch: compare what we can
