@@ -109,8 +109,13 @@ def test_a_torchvision_trunk_drops_only_the_classifiers_last_layer():
     assert not unexpected and not missing.missing_keys
 
 
-@pytest.mark.parametrize("overrides", [CONVNEXT, EFFICIENTNET, VIT, MOBILENET])
+TV_REGNET = [*TV, "config.MODEL.TRUNK.TORCHVISION.NAME=regnet_x_400mf", "config.MODEL.HEAD.DIMS=[400,32,16]"]
+
+
+@pytest.mark.parametrize("overrides", [CONVNEXT, EFFICIENTNET, VIT, MOBILENET, TV_REGNET])
 def test_per_unit_initialisation_gives_the_plain_builds_weights(overrides):
+    """(torchvision's RegNet computes its widths on tensors: built on the CPU inside the meta
+    build, its draws advancing the generator once, then recorded as copies.)"""
     cfg = _cfg(*overrides)
     torch.manual_seed(0)
     plain = build_model(cfg.MODEL)

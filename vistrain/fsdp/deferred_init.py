@@ -141,12 +141,14 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         rng_state = None
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        seeded = torch.Tag.nondeterministic_seeded in func.tags
+        if seeded:
             if kwargs.get("generator") is not None:
                 raise ValueError(f"{func}: initialisation with an explicit generator cannot be recorded")
             rng_state = torch.random.get_rng_state()
-            _advance_like(func, args, kwargs)
         out = func(*args, **kwargs)
+        if seeded and _on_meta((args, kwargs, out)):  # a CPU draw (a builder's own) advanced it itself
+            _advance_like(func, args, kwargs)
         if op_is_mutable(func):
             self._record_in_place(func, args, kwargs, rng_state)
         elif not any(isinstance(a, torch.Tensor) and a.is_meta for a in tree_flatten((args, kwargs))[0]):
@@ -225,6 +227,10 @@ class _TensorLiterals(TorchFunctionMode):
             self.recorder.keep_alive(out)
             self.recorder.recipes[_key(out)] = InitRecipe([step])
         return out
+
+
+def _on_meta(tree) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_flatten(tree)[0])
 
 
 def _advance_like(func, args, kwargs) -> None:

@@ -115,8 +115,8 @@ def initialises_per_unit(model_cfg) -> bool:
 def build_for_run(build_fn: Callable[..., nn.Module], model_cfg) -> nn.Module:
     """``build_fn(model_cfg)``: on the meta device when :func:`initialises_per_unit`, else plain.
     A model whose initialisation cannot be replayed unit by unit (torchvision's Swin and ConvNeXt:
-    ``torch.nn.init.trunc_normal_``; RegNet computes its widths on tensors) is built whole, with
-    one warning naming why: the same weights, the full model in memory once while it is sharded."""
+    ``torch.nn.init.trunc_normal_``) is built whole, with one warning naming why: the same
+    weights, the full model in memory once while it is sharded."""
     if initialises_per_unit(model_cfg):
         state = torch.random.get_rng_state()
         try:

@@ -51,13 +51,27 @@ def create(trunk_cfg) -> Tuple[nn.Module, int]:
             "MODEL.TRUNK.TORCHVISION.KWARGS.weights: weights load through MODEL.WEIGHTS_INIT.PARAMS_FILE; remove it"
         )
     try:
-        model = torchvision.models.get_model(name, **kwargs)
+        model = _get_model(name, kwargs)
     except TypeError as e:
         raise ValueError(f"torchvision.models.{name} refused MODEL.TRUNK.TORCHVISION.KWARGS: {e}") from None
     width = drop_classifier(model)
     if trunk_cfg.IN_CHANNELS != 3:
         set_input_channels(model, trunk_cfg.IN_CHANNELS)
     return model, width
+
+
+def _get_model(name: str, kwargs: dict) -> nn.Module:
+    """``torchvision.models.get_model``; a builder that computes on tensors (RegNet's widths),
+    asked for a meta-device model (the planner's), builds on the CPU and moves to the meta device
+    (a per-unit build then finds no record and builds the model whole)."""
+    try:
+        return torchvision.models.get_model(name, **kwargs)
+    except NotImplementedError:
+        if torch.empty(0).device.type != "meta":
+            raise
+        with torch.device("cpu"):
+            model = torchvision.models.get_model(name, **kwargs)
+        return model.to("meta")
 
 
 def _classifier(model: nn.Module) -> Tuple[str, nn.Module]:
