@@ -1,4 +1,4 @@
-"""Prints, for timm and torchvision models the tests do not name: the blocks found, sharded against DDP, the planner's peak against the run's.
+"""Prints the blocks found, sharded against DDP, and the planner against the run for timm and torchvision models the tests do not name.
 
 Each model trains the quick start's first 3 steps (SimCLR on the digits, 2 gloo ranks, fp32; SGD
 at lr 0.05 instead of its LARS, whose trust ratio ||w|| / ||g|| can blow float noise up to a visible
