@@ -18,6 +18,7 @@ TRAINING_RECIPES = [
     "pretrain/dino_vit_demo",
     "pretrain/dinov2_vit_demo",
     "pretrain/byol_regnet_demo",
+    "pretrain/simclr_timm_demo",
 ]
 # recipes with a momentum teacher: sharded (student and teacher) and DDP give the same losses
 TEACHER_RECIPES = [
