@@ -349,13 +349,11 @@ RUNS = {
     "vit_tiny": [*TRUNK_RUN, "config.MODEL.TRUNK.NAME=vit", "config.MODEL.TRUNK.VIT.NAME=tiny",
                  "config.MODEL.TRUNK.VIT.PATCH_SIZE=4", "config.MODEL.TRUNK.VIT.IMAGE_SIZE=28",
                  "config.MODEL.HEAD.DIMS=[192,512,128]"],
-    # library trunks, blocks found from their structure: 758 / 819 and 524 / 509 MiB planned / logged
+    # a library trunk, blocks found from its structure: 758 / 819 MiB planned / logged (others:
+    # python dev/studies/library_trunks.py)
     "timm_vit_tiny": [*TRUNK_RUN, "config.MODEL.TRUNK.NAME=timm", "config.MODEL.TRUNK.TIMM.NAME=vit_tiny_patch16_224",
                       "config.MODEL.TRUNK.TIMM.KWARGS={img_size: 28, patch_size: 4}",
                       "config.MODEL.HEAD.DIMS=[192,512,128]"],
-    "torchvision_mobilenet": [*TRUNK_RUN, "config.MODEL.TRUNK.NAME=torchvision",
-                              "config.MODEL.TRUNK.TORCHVISION.NAME=mobilenet_v3_small",
-                              "config.MODEL.HEAD.DIMS=[1024,512,128]"],
 }  # fmt: skip
 
 

@@ -65,23 +65,26 @@ class LibraryTrunk(nn.Module):
 
 
 def _lr_layers(trunk: nn.Module, classes: Tuple[Type[nn.Module], ...]) -> Tuple[int, Dict[str, int]]:
-    """(number of outermost blocks of ``classes`` in ``trunk``, parameter name -> layer)."""
+    """(number of outermost blocks of ``classes`` in ``trunk``, parameter name -> layer): block i
+    (1-based) layer i; a parameter between blocks (a downsampling layer) the preceding block's;
+    before the first 0; after the last one the head's, blocks + 1."""
     prefixes: List[str] = []
     for name, module in trunk.named_modules():
         if classes and isinstance(module, classes) and not any(name.startswith(p) for p in prefixes):
             prefixes.append(name + ".")
-    layers, seen_block = {}, 0
-    for name, _ in trunk.named_parameters():
-        block = next((i + 1 for i, p in enumerate(prefixes) if name.startswith(p)), None)
-        if block is not None:
-            seen_block = block
-        layers[name] = block if block is not None else (len(prefixes) + 1 if seen_block else 0)
+    names = [name for name, _ in trunk.named_parameters()]
+    blocks = [next((i + 1 for i, p in enumerate(prefixes) if n.startswith(p)), None) for n in names]
+    last = max((pos for pos, b in enumerate(blocks) if b is not None), default=-1)
+    layers, previous = {}, 0
+    for pos, (name, block) in enumerate(zip(names, blocks)):
+        previous = block if block is not None else previous
+        layers[name] = len(prefixes) + 1 if pos > last and last >= 0 else previous
     return len(prefixes), layers
 
 
 def meta_build(build, *args, **kwargs) -> Optional[nn.Module]:
     """``build(*args, **kwargs)`` on the meta device (shapes only, no memory), or None when the
-    library's constructor computes values on its tensors (torchvision's RegNet)."""
+    library's constructor cannot run there (it computes values on its tensors)."""
     try:
         with torch.device("meta"):
             return build(*args, **kwargs)
