@@ -186,6 +186,15 @@ def test_in_channels_reach_every_family():
         ([*CONVNEXT, "config.MODEL.TRUNK.OUT_FEATURES=[stage9]"], "OUT_FEATURES"),
         ([*CONVNEXT, "config.MODEL.TRUNK.TIMM.BLOCKS=[ConvNextBlock]"], "ConvNeXtBlock"),
         ([*CONVNEXT, "config.MODEL.TRUNK.IN_CHANNELS=1"], "makes 3-channel views"),
+        (
+            [*CONVNEXT, "config.MODEL.TRUNK.TIMM.KWARGS={in_chans:3}"],
+            "has no value: write the mapping",
+        ),
+        ([*CONVNEXT, "config.MODEL.TRUNK.TIMM.KWARGS={foo: 1}"], "refused MODEL.TRUNK.TIMM.KWARGS"),
+        (
+            [*MOBILENET, "config.MODEL.TRUNK.TORCHVISION.BLOCKS=[Block]"],
+            "TORCHVISION.BLOCKS: the model has no",
+        ),
     ],
 )
 def test_a_wrong_library_model_is_one_line(overrides, line):

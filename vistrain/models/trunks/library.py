@@ -40,7 +40,7 @@ class LibraryTrunk(nn.Module):
         self.vector_features = list(vector_features)
         self.out_features = check_out_features(out_features, list(self.feature_dims))
         if blocks:
-            named = classes_named(model, blocks, "BLOCKS")
+            named = classes_named(model, blocks, "MODEL.TRUNK.<family>.BLOCKS")
             self._blocks = {"block": named, "stage": named}
         else:
             self._blocks = repeated_blocks(model)
@@ -80,6 +80,26 @@ def _lr_layers(trunk: nn.Module, classes: Tuple[Type[nn.Module], ...]) -> Tuple[
         previous = block if block is not None else previous
         layers[name] = len(prefixes) + 1 if pos > last and last >= 0 else previous
     return len(prefixes), layers
+
+
+def _plain(value):
+    """A config value as plain Python (CfgNode -> dict, recursively)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return list(map(_plain, value)) if isinstance(value, (list, tuple)) else value
+
+
+def keyword_arguments(section, key: str) -> dict:
+    """A ``KWARGS`` mapping of the config as a plain dict; ValueError (one line) for a key without
+    a value (YAML reads ``{img_size:32}``, no space after the colon, as the key "img_size:32")."""
+    kwargs = _plain(section)
+    empty = [name for name, value in kwargs.items() if value is None]
+    if empty:
+        raise ValueError(
+            f"{key}.{empty[0]} has no value: write the mapping with a space after each colon, e.g. "
+            "{img_size: 32, drop_path_rate: 0.1}"
+        )
+    return kwargs
 
 
 def meta_build(build, *args, **kwargs) -> Optional[nn.Module]:

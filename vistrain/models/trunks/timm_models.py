@@ -25,7 +25,8 @@ from torch import nn
 
 from vistrain.config.errors import ConfigError
 from vistrain.models.trunks.family import TokenLayout, TrunkFamily
-from vistrain.models.trunks.library import LibraryTrunk, meta_build
+from vistrain.models.trunks.library import LibraryTrunk, keyword_arguments, meta_build
+from vistrain.models.trunks.structure import classes_named
 
 TOKEN_FEATURES = ("cls", "avgpool", "tokens", "sequence")
 
@@ -39,17 +40,10 @@ def import_timm():
     return timm
 
 
-def plain(value):
-    """A config value as plain Python (CfgNode -> dict, recursively)."""
-    if isinstance(value, dict):
-        return {k: plain(v) for k, v in value.items()}
-    return list(map(plain, value)) if isinstance(value, (list, tuple)) else value
-
-
 def create_kwargs(trunk_cfg) -> dict:
     """``MODEL.TRUNK.TIMM.KWARGS`` with ``in_chans`` from ``MODEL.TRUNK.IN_CHANNELS`` and
     ``num_classes=0``; ValueError (one line) for keys that have a key of their own."""
-    kwargs = plain(trunk_cfg.TIMM.KWARGS)
+    kwargs = keyword_arguments(trunk_cfg.TIMM.KWARGS, "MODEL.TRUNK.TIMM.KWARGS")
     for key in ("num_classes", "pretrained"):
         if key in kwargs:
             raise ValueError(
@@ -253,8 +247,11 @@ def tokens(trunk_cfg) -> Union[TokenLayout, str]:
 
 
 def feature_names(trunk_cfg) -> List[str]:
-    """Every feature the timm model of ``trunk_cfg`` offers, from a meta-device build (no memory)."""
+    """Every feature the timm model of ``trunk_cfg`` offers, from a meta-device build (no memory);
+    ValueError (one line) for a name, keyword or BLOCKS class the model does not have."""
     model = meta_build(create, trunk_cfg) or create(trunk_cfg)
+    if trunk_cfg.TIMM.BLOCKS:
+        classes_named(model, trunk_cfg.TIMM.BLOCKS, "MODEL.TRUNK.TIMM.BLOCKS")  # one line if one is unknown
     _, dims, _ = _layout(model)
     return list(dims)
 

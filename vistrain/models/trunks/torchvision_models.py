@@ -26,9 +26,8 @@ import torchvision
 from torch import nn
 
 from vistrain.models.trunks.family import TrunkFamily
-from vistrain.models.trunks.library import LibraryTrunk, meta_build
-from vistrain.models.trunks.structure import repeated_blocks
-from vistrain.models.trunks.timm_models import plain
+from vistrain.models.trunks.library import LibraryTrunk, keyword_arguments, meta_build
+from vistrain.models.trunks.structure import classes_named, repeated_blocks
 
 PROBE_SIDE = 224  # the side of the probe image that finds the stages (torchvision's ViT needs 224)
 
@@ -41,7 +40,10 @@ def create(trunk_cfg) -> Tuple[nn.Module, int]:
     """(``torchvision.models.<NAME>(**KWARGS)`` without weights nor the classifier's last layer,
     the width of its output); ValueError (one line) for an unknown name (listing close ones) or
     arguments the builder refuses."""
-    name, kwargs = trunk_cfg.TORCHVISION.NAME, plain(trunk_cfg.TORCHVISION.KWARGS)
+    name, kwargs = (
+        trunk_cfg.TORCHVISION.NAME,
+        keyword_arguments(trunk_cfg.TORCHVISION.KWARGS, "MODEL.TRUNK.TORCHVISION.KWARGS"),
+    )
     valid = classification_models()
     if name not in valid:
         close = difflib.get_close_matches(name, valid, n=6, cutoff=0.5) or valid[:10]
@@ -137,9 +139,12 @@ def stage_modules(model: nn.Module, channels: int) -> List[Tuple[str, int]]:
 
 def _layout(trunk_cfg) -> Tuple[List[Tuple[str, int]], int]:
     """(stages, avgpool width) of ``trunk_cfg``'s model, probed on the meta device where the
-    model builds there (else on a CPU build)."""
+    model builds there (else on a CPU build); ValueError (one line) for a BLOCKS class the model
+    does not have."""
     with torch.random.fork_rng(devices=[]):  # the probe draws nothing the trunk's build would see
         model, width = meta_build(create, trunk_cfg) or create(trunk_cfg)
+        if trunk_cfg.TORCHVISION.BLOCKS:
+            classes_named(model, trunk_cfg.TORCHVISION.BLOCKS, "MODEL.TRUNK.TORCHVISION.BLOCKS")
         return stage_modules(model, trunk_cfg.IN_CHANNELS), width
 
 
@@ -204,7 +209,7 @@ def to_torchvision_state_dict(trunk_state_dict: Dict, prefix: str = "") -> Dict:
 def load_line(trunk_cfg, library: str, path: str) -> str:
     """The lines that build this trunk in torchvision and load the exported file ``path``: the
     classifier's last layer replaced by ``nn.Identity`` (then ``model(x)`` is our ``avgpool``)."""
-    kwargs = plain(trunk_cfg.TORCHVISION.KWARGS)
+    kwargs = keyword_arguments(trunk_cfg.TORCHVISION.KWARGS, "MODEL.TRUNK.TORCHVISION.KWARGS")
     name = trunk_cfg.TORCHVISION.NAME
     build = lambda: torchvision.models.get_model(name, **kwargs)
     fqn, _ = _classifier(meta_build(build) or build())
