@@ -1,8 +1,9 @@
 """timm and torchvision models as trunks: features, blocks found from the structure, per-unit
 initialisation, BatchNorm subclasses under sync BN, one-line errors; on 2 gloo ranks each method
-family trains sharded with the first losses of DDP (fp32, 1e-5) and resumes on 3 ranks (the planner's
-runs: tests/test_memory_plan.py)."""
+family trains sharded with the first losses of DDP (fp32, 1e-5) and resumes on 3 ranks, and the
+other joint-embedding methods train sharded (the planner's runs: tests/test_memory_plan.py)."""
 
+import math
 import shutil
 
 import pytest
@@ -269,8 +270,18 @@ def trained(tmp_path_factory):
         for name, (recipe, overrides, _) in RUNS.items()
         for sharded in (True, False)
     ]
+    argvs += [
+        _argv(recipe, overrides, root / name, True) for name, (recipe, overrides) in OTHER_METHODS.items()
+    ]
     run_on_ranks(_train_each, 2, argvs)
     return root
+
+
+# the other joint-embedding methods on a library trunk, sharded (3 steps: they train, and finitely)
+OTHER_METHODS = {
+    name: (f"test/{name}_tiny", [*EFFICIENTNET, f"config.MODEL.HEAD.DIMS=[256,32,{out}]"])
+    for name, out in (("mocov3", 16), ("barlow_twins", 32), ("vicreg", 32), ("lejepa", 16), ("swav", 16))
+}
 
 
 def test_every_library_trunk_trains_sharded_as_under_ddp(trained):
@@ -278,6 +289,12 @@ def test_every_library_trunk_trains_sharded_as_under_ddp(trained):
         sharded, ddp = losses(trained / f"{name}_True"), losses(trained / f"{name}_False")
         assert len(sharded) == steps, name
         torch.testing.assert_close(sharded, ddp, rtol=1e-5, atol=0, msg=name)
+
+
+def test_every_joint_embedding_method_trains_on_a_library_trunk(trained):
+    for name in OTHER_METHODS:
+        found = losses(trained / name)
+        assert len(found) == 3 and all(math.isfinite(x) for x in found), name
 
 
 def _resume_on_three(rank, world, argvs):
