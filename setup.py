@@ -31,9 +31,29 @@ setup(
         "timm": ["timm>=1.0"],
         # .safetensors files as WEIGHTS_INIT.PARAMS_FILE (the exports write them without it)
         "safetensors": ["safetensors>=0.4"],
+        # DATA_SOURCES: [webdataset]: tar shards (vistrain/data/shards.py, tools/make_shards.py)
+        "webdataset": ["webdataset>=0.2.86"],
+        # DATA_SOURCES: [hf_dataset]: a Hugging Face data set saved on disk
+        "datasets": ["datasets>=2.14"],
+        # TIFF images of any number of bands
+        "tiff": ["tifffile>=2023.1"],
+        # pictures with axes and colour maps (monitor, embeddings, attention maps)
+        "plots": ["matplotlib>=3.6"],
+        # embeddings as a parquet table beside the .npy
+        "parquet": ["pyarrow>=12"],
+        # Weights & Biases as a second logger (LOGGING.WANDB)
+        "wandb": ["wandb>=0.16"],
         "dev": [
             "timm>=1.0",
             "safetensors>=0.4",
+            "webdataset>=0.2.86",
+            "datasets>=2.14",
+            "tifffile>=2023.1",
+            "matplotlib>=3.6",
+            "pyarrow>=12",
+            "wandb>=0.16",
+            # the batched-augmentation library dev/bench/bench_pipeline.py compares the views with
+            "kornia>=0.7",
             "pytest>=7",
             "pytest-timeout>=2",
             "pytest-xdist>=3",
