@@ -44,7 +44,6 @@ sys.path.insert(0, str(REPO / "dev" / "recipes"))
 
 from demo_pretrain_then_eval import run  # noqa: E402
 
-PRETRAIN, EVAL = "pretrain/simclr_regnet_elpv", "benchmark/linear_eval_elpv"
 SELECT_PRETRAIN = ["config.DATA.TRAIN.SPLIT=train_fit"]
 SELECT_EVAL = [*SELECT_PRETRAIN, "config.DATA.TEST.SPLIT=train_select"]
 
@@ -68,7 +67,7 @@ def run_seed(args, seed: int) -> dict:
     timings = {}
     pretrain_dir = folder / "pretrain"
     pretrain = [
-        f"config={PRETRAIN}",
+        f"config={args.recipe}",
         f"config.CHECKPOINT.DIR={pretrain_dir}",
         *seeds,
         *(SELECT_PRETRAIN if args.select else []),
@@ -89,7 +88,13 @@ def run_seed(args, seed: int) -> dict:
     for trunk, weights in (("pretrained", str(pretrain_dir)), ("random", "")):
         eval_dir = folder / f"eval_{trunk}"
         sides = SELECT_EVAL if args.select else []
-        argv = [f"config={EVAL}", f"config.CHECKPOINT.DIR={eval_dir}", *seeds, *sides, *overrides(args.eval)]
+        argv = [
+            f"config={args.eval_recipe}",
+            f"config.CHECKPOINT.DIR={eval_dir}",
+            *seeds,
+            *sides,
+            *overrides(args.eval),
+        ]
         argv.append(f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={weights}")
         if not (eval_dir / "metrics.json").exists():  # an evaluation done before is read
             run(f"seed {seed} eval {trunk}", argv, timings, folder / f"eval_{trunk}.log")
@@ -121,6 +126,8 @@ def main() -> int:
     )
     parser.add_argument("--out", default="./checkpoints/elpv_seeds")
     parser.add_argument("--baselines", default="", help="the --json of dev/recipes/elpv_baselines.py")
+    parser.add_argument("--recipe", default="pretrain/simclr_regnet_elpv", help="the pretraining config")
+    parser.add_argument("--eval-recipe", default="benchmark/linear_eval_elpv", help="its evaluation config")
     parser.add_argument("--pretrain", nargs="*", default=[])
     parser.add_argument("--eval", nargs="*", default=[])
     parser.add_argument(
@@ -153,7 +160,7 @@ def main() -> int:
     columns = list(rows[0][3])
     scored = "on train_select, 492 cells the pretraining did not see" if args.select else "on the test cells"
     print(
-        f"\nELPV, {PRETRAIN} -> {EVAL} {' '.join(overrides(args.pretrain + args.eval))}: top-1 (%) {scored}"
+        f"\nELPV, {args.recipe} -> {args.eval_recipe} {' '.join(overrides(args.pretrain + args.eval))}: top-1 (%) {scored}"
     )
     print("| seed | picked (ours / random) | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 2) + "|")
