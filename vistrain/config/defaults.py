@@ -252,6 +252,9 @@ _C.OPTIMIZER.betas = [0.9, 0.999]  # adamw
 _C.OPTIMIZER.regularize_bn = False  # weight decay on BatchNorm parameters
 _C.OPTIMIZER.regularize_bias = True  # weight decay on biases
 _C.OPTIMIZER.head_lr_multiplier = 1.0  # learning rate of head parameters relative to the trunk
+# parameters (name prefixes, e.g. head.predictor: SimSiam's --fix-pred-lr) trained at the schedule's
+# peak lr throughout: no warm-up, no decay
+_C.OPTIMIZER.fixed_lr_params = []
 # finetune: layer-wise lr decay (BEiT, MAE): a parameter of trunk layer l of L (ViT: the patch
 # embedding 0, block i i + 1, the last norm and the head L = depth + 1; RegNet / ResNet: the stem 0,
 # stage k k) trains at lr * layer_decay ** (L - l). 1.0: off

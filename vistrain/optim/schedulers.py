@@ -21,6 +21,8 @@ from fvcore.common.param_scheduler import (
 )
 from torch.optim import Optimizer
 
+from vistrain.config.errors import ConfigError
+
 # fvcore's constant schedule rejects where >= 1; just below 1 the cosine is end_value to ~1e-17.
 _LAST_WHERE = 1.0 - 1e-9
 
@@ -91,6 +93,11 @@ class LRSchedule:
         self.warmup = warmup
         self.rescaled = rescaled
         self.scale = scale
+
+    @property
+    def peak(self) -> float:
+        """The lr where the main schedule starts, the end of the warm-up: ``base_value`` x ``scale``."""
+        return self.scale * float(self.scheduler(0.0))
 
     def __call__(self, iteration: int) -> float:
         if iteration < 0:
@@ -167,7 +174,15 @@ def build_lr_schedule(
     return LRSchedule(main, round(num_epochs * iterations_per_epoch), warmup, rescaled, scale)
 
 
-def set_lr(optimizer: Optimizer, lr: float) -> None:
-    """Set every group's lr to ``lr * group["lr_multiplier"]`` (multiplier 1 when absent)."""
+def set_lr(optimizer: Optimizer, lr: float, peak: Optional[float] = None) -> None:
+    """Set every group's lr to ``lr * group["lr_multiplier"]`` (multiplier 1 when absent); a group
+    with ``fixed_lr`` (``OPTIMIZER.fixed_lr_params``) gets ``peak * lr_multiplier`` instead, the
+    schedule's :attr:`LRSchedule.peak`. ConfigError for such a group without ``peak`` (the
+    benchmarks' loops have none)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr * group.get("lr_multiplier", 1.0)
+        value = lr
+        if group.get("fixed_lr", False):
+            if peak is None:
+                raise ConfigError("OPTIMIZER.fixed_lr_params is for pretraining (JOB train): set it to []")
+            value = peak
+        group["lr"] = value * group.get("lr_multiplier", 1.0)
