@@ -25,6 +25,7 @@ class Criterion(nn.Module):
     where. The training loop calls it explicitly and never branches on a method::
 
         criterion.set_iteration(iteration, cfg.SEED_VALUE)
+        criterion.set_batch(batch)                           # its labels, for a method that reads them
         targets = teacher(criterion.teacher_crops(crops)) if criterion.teacher_momentum else None
         student = criterion.student_crops(crops)
         loss = criterion(model(student, **criterion.masking(student)), len(crops), targets)
@@ -66,6 +67,11 @@ class Criterion(nn.Module):
         """Called before every forward with the iterations completed so far (equal on every rank,
         and the same again after a resume) and the run's SEED_VALUE: what a method needs to draw
         random numbers that every rank draws alike (LeJEPA's slice directions)."""
+
+    def set_batch(self, batch: dict) -> None:
+        """Called before every forward with the loader's batch (``"crops"``, ``"label"`` (B,) int64
+        with -1 for an image without a label, ``"index"``): what a method that learns from labels
+        reads (``vistrain.data.labels``); ignored by the self-supervised ones."""
 
     def frozen_params(self, model: nn.Module, iteration: int) -> List[nn.Parameter]:
         """Parameters the optimizer must leave alone at this iteration (none by default)."""

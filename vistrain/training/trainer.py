@@ -199,13 +199,14 @@ def _train_epochs(cfg, run: _Run, iteration: int) -> None:
         criterion.set_epoch(epoch)
         for batch, waited in timed(run.loader):  # waited: seconds this step waited for its batch
             lr = run.lr_schedule(iteration)
-            set_lr(optimizer, lr)
+            set_lr(optimizer, lr, run.lr_schedule.peak)
             group = _accumulation_group(
                 iteration - epoch * iters_per_epoch, iters_per_epoch, settings.update_freq
             )
             if settings.in_backward is not None and group.is_last:
                 settings.in_backward.freeze(criterion.frozen_params(model, iteration))
             criterion.set_iteration(iteration, cfg.SEED_VALUE)
+            criterion.set_batch(batch)
             loss = _forward_backward(
                 model, criterion, batch, settings, group, (cfg.CHECKPOINT.DIR, iteration), run.teacher
             )
