@@ -4,7 +4,20 @@ trunk, and every method's head)."""
 
 from typing import Dict
 
-from vistrain.methods import barlow_twins, byol, dino, lejepa, mae, moco_v3, simclr, swav, vicreg
+from vistrain.methods import (
+    barlow_twins,
+    byol,
+    dino,
+    lejepa,
+    mae,
+    moco_v3,
+    nnclr,
+    simclr,
+    simsiam,
+    supervised,
+    swav,
+    vicreg,
+)
 from vistrain.methods.base import Head, Method
 from vistrain.models.heads import build_identity_head
 
@@ -18,6 +31,9 @@ METHODS: Dict[str, Method] = {
     "barlow_twins_loss": barlow_twins.METHOD,
     "vicreg_loss": vicreg.METHOD,
     "lejepa_loss": lejepa.METHOD,
+    "simsiam_loss": simsiam.METHOD,
+    "nnclr_loss": nnclr.METHOD,
+    "supervised_loss": supervised.METHOD,
 }
 DEFAULT_METHOD = "simclr_loss"  # LOSS.NAME's default; its head is MODEL.HEAD.NAME's
 
