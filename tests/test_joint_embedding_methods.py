@@ -1,7 +1,8 @@
 """MoCo v3, Barlow Twins, VICReg and LeJEPA as methods: each criterion calls its loss on the right
 crops (the losses themselves: tests/test_joint_embedding_losses.py), its head and its one-line
 config errors, what the planner counts for it, and its demo recipe on 2 gloo ranks sharded and
-under DDP (the same first 3 losses, fp32, 1e-5), resumed from 2 ranks on 3."""
+under DDP (the same first 3 losses, fp32, 1e-5), resumed from 2 ranks on 3. SimSiam, NNCLR (with
+its support set) and the supervised method too (their own tests: tests/test_new_methods.py)."""
 
 import re
 import shutil
@@ -32,6 +33,9 @@ TINY = {
     "barlow_twins_loss": "test/barlow_twins_tiny",
     "vicreg_loss": "test/vicreg_tiny",
     "lejepa_loss": "test/lejepa_tiny",
+    "simsiam_loss": "test/simsiam_tiny",
+    "nnclr_loss": "test/nnclr_tiny",
+    "supervised_loss": "test/supervised_tiny",
 }
 DEMOS = [
     "pretrain/mocov3_regnet_demo",
@@ -39,6 +43,9 @@ DEMOS = [
     "pretrain/barlow_twins_regnet_demo",
     "pretrain/vicreg_regnet_demo",
     "pretrain/lejepa_regnet_demo",
+    "pretrain/simsiam_regnet_demo",
+    "pretrain/nnclr_regnet_demo",
+    "pretrain/supervised_regnet_demo",
 ]
 
 
@@ -165,7 +172,9 @@ def test_a_bad_value_of_a_methods_key_is_one_line(override, line):
 
 def test_the_planner_counts_the_teacher_the_losss_collectives_and_its_memory():
     """MoCo v3 gathers the teacher's keys of each view; Barlow Twins and VICReg gather both views
-    and all-reduce their gradient; LeJEPA sums its statistics over the ranks once."""
+    and all-reduce their gradient; LeJEPA sums its statistics over the ranks once; NNCLR gathers
+    both views for each NT-Xent term and its support set's rows; SimSiam and the supervised loss
+    run none."""
     found = {}
     for name, recipe in TINY.items():
         cfg = load_config([f"config={recipe}", "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True"])
@@ -183,7 +192,12 @@ def test_the_planner_counts_the_teacher_the_losss_collectives_and_its_memory():
         "barlow_twins_loss": [("all_gather", wide, 2), ("all_reduce", wide, 2)],
         "vicreg_loss": [("all_gather", wide, 2), ("all_reduce", wide, 2)],
         "lejepa_loss": [("all_gather", sums, 1), ("all_reduce", sums, 1)],
+        "simsiam_loss": [],
+        "nnclr_loss": [("all_gather", view, 1), ("all_gather", 2 * view, 2), ("all_reduce", 2 * view, 2)],
+        "supervised_loss": [],
     }
+    nnclr = load_config(["config=pretrain/nnclr_regnet_demo"])  # the support set and a lookup's similarities
+    assert METHODS["nnclr_loss"].loss_memory(nnclr) == (64 + 64) * 1024 * 4
     demo = load_config(["config=pretrain/lejepa_regnet_demo"])
     assert METHODS["lejepa_loss"].loss_memory(demo) / MIB == pytest.approx(6.5 * 4 * 64 * 1024 * 17 * 4 / MIB)
     fewer = load_config(["config=pretrain/lejepa_regnet_demo", "config.LOSS.lejepa_loss.num_slices=256"])
@@ -283,13 +297,13 @@ def _resume_on_three(rank, world, argvs):
         student = run.model.state_dict()  # collective: the full weights
         teacher = run.teacher.model.state_dict() if run.teacher is not None else {}
         dist.barrier()
-        states.append((iteration, student, teacher))
+        states.append((iteration, student, teacher, run.criterion.state_dict()))
     return states
 
 
 def test_every_method_resumes_from_two_ranks_on_three(tmp_path):
     """2 ranks train an epoch; 3 ranks load its checkpoint (the student, MoCo v3's teacher with
-    its BatchNorm statistics) as saved."""
+    its BatchNorm statistics, NNCLR's support set) as saved."""
     names = list(TINY)
     run_on_ranks(_train_each, 2, [_tiny(n, tmp_path / n, "config.OPTIMIZER.num_epochs=1") for n in names])
     for name in names:
@@ -297,7 +311,14 @@ def test_every_method_resumes_from_two_ranks_on_three(tmp_path):
     results = run_on_ranks(_resume_on_three, 3, [_tiny(n, tmp_path / "three" / n) for n in names])
     for i, name in enumerate(names):
         saved = consolidated_state_dict(str(tmp_path / name / "checkpoint_4"))
-        for iteration, student, teacher in (rank[i] for rank in results):
+        saved_loss = torch.load(tmp_path / name / "checkpoint_4" / "rank1.pt", weights_only=True)["extra"][
+            "loss"
+        ]
+        for iteration, student, teacher, loss_state in (rank[i] for rank in results):
+            if name == "nnclr_loss":  # every rank's support set is the global one, filled and wrapped
+                assert int(loss_state["support.position"]) == 4 * 8 % 12
+                for key in ("support.queue", "support.position"):
+                    torch.testing.assert_close(loss_state[key], saved_loss[key], rtol=0, atol=0)
             assert iteration > 0 and bool(teacher) == (name == "moco_v3_loss")
             for key, value in student.items():
                 torch.testing.assert_close(value, saved[key], rtol=0, atol=0, msg=key)

@@ -39,7 +39,7 @@ from vistrain.planner.traffic import step_collectives
 
 ROOT = pathlib.Path(vistrain.__file__).parent
 REPO = ROOT.parent
-METHOD_NAMES = re.compile(r"simclr|swav|dino|byol|moco|barlow|vicreg|lejepa", re.IGNORECASE)
+METHOD_NAMES = re.compile(r"simclr|swav|dino|byol|moco|barlow|vicreg|lejepa|simsiam|nnclr", re.IGNORECASE)
 # where methods may be named: their own files, and the pure loss math they call
 METHOD_PACKAGES = {"methods", "losses"}
 
@@ -142,6 +142,9 @@ def test_the_registries_agree():
         "test/barlow_twins_tiny",
         "test/vicreg_tiny",
         "test/lejepa_tiny",
+        "test/simsiam_tiny",
+        "test/nnclr_tiny",
+        "test/supervised_tiny",
     ],
 )
 def test_a_method_record_says_what_its_criterion_does(name):

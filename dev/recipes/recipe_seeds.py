@@ -63,6 +63,10 @@ METHODS = {
     "BarlowTwins": "pretrain/barlow_twins_regnet_demo",
     "VICReg": "pretrain/vicreg_regnet_demo",
     "LeJEPA": "pretrain/lejepa_regnet_demo",
+    "SimSiam": "pretrain/simsiam_regnet_demo",
+    "NNCLR": "pretrain/nnclr_regnet_demo",
+    # the same trunk, views and engine trained with the labels: the control of every row above
+    "Supervised": "pretrain/supervised_regnet_demo",
     # any backbone: a timm model as the trunk
     "SimCLR-timm": "pretrain/simclr_timm_demo",
 }
@@ -79,7 +83,7 @@ EVAL_CONFIGS = {
 CLAIM_MARGIN = {
     "SimCLR": 1.0, "SwAV": 0.5, "DINO-ViT": 1.0, "DINOv2-ViT": 1.0, "DINO": 0.5, "BYOL": 0.5, "MAE-ViT": 0.0,
     "MoCo-v3": 0.5, "MoCo-v3-ViT": 0.5, "BarlowTwins": 0.5, "VICReg": 0.5, "LeJEPA": 0.5,
-    "SimCLR-timm": 0.5,
+    "SimCLR-timm": 0.5, "SimSiam": 0.5, "NNCLR": 0.5, "Supervised": 0.5,
 }  # fmt: skip
 
 
