@@ -155,6 +155,7 @@ RULES = {
     "DATA.*.SPLIT": [one_of(("train", "val", "train_fit", "train_select"))],
     "DATA.*.FOLDER_LABELS": [one_of(("auto", "subfolders", "none"))],
     "DATA.*.DECODE_SIZE": [at_least(0)],
+    "DATA.*.SHUFFLE_WINDOW": [at_least(1)],
     "DATA.TRAIN.LABEL_FRACTION": [above(0), at_most(1)],
     "DATA.TRAIN.LABEL_SUBSET_SEED": [at_least(0)],
     "DATA.*.TRANSFORMS.NAME": [one_of("transforms")],

@@ -55,10 +55,11 @@ _C.DATA.SPLIT_SEED = 0
 
 def _split_defaults(batch_size, shuffle):
     split = CN()
-    # one per data set: disk_folder | disk_filelist | synthetic | demo_digits | elpv
+    # one per data set: disk_folder | disk_filelist | synthetic | demo_digits | elpv | webdataset
     split.DATA_SOURCES = ["synthetic"]
     # folder (disk_folder), text file of "path label" lines (disk_filelist), elpv: "" for the
-    # installed elpv-dataset package or a folder holding its labels.csv and images/
+    # installed elpv-dataset package or a folder holding its labels.csv and images/, webdataset: a
+    # brace pattern of tar shards (/data/shards/train-{000000..000099}.tar)
     split.DATA_PATHS = [""]
     # which split of demo_digits / elpv (val: its 25% test side) / a disk_folder with train/ and val/
     split.SPLIT = "train"
@@ -73,6 +74,9 @@ def _split_defaults(batch_size, shuffle):
     split.BATCHSIZE_PER_REPLICA = batch_size  # images per rank per iteration
     split.SHUFFLE = shuffle  # reshuffle every epoch (order depends only on seed and epoch)
     split.DROP_LAST = shuffle  # drop the incomplete last batch
+    # webdataset: a rank's part of the epoch is shuffled within windows of this many samples (its
+    # shuffle buffer; larger mixes more, reads spread over more of a shard; vistrain/data/shards.py)
+    split.SHUFFLE_WINDOW = 1000
     split.SKIP_CORRUPT = False  # True: skip unreadable images (counted in logs); False: stop the run
     split.TRANSFORMS = CN()  # see vistrain/data/transforms.py
     split.TRANSFORMS.NAME = (

@@ -19,6 +19,9 @@ uint8 array, (H, W, 3) RGB or (H, W) grayscale.
 * ``elpv``: the solar-cell images of the installed ``elpv-dataset`` package (or a folder of its
   layout in ``DATA_PATHS``), a 75/25 split drawn from ``DATA.SPLIT_SEED``; ``SPLIT`` train or val
   (the 25% test side), or train_fit / train_select inside train for choosing recipes; see ``elpv.py``.
+* ``webdataset``: tar shards, ``DATA_PATHS`` a brace pattern such as
+  ``/data/shards/train-{000000..000099}.tar``, each shard with the index ``tools/make_shards.py``
+  writes; labels from ``cls`` members (-1 without); its epoch rule and resume in ``shards.py``.
 
 Several sources are concatenated in order, labels kept as each source gives them; ``DATA_LIMIT``
 keeps the first N samples of the concatenation. Input that cannot work (a missing or empty folder,
@@ -37,7 +40,7 @@ import torch
 from torch.utils.data import Dataset
 
 from vistrain.config.errors import ConfigError, DataError
-from vistrain.data import elpv
+from vistrain.data import elpv, shards
 from vistrain.data.collate import collate_multicrop
 from vistrain.data.demo_digits import demo_split_size, ensure_demo_digits_on_every_node
 from vistrain.data.folders import (
@@ -151,6 +154,7 @@ SOURCES: Dict[str, Callable] = {
     "synthetic": _synthetic,
     "demo_digits": _demo_digits,
     "elpv": _elpv,
+    "webdataset": shards.webdataset_source,
 }
 
 

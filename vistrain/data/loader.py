@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 
 from vistrain.data.datasets import IndexSubset, build_dataset
 from vistrain.data.sampler import DistributedSampler
+from vistrain.data.shards import ShardSampler, shard_sizes
 from vistrain.distributed import comm
 from vistrain.distributed.supervise import die_with_parent
 
@@ -52,15 +53,14 @@ def build_loader(
     if indices is not None:
         dataset = IndexSubset(dataset, indices)
     batch_size = split_cfg.BATCHSIZE_PER_REPLICA
-    sampler = DistributedSampler(
-        len(dataset),
-        batch_size,
-        shuffle=split_cfg.SHUFFLE,
-        drop_last=split_cfg.DROP_LAST,
-        seed=seed,
-        rank=rank,
-        world_size=world_size,
+    order = dict(
+        shuffle=split_cfg.SHUFFLE, drop_last=split_cfg.DROP_LAST, seed=seed, rank=rank, world_size=world_size
     )
+    sizes = shard_sizes(dataset)  # tar shards only: their epoch rule (vistrain/data/shards.py)
+    if sizes is None:
+        sampler = DistributedSampler(len(dataset), batch_size, **order)
+    else:
+        sampler = ShardSampler(sizes, batch_size, split_cfg.SHUFFLE_WINDOW, **order)
     workers = data_cfg.NUM_DATALOADER_WORKERS  # >= -1: checked with the config (vistrain.config.checks)
     if workers < 0:
         workers = auto_workers(
