@@ -89,9 +89,11 @@ def test_make_shards_stores_the_files_bytes_and_labels(folder, shards, tmp_path,
         files.add(path)
         assert ext_and_shard.startswith("png in shard ") and source.read_bytes(i) == path.read_bytes()
         assert source.labels[i] == CLASSES.index(key.split("/")[0])
-        mode = "L" if i == 0 else "RGB"  # the source's mode; a grayscale source reads "L"
-        source.mode = mode
-        assert np.array_equal(source.load(i)[0], np.array(read_image(str(path), mode)))
+        assert np.array_equal(source.load(i)[0], np.array(read_image(str(path), "RGB")))
+        if i == 0:  # a source read as grayscale
+            source.mode = "L"
+            assert np.array_equal(source.load(i)[0], np.array(read_image(str(path), "L")))
+            source.mode = "RGB"
     assert len(files) == NUM_IMAGES  # every image once
     out = Path(shards).parent
     assert (out / f"{folder.name}-classes.txt").read_text().split() == list(CLASSES)
@@ -118,16 +120,18 @@ def test_shards_of_other_tools_need_an_index(tmp_path, capsys):
     for n in range(2):
         with webdataset.TarWriter(str(tmp_path / f"w-{n}.tar")) as sink:
             for i in range(3):
-                pixels = np.full((6, 6, 3), 40 * i + n, np.uint8)
-                sink.write({"__key__": f"d.{n}/s{i}", "jpg": pixels, "json": {"i": i}})
+                pixels = np.full((6, 6, 3), 40 * i + n, np.uint8)  # mask.png: before png, not the image
+                sink.write(
+                    {"__key__": f"d.{n}/s{i}", "png": pixels, "mask.png": pixels * 0, "json": {"i": i}}
+                )
     cfg = _data_cfg(pattern).TRAIN
     with pytest.raises(DataError, match=re.escape(f"make_shards.py --index-only '{pattern}'")):
         build_dataset(cfg)
     code, printed, _ = _make_shards(capsys, "--index-only", pattern)
     assert code == 0 and printed == "indexed 2 shards: 6 samples\n"
     source = build_dataset(cfg).sources[0]
-    assert source.labels == [-1] * 6 and source.describe(4) == f"d.1/s1.jpg in shard {tmp_path / 'w-1.tar'}"
-    assert abs(int(source.load(4)[0].mean()) - 41) <= 2  # JPEG: nearly the written grey
+    assert source.labels == [-1] * 6 and source.describe(4) == f"d.1/s1.png in shard {tmp_path / 'w-1.tar'}"
+    assert np.array_equal(source.load(4)[0], np.full((6, 6, 3), 41, np.uint8))
 
 
 # ---------------------------------------------------------------------------- the epoch rule

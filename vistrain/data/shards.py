@@ -2,8 +2,8 @@
 
 Shards are uncompressed tar files in webdataset's layout: the members of a sample are consecutive
 and share a key, the member name up to the first dot of its base name (``cat/0042.jpg`` and
-``cat/0042.cls``); the image is the member with an image extension, the label the integer text of
-its ``cls`` member (-1 without one). ``DATA_PATHS`` holds a brace pattern such as
+``cat/0042.cls``); the image is the first member whose extension is an image's (``jpg``, ``png``;
+not ``seg.png``), the label the integer text of its ``cls`` member (-1 without one). ``DATA_PATHS`` holds a brace pattern such as
 ``/data/shards/train-{000000..000099}.tar`` (expanded by ``braceexpand``, as webdataset does); sample
 ``i`` is the i-th sample of the shards concatenated in the pattern's order.
 
@@ -106,7 +106,7 @@ def index_shard(shard: str) -> dict:
                 ext = ext.lower()
                 if ext == "cls":
                     sample["label"] = _read_label(tar, member, shard, key)
-                elif "image" not in sample and is_image("." + ext):
+                elif "image" not in sample and "." not in ext and is_image("." + ext):  # not seg.png
                     sample["image"] = (ext, member.offset_data, member.size)
     except (tarfile.ReadError, EOFError) as err:
         raise DataError(
