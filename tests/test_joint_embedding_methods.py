@@ -47,6 +47,16 @@ DEMOS = [
     "pretrain/nnclr_regnet_demo",
     "pretrain/supervised_regnet_demo",
 ]
+# simclr_vit_tiny's trunk
+_VIT_TRUNK = [
+    "config.MODEL.TRUNK.NAME=vit",
+    "config.MODEL.TRUNK.VIT.NAME=custom",
+    "config.MODEL.TRUNK.VIT.DEPTH=2",
+    "config.MODEL.TRUNK.VIT.WIDTH=16",
+    "config.MODEL.TRUNK.VIT.HEADS=2",
+    "config.MODEL.TRUNK.VIT.PATCH_SIZE=4",
+    "config.MODEL.TRUNK.VIT.IMAGE_SIZE=16",
+]
 
 
 def _criterion(name, *overrides):
@@ -111,13 +121,20 @@ def test_a_criterion_refuses_what_its_head_does_not_make(name, output, crops, te
         _criterion(name)(output, crops, teacher)
 
 
-def test_the_moco_v3_head_has_batchnorm_in_every_layer():
+def test_the_moco_v3_head_is_the_authors_on_a_resnet_and_on_a_vit():
+    """moco-v3's builder.py: BatchNorm after every layer (the output layers' without affine), but
+    MoCo_ResNet's predictor ends in a plain Linear (no BN, no bias); MoCo_ViT's keeps the BN."""
     model = build_model(load_config(["config=test/mocov3_tiny"]).MODEL)
     norms = [m for m in model.head.modules() if isinstance(m, nn.BatchNorm1d)]
-    # projector [16, 32, 16] and predictor [16, 32, 16]: hidden BN, then the output's without affine
-    assert [(m.num_features, m.affine) for m in norms] == [(32, True), (16, False)] * 2
+    # projector [16, 32, 16]: hidden BN, then the output's without affine; predictor: hidden BN only
+    assert [(m.num_features, m.affine) for m in norms] == [(32, True), (16, False), (32, True)]
+    last = model.head.predictor.layers[-1]
+    assert isinstance(last, nn.Linear) and last.bias is None
     k, q = model([torch.randn(3, 3, 16, 16), torch.randn(3, 3, 16, 16)])
     assert k.shape == q.shape == (6, 16)
+    vit = load_config(["config=test/mocov3_tiny", *_VIT_TRUNK])
+    norms = [m for m in build_model(vit.MODEL).head.modules() if isinstance(m, nn.BatchNorm1d)]
+    assert [(m.num_features, m.affine) for m in norms] == [(32, True), (16, False)] * 2
     with pytest.raises(
         ConfigError, match=re.escape("PREDICTOR_DIMS[0] must equal MODEL.HEAD.DIMS[-1] (16), got 8")
     ):

@@ -100,7 +100,8 @@ class Head:
     cannot take. ``keys()``: the MODEL.HEAD keys it reads besides NAME, DIMS and USE_BN, with their
     defaults (a comment per key); a key several heads read has one default. ``fp32_units``: module
     classes the wrap policy makes separate units kept in full precision (``vistrain.models.units``).
-    ``sized_by_trunk``: ``build(MODEL.HEAD, trunk)`` instead (MAE's decoder reads the patch grid).
+    ``sized_by_trunk``: ``build(MODEL.HEAD, trunk)`` instead (MAE's decoder reads the patch grid,
+    MoCo v3's predictor whether the trunk is a ViT).
     """
 
     name: str
