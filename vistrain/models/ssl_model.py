@@ -32,6 +32,9 @@ class SSLModel(nn.Module):
     resolutions, and ``mask=`` a list aligned with it: ``head([f_1, ...], mask=None)`` without
     masking, else ``mask=[m_1 or None, ...]`` with ``forward(crops, mask=[(N, L) or None, ...])``
     masking the first crops (a list aligned with them: the global crops; the others unmasked).
+    ``forward(crops, head_mask=[...])`` hands the head the same masks but leaves the trunk's
+    input whole: a teacher that sees every patch and scores the ones the student's masks hide
+    (DINOv2's iBOT).
     """
 
     def __init__(self, trunk: nn.Module, head: nn.Module):
@@ -63,11 +66,17 @@ class SSLModel(nn.Module):
         features = [self.trunk(torch.cat(group))[in_feature] for group in _same_resolution_runs(crops)]
         return self.head(torch.cat(features))
 
-    def _by_resolution(self, crops: List[torch.Tensor], in_feature: str, mask=None, **others):
-        """``head(features per run, mask=masks per run)``; ``mask`` a list of per-crop (N, L)
-        masks (or None) for the first crops, None for no masking at all."""
-        if others or (mask is not None and (isinstance(mask, torch.Tensor) or len(mask) > len(crops))):
-            raise ValueError("this head takes mask=[a mask (N, L) or None for each of the first crops] only")
+    def _by_resolution(self, crops: List[torch.Tensor], in_feature: str, mask=None, head_mask=None, **others):
+        """``head(features per run, mask=masks per run)``; ``mask`` (trunk and head) or
+        ``head_mask`` (the head only) a list of per-crop (N, L) masks (or None) for the first
+        crops, None for no masking at all."""
+        trunk_masked, both = head_mask is None, mask is not None and head_mask is not None
+        mask = mask if trunk_masked else head_mask
+        wrong = mask is not None and (isinstance(mask, torch.Tensor) or len(mask) > len(crops))
+        if others or wrong or both:
+            raise ValueError(
+                "this head takes mask= or head_mask=[a mask (N, L) or None for each of the first crops] only"
+            )
         features, run_masks, start = [], [], 0
         for run in _same_resolution_runs(crops):
             masks = [
@@ -76,7 +85,7 @@ class SSLModel(nn.Module):
             ]
             start += len(run)
             run_mask = _run_mask(run, masks)
-            kwargs = {} if run_mask is None else {"mask": run_mask}
+            kwargs = {} if run_mask is None or not trunk_masked else {"mask": run_mask}
             features.append(self.trunk(torch.cat(run), **kwargs)[in_feature])
             run_masks.append(run_mask)
         return self.head(features, mask=None if mask is None else run_masks)

@@ -280,9 +280,11 @@ def _forward_backward(
         with torch.autocast(
             s.device.type, dtype=s.amp_dtype or torch.float32, enabled=s.amp_dtype is not None
         ):
-            targets = teacher(criterion.teacher_crops(crops)) if teacher is not None else None
             student = criterion.student_crops(crops)
-            loss = criterion(model(student, **criterion.masking(student)), len(crops), targets)
+            masking, targets = criterion.masking(student), None  # the masks first: the teacher may read them
+            if teacher is not None:
+                targets = teacher(criterion.teacher_crops(crops), **criterion.teacher_masking())
+            loss = criterion(model(student, **masking), len(crops), targets)
         # dividing by the group size makes the accumulated gradient the mean over its micro-batches
         scaled = loss / group.size
         try:
