@@ -18,8 +18,9 @@ from vistrain.distributed.testing import run_on_ranks
 from vistrain.losses.dino import dino_cross_entropy
 from vistrain.losses.ibot import ibot_cross_entropy, sinkhorn_knopp_teacher
 from vistrain.losses.koleo import koleo_loss
-from vistrain.methods import build_method, build_model, load_config
+from vistrain.methods import METHODS, build_method, build_model, load_config
 from vistrain.methods.dino import DINOLastLayer, DINOTokens
+from vistrain.models.masking import ibot_masked_bound, ibot_masks
 from vistrain.planner.shape import ModelShapes, crops_of
 from vistrain.training.resume import resume
 from vistrain.training.trainer import _build, train
@@ -188,6 +189,16 @@ def test_the_planner_traces_the_head_on_the_token_sequence():
     plain.defrost()
     plain.HEAD.PATCH_OUT_DIM, plain.TRUNK.OUT_FEATURES = 0, ["avgpool"]
     assert total > ModelShapes(plain).activations(crops, 4, None)[0] > 0
+
+
+def test_the_planner_counts_the_teachers_masked_patches_at_their_bound():
+    """dinov2's collate ``upperbound``: 4 of 8 images masked, at most 0.2, 0.3, 0.4, 0.5 of 16."""
+    bound = ibot_masked_bound(8, 16, (0.1, 0.5), 0.5)
+    assert bound == 3 + 4 + 6 + 8
+    g = torch.Generator().manual_seed(0)
+    assert max(int(ibot_masks(8, (4, 4), (0.1, 0.5), 0.5, g).sum()) for _ in range(20)) <= bound
+    # the teacher's class logits, class tokens and masked patches' logits (fp32)
+    assert METHODS["dino_loss"].loss_memory(_cfg()) == (8 * 32 + 8 * 16 + bound * 24) * 4
 
 
 def test_a_trunk_pretrained_with_a_mask_token_is_evaluated(tmp_path):
