@@ -141,6 +141,28 @@ def test_the_moco_v3_head_is_the_authors_on_a_resnet_and_on_a_vit():
         build_model(load_config(["config=test/mocov3_tiny", "config.MODEL.HEAD.PREDICTOR_DIMS=[8,16]"]).MODEL)
 
 
+def test_a_head_reads_the_class_token_with_input_feature_cls():
+    """MODEL.HEAD.INPUT_FEATURE: the feature a head on one vector per image reads (the authors of
+    DINO and MoCo v3: a ViT's class token); one line for a feature it cannot read."""
+    vit = ["config=test/mocov3_tiny", *_VIT_TRUNK, "config.MODEL.TRUNK.OUT_FEATURES=[cls,avgpool]"]
+    model = build_model(load_config([*vit, "config.MODEL.HEAD.INPUT_FEATURE=cls"]).MODEL)
+    x = torch.randn(4, 3, 16, 16)
+    k, _ = model(x)
+    torch.testing.assert_close(k, model.head(model.trunk(x)["cls"])[0])
+    assert not torch.allclose(k, model.head(model.trunk(x)["avgpool"])[0])
+    problems = {
+        "cls": ("[avgpool]", "reads trunk feature 'cls': add it to MODEL.TRUNK.OUT_FEATURES"),
+        "tokens": ("[tokens]", "INPUT_FEATURE=tokens is not one of the trunk's vector features"),
+    }
+    for feature, (out, message) in problems.items():
+        wrong = [f"config.MODEL.TRUNK.OUT_FEATURES={out}", f"config.MODEL.HEAD.INPUT_FEATURE={feature}"]
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            build_model(load_config([*vit, *wrong]).MODEL)
+    dinov2 = ["config=test/dinov2_tiny", "config.MODEL.HEAD.INPUT_FEATURE=cls"]
+    with pytest.raises(ConfigError, match=re.escape("the dino head reads the trunk's 'sequence'")):
+        build_model(load_config(dinov2).MODEL)
+
+
 @pytest.mark.parametrize(
     "recipe, overrides, line",
     [

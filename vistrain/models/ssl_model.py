@@ -12,6 +12,7 @@ Crops = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 class SSLModel(nn.Module):
     """``forward(crops)`` with crops a Tensor (N, 3, H, W) or a list of C such tensors (views).
+    The head reads the trunk feature ``in_feature`` (default: the one the head declares).
 
     Consecutive crops of the same resolution are concatenated and go through the trunk together
     (as in SwAV's multi-crop), so the trunk runs once per run of equal resolutions; the head then
@@ -37,11 +38,12 @@ class SSLModel(nn.Module):
     (DINOv2's iBOT).
     """
 
-    def __init__(self, trunk: nn.Module, head: nn.Module):
+    def __init__(self, trunk: nn.Module, head: nn.Module, in_feature: Optional[str] = None):
         super().__init__()
         self.trunk = trunk
         self.head = head
-        in_feature = getattr(head, "in_feature", None)
+        self.in_feature = in_feature if in_feature is not None else getattr(head, "in_feature", None)
+        in_feature = self.in_feature
         if in_feature is not None and in_feature not in trunk.out_features:
             raise ConfigError(
                 f"the head reads trunk feature {in_feature!r}: add it to MODEL.TRUNK.OUT_FEATURES "
@@ -50,7 +52,7 @@ class SSLModel(nn.Module):
 
     def forward(self, crops: Crops, **masking):
         crops = _as_crop_list(crops)
-        in_feature = getattr(self.head, "in_feature", None)
+        in_feature = self.in_feature
         if getattr(self.head, "by_resolution", False):
             return self._by_resolution(crops, in_feature, **masking)
         if masking:
