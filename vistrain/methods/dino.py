@@ -1,6 +1,8 @@
 """DINO (Caron et al., 2021): self-distillation with a momentum teacher that sees the global crops
 only, its output centred and sharpened (``vistrain/losses/dino.py``); head "dino": an MLP, L2
 normalisation and a weight-normalised last layer kept in fp32 and frozen in the first epochs.
+DINO's other settings: ``OPTIMIZER.clip_grad_per_parameter``, ``param_schedulers.weight_decay``
+(0.04 -> 0.4) and the class token as the head's input (``MODEL.HEAD.INPUT_FEATURE: cls``).
 
 DINOv2's terms (Oquab et al., 2023), each switched on in LOSS.dino_loss (all off by default: DINO
 as it was): iBOT's masked-patch loss (``ibot_weight``; ``vistrain/losses/ibot.py``), the student's
