@@ -18,8 +18,9 @@ from vistrain.distributed.testing import run_on_ranks
 from vistrain.losses.dino import dino_cross_entropy
 from vistrain.losses.ibot import ibot_cross_entropy, sinkhorn_knopp_teacher
 from vistrain.losses.koleo import koleo_loss
-from vistrain.methods import build_method, build_model, load_config
+from vistrain.methods import METHODS, build_method, build_model, load_config
 from vistrain.methods.dino import DINOLastLayer, DINOTokens
+from vistrain.models.masking import ibot_masked_bound, ibot_masks
 from vistrain.planner.shape import ModelShapes, crops_of
 from vistrain.training.resume import resume
 from vistrain.training.trainer import _build, train
@@ -55,34 +56,63 @@ def test_only_the_global_crops_are_masked_and_the_head_scores_their_masked_patch
     torch.testing.assert_close(out.patch_logits, model.head.patch_head(picked))
     unmasked = model.trunk(torch.cat(crops[:2]))["sequence"]
     assert (unmasked[:, 0] - global_seq[:, 0]).abs().max() > 1e-4  # the mask token changed them
-    # the teacher (no masks): every patch of every crop it sees, image by image
-    teacher = model(crops[:2])
-    assert teacher.patch_logits.shape == (2 * 4 * 16, 24)
-    torch.testing.assert_close(teacher.patch_logits, model.head.patch_head(unmasked[:, 1:].flatten(0, 1)))
+    # the teacher: its trunk sees the crops whole, its head scores the same masked patches
+    teacher = model(crops[:2], **criterion.teacher_masking())
+    torch.testing.assert_close(teacher.class_tokens, unmasked[:, 0])
+    torch.testing.assert_close(teacher.patch_logits, model.head.patch_head(unmasked[:, 1:][torch.cat(masks)]))
+    assert model(crops[:2]).patch_logits is None  # without masks no patch is scored
 
 
 def test_the_loss_is_dino_plus_koleo_plus_ibot_on_sinkhorn_knopp_targets():
     cfg = _cfg()
     torch.manual_seed(0)
     model, criterion, crops = build_model(cfg.MODEL), build_method(cfg), _crops(1)
-    with torch.no_grad():
-        teacher = build_model(cfg.MODEL)(crops[:2])
     masking = criterion.masking(crops)
     masks = torch.cat(masking["mask"])
+    with torch.no_grad():
+        teacher = build_model(cfg.MODEL)(crops[:2], **criterion.teacher_masking())
     out = model(crops, **masking)
     loss = criterion(out, 4, teacher)
     temp = criterion.teacher_temp()
     dino_targets = sinkhorn_knopp_teacher(teacher.class_logits, temp).chunk(2)
     want = dino_cross_entropy(out.class_logits.chunk(4), dino_targets, 0.1)
     want = want + 0.1 * sum(koleo_loss(c) for c in out.class_tokens.chunk(4)[:2])
-    teacher_patches = teacher.patch_logits.view(8, 16, 24)[masks]
     want = want + ibot_cross_entropy(
-        out.patch_logits, sinkhorn_knopp_teacher(teacher_patches, temp), masks, 0.1
+        out.patch_logits, sinkhorn_knopp_teacher(teacher.patch_logits, temp), masks, 0.1
     )
     torch.testing.assert_close(loss, want, rtol=1e-6, atol=0)
     assert torch.equal(criterion.loss.center, torch.zeros_like(criterion.loss.center))  # no centre with SK
-    with pytest.raises(ValueError, match="call it first"):
+    with pytest.raises(ValueError, match="call both before the forwards"):
         criterion(out, 4, teacher)
+
+
+@pytest.mark.parametrize("use_bn", [False, True])
+def test_the_teachers_head_scores_the_masked_patches_only(use_bn):
+    """dinov2's ssl_meta_arch.py selects the masked patch tokens before the teacher's head. Without
+    BatchNorm in the head the loss equals scoring every patch and keeping the masked ones after
+    (this head before); with it, the head's BatchNorm sees the masked patches only."""
+    cfg = _cfg(f"config.MODEL.HEAD.USE_BN={use_bn}", "config.LOSS.dino_loss.centering=centre")
+    torch.manual_seed(0)
+    model, teacher_model, crops = build_model(cfg.MODEL), build_model(cfg.MODEL), _crops(5)
+    torch.manual_seed(1)
+    criterion = build_method(cfg)
+    torch.manual_seed(1)
+    before = build_method(cfg)  # the same mask generator
+    masking, masks = criterion.masking(crops), torch.cat(before.masking(crops)["mask"])
+    with torch.no_grad():
+        teacher = teacher_model(crops[:2], **criterion.teacher_masking())
+        every = teacher_model(crops[:2], head_mask=[torch.ones(4, 16, dtype=torch.bool)] * 2)
+        tokens = teacher_model.trunk(torch.cat(crops[:2]))["sequence"][:, 1:][masks]
+    torch.testing.assert_close(
+        teacher.patch_logits, teacher_model.head.patch_head(tokens), rtol=1e-6, atol=1e-6
+    )
+    kept = every.patch_logits.view(8, 16, -1)[masks]
+    out = model(crops, **masking)
+    loss, loss_before = criterion(out, 4, teacher), before(out, 4, every._replace(patch_logits=kept))
+    if use_bn:
+        assert (teacher.patch_logits - kept).abs().max() > 1e-3
+    else:
+        torch.testing.assert_close(loss, loss_before, rtol=0, atol=1e-6)
 
 
 def test_with_the_centres_both_move_and_dinos_head_scores_the_patches():
@@ -90,9 +120,10 @@ def test_with_the_centres_both_move_and_dinos_head_scores_the_patches():
     torch.manual_seed(0)
     model, criterion, crops = build_model(cfg.MODEL), build_method(cfg), _crops(2)
     assert model.head.patch_head is None
+    masking = criterion.masking(crops)
     with torch.no_grad():
-        teacher = build_model(cfg.MODEL)(crops[:2])
-    out = model(crops, **criterion.masking(crops))
+        teacher = build_model(cfg.MODEL)(crops[:2], **criterion.teacher_masking())
+    out = model(crops, **masking)
     assert out.patch_logits.shape[1] == 32
     criterion(out, 4, teacher).backward()
     assert criterion.loss.center.abs().sum() > 0 and criterion.ibot.center.abs().sum() > 0
@@ -104,7 +135,7 @@ def test_koleo_alone_masks_nothing_and_scores_no_patch_of_the_student():
     cfg = _cfg("config.LOSS.dino_loss.ibot_weight=0.0", "config.MODEL.HEAD.PATCH_OUT_DIM=0")
     criterion, model, crops = build_method(cfg), build_model(cfg.MODEL), _crops()
     masking = criterion.masking(crops)
-    assert masking == {"mask": []} and "masks._extra_state" not in criterion.state_dict()
+    assert masking == {} == criterion.teacher_masking() and "masks._extra_state" not in criterion.state_dict()
     assert model(crops, **masking).patch_logits is None
 
 
@@ -158,6 +189,16 @@ def test_the_planner_traces_the_head_on_the_token_sequence():
     plain.defrost()
     plain.HEAD.PATCH_OUT_DIM, plain.TRUNK.OUT_FEATURES = 0, ["avgpool"]
     assert total > ModelShapes(plain).activations(crops, 4, None)[0] > 0
+
+
+def test_the_planner_counts_the_teachers_masked_patches_at_their_bound():
+    """dinov2's collate ``upperbound``: 4 of 8 images masked, at most 0.2, 0.3, 0.4, 0.5 of 16."""
+    bound = ibot_masked_bound(8, 16, (0.1, 0.5), 0.5)
+    assert bound == 3 + 4 + 6 + 8
+    g = torch.Generator().manual_seed(0)
+    assert max(int(ibot_masks(8, (4, 4), (0.1, 0.5), 0.5, g).sum()) for _ in range(20)) <= bound
+    # the teacher's class logits, class tokens and masked patches' logits (fp32)
+    assert METHODS["dino_loss"].loss_memory(_cfg()) == (8 * 32 + 8 * 16 + bound * 24) * 4
 
 
 def test_a_trunk_pretrained_with_a_mask_token_is_evaluated(tmp_path):

@@ -11,17 +11,21 @@ Distributed convention checked on 2 and 3 ranks against one process on the conca
 batch: the mean of the per-rank losses equals the single-process loss (for Barlow Twins, VICReg and
 LeJEPA every rank's loss equals it), and each rank's gradient for its own rows is world_size times
 the single-process gradient, so DDP's average yields the single-process parameter gradient (also
-checked with DDP itself).
+checked with DDP itself). Barlow Twins with ``authors_gradient_scale``: each rank's gradient
+equals the authors' code written out (their all_reduce of C outside autograd), 1 / world_size of
+the convention's.
 """
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from lightly.loss import BarlowTwinsLoss, LeJEPALoss, NTXentLoss, VICRegLoss
 from lightly.loss.lejepa_loss import SIGReg, lejepa_invariance_loss
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from vistrain.distributed.comm import all_gather_with_grad
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.losses.barlow_twins import barlow_twins_loss
 from vistrain.losses.lejepa import direction_seed, lejepa_loss, slice_directions
@@ -294,9 +298,33 @@ def projected_losses(model, x, keys):
     })  # fmt: skip
 
 
+def authors_barlow_twins(za, zb, lambd):
+    """The Barlow Twins authors' main.py on this rank's rows: its BatchNorm1d(affine=False) made a
+    SyncBatchNorm (the global batch's mean and biased variance; the statistics' gradient reaches
+    every rank, as SyncBatchNorm's backward), c = bn(z1).T @ bn(z2) / B summed over the ranks by
+    an all_reduce outside autograd."""
+    world = dist.get_world_size()
+
+    def bn(z):
+        every = all_gather_with_grad(z)
+        return (z - every.mean(0)) / torch.sqrt(every.var(0, unbiased=False) + 1e-5)
+
+    c = bn(za).T @ bn(zb)
+    c.div_(za.shape[0] * world)
+    dist.all_reduce(c)
+    off_diagonal = c - torch.diag(torch.diagonal(c))
+    return torch.diagonal(c).add(-1).pow(2).sum() + lambd * off_diagonal.pow(2).sum()
+
+
 def _distributed_worker(rank, world, data, x, keys):
     local = leaves({name: rank_rows(t, rank, world) for name, t in data.items()})
     out = {"ours": values_and_grads(ours(local), local)}
+    # the authors' gradient scale: against their code written out
+    authors = barlow_twins_loss(local["za"], local["zb"], OFF_DIAGONAL, authors_gradient_scale=True)
+    reference = authors_barlow_twins(local["za"], local["zb"], OFF_DIAGONAL)
+    out["authors"] = [
+        values_and_grads({"barlow_twins": loss}, local)["barlow_twins"] for loss in (authors, reference)
+    ]
     with torch.no_grad():  # lightly's own distributed forms, on the same rows
         za, zb = local["za"], local["zb"]
         out["lightly"] = {
@@ -346,6 +374,17 @@ def test_distributed_equals_lightly_on_the_global_batch(world):
         # the same loss on one rank's rows alone is a different loss
         alone = ours({k: rank_rows(t, 0, world) for k, t in data.items()})[name]
         assert not torch.allclose(alone, results[0]["ours"][name][0], rtol=1e-3), name
+
+    # Barlow Twins with the authors' scale: their code's value and gradients, i.e. each rank's rows
+    # get the single-process gradient itself (not world times it): DDP's average is 1 / world of it
+    value, grads = single["barlow_twins"]
+    for rank, r in enumerate(results):
+        (got_value, got_grads), (want_value, want_grads) = r["authors"]
+        torch.testing.assert_close(got_value, want_value, **TIGHT)
+        torch.testing.assert_close(got_value, value, **TIGHT)
+        for got, want, g in zip(got_grads, want_grads, grads):
+            torch.testing.assert_close(got, want, **TIGHT)
+            torch.testing.assert_close(got, rank_rows(g, rank, world), **TIGHT)
 
     # lightly's distributed forms: VICReg and LeJEPA average to the global loss (their invariance
     # term is per rank); Barlow Twins standardises each rank's rows with that rank's own mean and

@@ -47,6 +47,16 @@ DEMOS = [
     "pretrain/nnclr_regnet_demo",
     "pretrain/supervised_regnet_demo",
 ]
+# simclr_vit_tiny's trunk
+_VIT_TRUNK = [
+    "config.MODEL.TRUNK.NAME=vit",
+    "config.MODEL.TRUNK.VIT.NAME=custom",
+    "config.MODEL.TRUNK.VIT.DEPTH=2",
+    "config.MODEL.TRUNK.VIT.WIDTH=16",
+    "config.MODEL.TRUNK.VIT.HEADS=2",
+    "config.MODEL.TRUNK.VIT.PATCH_SIZE=4",
+    "config.MODEL.TRUNK.VIT.IMAGE_SIZE=16",
+]
 
 
 def _criterion(name, *overrides):
@@ -111,17 +121,46 @@ def test_a_criterion_refuses_what_its_head_does_not_make(name, output, crops, te
         _criterion(name)(output, crops, teacher)
 
 
-def test_the_moco_v3_head_has_batchnorm_in_every_layer():
+def test_the_moco_v3_head_is_the_authors_on_a_resnet_and_on_a_vit():
+    """moco-v3's builder.py: BatchNorm after every layer (the output layers' without affine), but
+    MoCo_ResNet's predictor ends in a plain Linear (no BN, no bias); MoCo_ViT's keeps the BN."""
     model = build_model(load_config(["config=test/mocov3_tiny"]).MODEL)
     norms = [m for m in model.head.modules() if isinstance(m, nn.BatchNorm1d)]
-    # projector [16, 32, 16] and predictor [16, 32, 16]: hidden BN, then the output's without affine
-    assert [(m.num_features, m.affine) for m in norms] == [(32, True), (16, False)] * 2
+    # projector [16, 32, 16]: hidden BN, then the output's without affine; predictor: hidden BN only
+    assert [(m.num_features, m.affine) for m in norms] == [(32, True), (16, False), (32, True)]
+    last = model.head.predictor.layers[-1]
+    assert isinstance(last, nn.Linear) and last.bias is None
     k, q = model([torch.randn(3, 3, 16, 16), torch.randn(3, 3, 16, 16)])
     assert k.shape == q.shape == (6, 16)
+    vit = load_config(["config=test/mocov3_tiny", *_VIT_TRUNK])
+    norms = [m for m in build_model(vit.MODEL).head.modules() if isinstance(m, nn.BatchNorm1d)]
+    assert [(m.num_features, m.affine) for m in norms] == [(32, True), (16, False)] * 2
     with pytest.raises(
         ConfigError, match=re.escape("PREDICTOR_DIMS[0] must equal MODEL.HEAD.DIMS[-1] (16), got 8")
     ):
         build_model(load_config(["config=test/mocov3_tiny", "config.MODEL.HEAD.PREDICTOR_DIMS=[8,16]"]).MODEL)
+
+
+def test_a_head_reads_the_class_token_with_input_feature_cls():
+    """MODEL.HEAD.INPUT_FEATURE: the feature a head on one vector per image reads (the authors of
+    DINO and MoCo v3: a ViT's class token); one line for a feature it cannot read."""
+    vit = ["config=test/mocov3_tiny", *_VIT_TRUNK, "config.MODEL.TRUNK.OUT_FEATURES=[cls,avgpool]"]
+    model = build_model(load_config([*vit, "config.MODEL.HEAD.INPUT_FEATURE=cls"]).MODEL)
+    x = torch.randn(4, 3, 16, 16)
+    k, _ = model(x)
+    torch.testing.assert_close(k, model.head(model.trunk(x)["cls"])[0])
+    assert not torch.allclose(k, model.head(model.trunk(x)["avgpool"])[0])
+    problems = {
+        "cls": ("[avgpool]", "reads trunk feature 'cls': add it to MODEL.TRUNK.OUT_FEATURES"),
+        "tokens": ("[tokens]", "INPUT_FEATURE=tokens is not one of the trunk's vector features"),
+    }
+    for feature, (out, message) in problems.items():
+        wrong = [f"config.MODEL.TRUNK.OUT_FEATURES={out}", f"config.MODEL.HEAD.INPUT_FEATURE={feature}"]
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            build_model(load_config([*vit, *wrong]).MODEL)
+    dinov2 = ["config=test/dinov2_tiny", "config.MODEL.HEAD.INPUT_FEATURE=cls"]
+    with pytest.raises(ConfigError, match=re.escape("the dino head reads the trunk's 'sequence'")):
+        build_model(load_config(dinov2).MODEL)
 
 
 @pytest.mark.parametrize(

@@ -332,7 +332,7 @@ RUNS = {
         "config.DATA.TRAIN.DATA_LIMIT=384",
     ],
     # masked-image modelling: MAE's encoder on a quarter of the patches and its decoder on all of
-    # them; DINOv2's student with iBOT's masks, its teacher's logits of every patch (both sharded)
+    # them; DINOv2's student with iBOT's masks, its teacher's logits of the masked patches (both sharded)
     "mae_demo": [
         "config=pretrain/mae_vit_demo",
         "config.MODEL.FSDP_CONFIG.AUTO_TUNE=False",

@@ -11,7 +11,16 @@ from vistrain import cli
 from vistrain.distributed.testing import run_on_ranks
 from vistrain.fsdp import SegmentValues
 from vistrain.methods import get_defaults, load_config
-from vistrain.optim import LARS, build_lr_schedule, build_optimizer, lr_scaling_note, param_group_key, set_lr
+from vistrain.optim import (
+    LARS,
+    build_lr_schedule,
+    build_optimizer,
+    build_schedules,
+    clip_gradients,
+    lr_scaling_note,
+    param_group_key,
+    set_lr,
+)
 from vistrain.optim import lars as lars_module
 from vistrain.training.trainer import _build
 
@@ -304,12 +313,41 @@ def test_lars_under_ddp_matches_single_process():
             torch.testing.assert_close(p, ref.detach(), atol=1e-6, rtol=1e-5)
 
 
-def _train_two_steps(model, opt, rank):
+def _train_two_steps(model, opt, rank, clip=None):
     for step in range(2):
         x = torch.randn(4, 3, 5, 5, generator=torch.Generator().manual_seed(10 * step + rank))
         model(x).square().sum().backward()
+        if clip is not None:
+            clip(model)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+
+CLIP = 0.5  # clips some of _Model's parameters in these steps, not all
+
+
+def _dino_clip_gradients(model):
+    """DINO's utils.clip_gradients written out: each parameter's gradient norm clipped alone."""
+    clipped = 0
+    for p in model.parameters():
+        if p.grad is not None:
+            coef = CLIP / (p.grad.data.norm(2) + 1e-6)
+            if coef < 1:
+                p.grad.data.mul_(coef)
+                clipped += 1
+    return clipped
+
+
+def _torch_sharded_model():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from vistrain.fsdp import TorchShardedModel
+
+    model, mesh = _Model(), init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    fully_shard(model.head, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return TorchShardedModel(model)
 
 
 def _sharded_lars_worker(rank, world):
@@ -331,13 +369,50 @@ def _sharded_lars_worker(rank, world):
         _train_two_steps(model, build_optimizer(_LARS_DDP_CFG, model), rank)
         state = model.state_dict()
         worst[nested] = max((state[n] - ref[n]).abs().max().item() for n in ref)
-    return worst
+    # DINO's per-parameter clipping: the engine's (each original parameter's norm over the ranks'
+    # parts) and torch's fully_shard against DDP with DINO's loop, plain SGD
+    torch.manual_seed(0)
+    ddp, clipped = nn.parallel.DistributedDataParallel(_Model()), []
+    _train_two_steps(
+        ddp, torch.optim.SGD(ddp.parameters(), 0.1), rank, lambda m: clipped.append(_dino_clip_gradients(m))
+    )
+    ref = {n: p.detach() for n, p in ddp.module.named_parameters()}
+    for name, build in (
+        ("engine", lambda: FullyShardedDataParallel(_Model())),
+        ("torch", _torch_sharded_model),
+    ):
+        torch.manual_seed(0)
+        model = build()
+        clip = functools.partial(clip_gradients, max_norm=CLIP, per_parameter=True)
+        _train_two_steps(model, torch.optim.SGD(model.parameters(), 0.1), rank, clip)
+        state = model.state_dict()
+        worst[f"clip {name}"] = max((state[n] - ref[n]).abs().max().item() for n in ref)
+    return worst, clipped
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_sharded_lars_equals_ddp_lars(world):
-    for worst in run_on_ranks(_sharded_lars_worker, world):
+def test_sharded_lars_and_per_parameter_clipping_equal_ddp(world):
+    for worst, clipped in run_on_ranks(_sharded_lars_worker, world):
         assert max(worst.values()) < 1e-6, worst
+        assert all(0 < n < len(list(_Model().parameters())) for n in clipped), clipped
+
+
+def test_clipping_the_global_norm_or_each_parameters():
+    torch.manual_seed(0)
+    model, ref = _Model(), _Model()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(4, 3, 5, 5)
+    for m in (model, ref):
+        m(x).square().sum().backward()
+    clip_gradients(model, CLIP, per_parameter=True)
+    _dino_clip_gradients(ref)
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=0)
+    grads = [p.grad.clone() for p in model.parameters()]
+    clip_gradients(model, 0.1)  # torch's global norm
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, g * 0.1 / (total + 1e-6))
 
 
 def test_lars_rejects_bad_arguments():
@@ -396,6 +471,21 @@ def test_multistep_boundaries_with_warmup():
     assert {i: lr(i) for i in expected} == pytest.approx(expected)
 
 
+def test_dinos_weight_decay_schedule_sets_the_decaying_groups():
+    """DINO's utils.cosine_scheduler(0.04, 0.4, epochs, iterations), no warm-up, written out."""
+    cfg = _opt_cfg(name="adamw", weight_decay=0.04, num_epochs=3)
+    cfg.param_schedulers.weight_decay.name, cfg.param_schedulers.weight_decay.end_value = "cosine", 0.4
+    steps = torch.arange(3 * 5, dtype=torch.float64)
+    dino = 0.4 + 0.5 * (0.04 - 0.4) * (1 + torch.cos(math.pi * steps / len(steps)))
+    optimizer, schedules = build_optimizer(cfg, _Model()), build_schedules(cfg, 5)
+    del optimizer.param_groups[0]["weight_decay_multiplier"]  # a group saved before the key existed
+    for i, want in enumerate(dino.tolist()):
+        assert schedules.apply(optimizer, i) == schedules.lr(i)
+        decays = {g["name"]: g["weight_decay"] for g in optimizer.param_groups}
+        assert decays == pytest.approx({"decay": want, "no_decay": 0.0}, rel=1e-12)
+    assert build_schedules(_opt_cfg(), 5).weight_decay is None  # constant: the groups' own
+
+
 def test_constant_schedule():
     lr = build_lr_schedule(_sched_cfg(name="constant", base_value=0.3), iterations_per_epoch=4)
     assert [lr(i) for i in (0, 20, 39, 40, 100)] == [0.3] * 5
@@ -450,7 +540,7 @@ def test_the_linear_scaling_rule_scales_every_value_of_the_schedule():
 def _scaled_lrs(rank, world, argv):
     """The first steps' lr of a run of ``argv`` built on this rank (data, model, optimizer)."""
     run = _build(load_config(argv), torch.device("cpu"))
-    return [run.lr_schedule(i) for i in range(3)]
+    return [run.schedules.lr(i) for i in range(3)]
 
 
 def test_twice_the_ranks_train_at_twice_the_lr(tmp_path):

@@ -68,9 +68,10 @@ def _worker(rank, world, argv, steps, threads):
     crops = [torch.randn(c.shape) for c in meta_crops(crops_of(cfg.DATA.TRAIN), batch)]
 
     def step(iteration=0):
-        targets = teacher(criterion.teacher_crops(crops))
         student = criterion.student_crops(crops)
-        loss = criterion(model(student, **criterion.masking(student)), len(crops), targets)
+        masking = criterion.masking(student)
+        targets = teacher(criterion.teacher_crops(crops), **criterion.teacher_masking())
+        loss = criterion(model(student, **masking), len(crops), targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

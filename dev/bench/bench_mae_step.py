@@ -39,12 +39,12 @@ def _setup(recipe: str, image: int):
 def _step(setup, images):
     model, criterion, teacher, optimizer, crops = setup
     views = [images] * crops
-    targets = None
+    student = criterion.student_crops(views)
+    masking, targets = criterion.masking(student), None
     if teacher is not None:
         with torch.no_grad():
-            targets = teacher(criterion.teacher_crops(views))
-    student = criterion.student_crops(views)
-    loss = criterion(model(student, **criterion.masking(student)), len(views), targets)
+            targets = teacher(criterion.teacher_crops(views), **criterion.teacher_masking())
+    loss = criterion(model(student, **masking), len(views), targets)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

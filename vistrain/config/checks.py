@@ -193,6 +193,8 @@ RULES = {
     "OPTIMIZER.head_lr_multiplier": [at_least(0)],
     "OPTIMIZER.layer_decay": [above(0), at_most(1)],
     "OPTIMIZER.param_schedulers.lr.name": [one_of("lr schedules")],
+    "OPTIMIZER.param_schedulers.weight_decay.name": [one_of(("constant", "cosine"))],
+    "OPTIMIZER.param_schedulers.weight_decay.end_value": [at_least(0)],
     "OPTIMIZER.param_schedulers.lr.warmup_epochs": [at_least(0)],
     "OPTIMIZER.param_schedulers.lr.auto_lr_scaling.base_lr_batch_size": [at_least(1)],
     RUN_FOLDER_KEY: [writable_folder],

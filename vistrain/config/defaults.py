@@ -181,6 +181,10 @@ _C.MODEL.HEAD = CN()
 _C.MODEL.HEAD.NAME = ""
 _C.MODEL.HEAD.DIMS = [440, 512, 128]  # MLP dims: trunk output, hidden..., embedding
 _C.MODEL.HEAD.USE_BN = True  # BatchNorm between MLP layers
+# the trunk feature (one of MODEL.TRUNK.OUT_FEATURES) a head on one vector per image reads: "" its
+# own (avgpool: the pooled map, a ViT's mean patch token); a ViT's "cls": its class token (DINO's
+# and MoCo v3's authors). Heads on the token sequence (DINO's SEQUENCE, MAE) read "sequence"
+_C.MODEL.HEAD.INPUT_FEATURE = ""
 
 _C.MODEL.FSDP_CONFIG = CN()
 _C.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP = False  # shard the model with the engine instead of DDP
@@ -267,6 +271,9 @@ _C.OPTIMIZER.lars_eta = 0.001  # LARS trust coefficient
 _C.OPTIMIZER.lars_exclude_bias_and_norm = True  # LARS: plain SGD for biases and norm layers
 _C.OPTIMIZER.update_freq = 1  # gradient accumulation: optimizer step every N iterations
 _C.OPTIMIZER.clip_grad_norm = 0.0  # > 0: clip the global gradient norm to this value
+# with clip_grad_norm > 0: clip each parameter's gradient norm to it separately, DINO's
+# clip_gradients (False: the norm of all gradients together, torch's clip_grad_norm_)
+_C.OPTIMIZER.clip_grad_per_parameter = False
 # Sharded engine: update each shard inside backward as soon as its gradient is reduced, then free
 # that gradient (a rank never holds its whole gradient). Same numbers; no clip_grad_norm, no fp16.
 _C.OPTIMIZER.step_in_backward = False
@@ -279,6 +286,12 @@ _C.OPTIMIZER.param_schedulers.lr.warmup_epochs = 0.0  # linear warmup length (fr
 _C.OPTIMIZER.param_schedulers.lr.start_warmup_value = 0.0
 _C.OPTIMIZER.param_schedulers.lr.milestones = [30, 60]  # multistep: epochs where lr *= gamma
 _C.OPTIMIZER.param_schedulers.lr.gamma = 0.1
+# the weight decay of the decaying groups: constant (OPTIMIZER.weight_decay throughout) | cosine
+# (from OPTIMIZER.weight_decay at the first step to end_value at the last, no warm-up: DINO's
+# weight-decay schedule, 0.04 -> 0.4)
+_C.OPTIMIZER.param_schedulers.weight_decay = CN()
+_C.OPTIMIZER.param_schedulers.weight_decay.name = "constant"
+_C.OPTIMIZER.param_schedulers.weight_decay.end_value = 0.0  # cosine: the weight decay at the end
 # The linear scaling rule (Goyal et al. 2017; MAE: lr = base lr x batch / 256): with auto_scale the
 # schedule's values above (base_value, end_value, start_warmup_value) are the lr at
 # base_lr_batch_size images and train at value x global batch / base_lr_batch_size, global batch =

@@ -46,3 +46,19 @@ def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
     if comm.get_world_size() == 1:
         return t
     return comm.all_gather_with_grad(t.unsqueeze(0)).sum(dim=0)
+
+
+class _ScaleGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+def scale_gradient(t: torch.Tensor, factor: float) -> torch.Tensor:
+    """``t`` unchanged, its gradient times ``factor`` in backward (``t`` itself when factor is 1)."""
+    return t if factor == 1 else _ScaleGradient.apply(t, factor)

@@ -95,8 +95,8 @@ def lejepa_loss(
     directions. Both terms are global-batch statistics (sums over images, one all-reduce of the
     V*M*K characteristic-function sums and the invariance sum): every rank returns the
     single-process loss of the concatenated batch; gradients follow
-    ``vistrain.losses.global_batch``'s convention. Defaults are the paper's (lambda = 0.05, M =
-    1024 slices, 17 knots on [0, 3]).
+    ``vistrain.losses.global_batch``'s convention. Defaults are lightly's ``LeJEPALoss``'s (lambda
+    = 0.05, M = 1024 slices, 17 knots on [0, 3]); the authors' minimal example draws M = 256.
     """
     views = _check(global_views, local_views, sigreg_weight, num_slices, knots, t_max)
     num_views, n, dim = views.shape

@@ -4,7 +4,7 @@ The teacher model is built by the run (same builder, same wrap policy as the stu
 ``vistrain.runtime.teacher``); this object owns it and the momentum schedule, and is asked by the
 loop for two things only::
 
-    targets = teacher(teacher_crops)        # no_grad, train mode (batch statistics, as DINO/BYOL)
+    targets = teacher(teacher_crops, **masking)  # no_grad, train mode (batch statistics, as DINO/BYOL)
     teacher.update(student, iteration)      # after the optimizer step: t = m t + (1 - m) s
 """
 
@@ -34,10 +34,11 @@ class MomentumTeacher:
         self.total_iterations = total_iterations
         self._pairs = None  # (teacher tensors, student tensors), paired and checked at the first update
 
-    def __call__(self, crops):
-        """The teacher's output for ``crops``; no graph, weights resharded after each unit."""
+    def __call__(self, crops, **masking):
+        """The teacher's output for ``crops`` (``masking``: the criterion's ``teacher_masking()``);
+        no graph, weights resharded after each unit."""
         with torch.no_grad():
-            return self.model(crops)
+            return self.model(crops, **masking)
 
     def momentum(self, iteration: int) -> float:
         return cosine_momentum(self.start_momentum, iteration, self.total_iterations)

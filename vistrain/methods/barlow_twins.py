@@ -1,7 +1,8 @@
 """Barlow Twins (Zbontar et al., 2021): the cross-correlation matrix of the two views' embeddings,
 each standardised over the global batch, pushed towards the identity
-(``vistrain/losses/barlow_twins.py``); head "barlow_twins": the projector MLP. No teacher, exactly
-two crops per image."""
+(``vistrain/losses/barlow_twins.py``, the authors' ``main.py`` on one rank; on several its gradient
+is the global batch's, world_size times theirs unless ``authors_gradient_scale``); head
+"barlow_twins": the projector MLP. No teacher, exactly two crops per image."""
 
 import torch
 from fvcore.common.config import CfgNode
@@ -30,6 +31,10 @@ def section() -> CfgNode:
     # lambda, the weight of the off-diagonal (redundancy reduction) terms: 5e-3 in the paper, for
     # its 8192-wide projector
     c.off_diagonal_weight = 5e-3
+    # the gradient on more than one rank: False, the single-process gradient of the global batch
+    # (the loss's own); True, the authors' code's, 1 / world_size of it (their all_reduce of the
+    # cross-correlation lies outside autograd): like an lr divided by the ranks
+    c.authors_gradient_scale = False
     return c
 
 
@@ -43,15 +48,18 @@ def build_head(head_cfg) -> MLP:
 class BarlowTwinsCriterion(Criterion):
     """Barlow Twins on the projector's (2N, D) output, rows [0, N) view 1 and [N, 2N) view 2:
     ``sum_i (1 - C_ii)^2 + lambda sum_{i != j} C_ij^2`` with C the (D, D) cross-correlation of the
-    views standardised over the global batch (lightly's ``gather_distributed=True``)."""
+    views standardised over the global batch (the authors' SyncBatchNorm; not lightly's
+    ``gather_distributed``, which standardises per rank); the gradient of the global batch, or the
+    authors' 1 / world_size of it (``authors_gradient_scale``)."""
 
     def __init__(self, barlow_cfg, model_cfg=None):
         super().__init__()
         self.off_diagonal_weight = float(barlow_cfg.off_diagonal_weight)
+        self.authors_gradient_scale = bool(barlow_cfg.authors_gradient_scale)
 
     def forward(self, model_output, num_crops: int, teacher_output=None) -> torch.Tensor:
         z_a, z_b = two_views(model_output, num_crops, "barlow_twins_loss")
-        return barlow_twins_loss(z_a, z_b, self.off_diagonal_weight)
+        return barlow_twins_loss(z_a, z_b, self.off_diagonal_weight, self.authors_gradient_scale)
 
 
 HEAD = Head("barlow_twins", build_head)

@@ -26,9 +26,11 @@ class Criterion(nn.Module):
 
         criterion.set_iteration(iteration, cfg.SEED_VALUE)
         criterion.set_batch(batch)                           # its labels, for a method that reads them
-        targets = teacher(criterion.teacher_crops(crops)) if criterion.teacher_momentum else None
         student = criterion.student_crops(crops)
-        loss = criterion(model(student, **criterion.masking(student)), len(crops), targets)
+        masking = criterion.masking(student)
+        if criterion.teacher_momentum:
+            targets = teacher(criterion.teacher_crops(crops), **criterion.teacher_masking())
+        loss = criterion(model(student, **masking), len(crops), targets)
         loss.backward()
         criterion.before_optimizer_step(model, iteration)   # drops frozen_params' gradients
         optimizer.step()
@@ -55,6 +57,12 @@ class Criterion(nn.Module):
     def teacher_crops(self, crops: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """The crops the teacher sees, when there is one (all of them by default)."""
         return crops
+
+    def teacher_masking(self) -> Dict[str, object]:
+        """What the teacher's model takes of the last :meth:`masking` (``teacher(crops,
+        **teacher_masking())``; DINOv2: ``head_mask``, the student's masks for the teacher's head
+        alone); none by default."""
+        return {}
 
     def load_shared_state(self, state: dict) -> None:
         """Load the part of a saved ``state_dict()`` that every rank holds alike (e.g. a centre),
@@ -100,7 +108,8 @@ class Head:
     cannot take. ``keys()``: the MODEL.HEAD keys it reads besides NAME, DIMS and USE_BN, with their
     defaults (a comment per key); a key several heads read has one default. ``fp32_units``: module
     classes the wrap policy makes separate units kept in full precision (``vistrain.models.units``).
-    ``sized_by_trunk``: ``build(MODEL.HEAD, trunk)`` instead (MAE's decoder reads the patch grid).
+    ``sized_by_trunk``: ``build(MODEL.HEAD, trunk)`` instead (MAE's decoder reads the patch grid,
+    MoCo v3's predictor whether the trunk is a ViT).
     """
 
     name: str

@@ -1,6 +1,8 @@
 """DINO (Caron et al., 2021): self-distillation with a momentum teacher that sees the global crops
 only, its output centred and sharpened (``vistrain/losses/dino.py``); head "dino": an MLP, L2
 normalisation and a weight-normalised last layer kept in fp32 and frozen in the first epochs.
+DINO's other settings: ``OPTIMIZER.clip_grad_per_parameter``, ``param_schedulers.weight_decay``
+(0.04 -> 0.4) and the class token as the head's input (``MODEL.HEAD.INPUT_FEATURE: cls``).
 
 DINOv2's terms (Oquab et al., 2023), each switched on in LOSS.dino_loss (all off by default: DINO
 as it was): iBOT's masked-patch loss (``ibot_weight``; ``vistrain/losses/ibot.py``), the student's
@@ -35,7 +37,7 @@ from vistrain.losses.ibot import (
 from vistrain.losses.koleo import koleo_loss
 from vistrain.methods.base import Criterion, Head, LossCollective, Method, global_crops_fit, modules_of
 from vistrain.models.heads.mlp import MLP
-from vistrain.models.masking import ibot_masks, mask_to
+from vistrain.models.masking import ibot_masked_bound, ibot_masks, mask_to
 from vistrain.models.trunks import TokenLayout, token_layout
 
 CENTERINGS = ("centre", "sinkhorn_knopp")
@@ -137,13 +139,15 @@ class DINOTokensHead(DINOHead):
     -> :class:`DINOTokens`, float32 logits.
 
     ``sequences``: one (n_r, 1 + L_r, D) "sequence" per run of crops of one resolution (class
-    token first); ``mask``: None (the teacher: every patch of every crop is scored, (C*N*L, K')
-    image by image) or one (n_r, L_r) bool or None per run (the student: only the masked patches,
-    in ``mask.nonzero()`` order; ``patch_logits`` None where no patch is masked). The class
+    token first); ``mask``: one (n_r, L_r) bool or None per run, or None: the patches scored are
+    the masked ones, selected before the head, in ``mask.nonzero()`` order (``patch_logits`` None
+    where no patch is masked), as DINOv2's ``ssl_meta_arch.py`` selects them for the student and
+    for the teacher (which sees the crops unmasked: ``SSLModel``'s ``head_mask``). The class
     tokens go through the DINO head; the patch tokens through it too (iBOT with DINO's head) or
     through ``patch_head``, a head of the same dims with its own last layer ``patch_out_dim``
     wide (DINOv2's separate iBOT head). Each kind of token is its own batch (its own BatchNorm
-    statistics, when the head has BatchNorm).
+    statistics, when the head has BatchNorm: the teacher's, like the student's, see the masked
+    patches only; DINOv2's shared head, without BatchNorm by default, runs both kinds at once).
     """
 
     in_feature = "sequence"
@@ -156,10 +160,7 @@ class DINOTokensHead(DINOHead):
 
     def forward(self, sequences: Sequence[torch.Tensor], mask=None) -> DINOTokens:
         class_tokens = torch.cat([s[:, 0] for s in sequences])
-        if mask is None:
-            patches = [s[:, 1:].flatten(0, 1) for s in sequences]
-        else:
-            patches = [s[:, 1:][m] for s, m in zip(sequences, mask) if m is not None]
+        patches = [s[:, 1:][m] for s, m in zip(sequences, mask or ()) if m is not None]
         class_logits = super().forward(class_tokens)
         if not patches:
             return DINOTokens(class_logits, class_tokens, None)
@@ -238,7 +239,7 @@ class DINOCriterion(Criterion):
                 dino_cfg.mask_ratio_range,
                 dino_cfg.mask_sample_probability,
             )
-        self._pending: Optional[torch.Tensor] = None  # the (G*N, L) masks of the last masking()
+        self._pending: Optional[List[torch.Tensor]] = None  # the (N, L) masks per global crop of masking()
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -253,15 +254,18 @@ class DINOCriterion(Criterion):
         return crops[: self.num_global_crops]
 
     def masking(self, crops: Sequence[torch.Tensor]):
-        """``mask``: one (N, L) mask per global crop (an empty list without iBOT: the head then
-        scores no patch of the student); nothing for the head on avgpool."""
-        if not self.sequence:
+        """``mask``: one (N, L) mask per global crop (none without iBOT: the head then scores no
+        patch); nothing for the head on avgpool."""
+        if not self.sequence or self.ibot_weight == 0:
             return {}
-        if self.ibot_weight == 0:
-            return {"mask": []}
         masks = self.masks(crops[: self.num_global_crops])
-        self._pending = masks
-        return {"mask": list(mask_to(masks, crops[0].device).chunk(self.num_global_crops))}
+        self._pending = list(mask_to(masks, crops[0].device).chunk(self.num_global_crops))
+        return {"mask": self._pending}
+
+    def teacher_masking(self):
+        """``head_mask``: the masks ``masking`` drew, for the teacher's head alone (its trunk sees
+        the global crops whole): it scores the same patches as the student, as DINOv2."""
+        return {} if self._pending is None else {"head_mask": self._pending}
 
     def forward(self, model_output, num_crops: int, teacher_output=None) -> torch.Tensor:
         if teacher_output is None:
@@ -291,15 +295,15 @@ class DINOCriterion(Criterion):
         return dino_cross_entropy(student, targets.chunk(len(teacher)), self.loss.student_temp)
 
     def _ibot(self, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-        """iBOT on the masked patches: the student's (M, K') against the teacher's rows of the
-        same patches, picked from its (G*N*L, K') by the masks ``masking`` drew."""
+        """iBOT on the masked patches: the student's (M, K') against the teacher's (M, K') of the
+        same patches (both heads scored the patches of the masks ``masking`` drew)."""
         masks, self._pending = self._pending, None
-        if masks is None:
+        if masks is None or teacher is None or teacher.shape != student.shape:
             raise ValueError(
-                "dino_loss with ibot_weight > 0 scores the patches masking() masked: call it first"
+                "dino_loss with ibot_weight > 0 scores the patches masking() masked, the teacher's "
+                "with teacher_masking(): call both before the forwards"
             )
-        masks = masks.to(teacher.device)
-        teacher = teacher.reshape(*masks.shape, -1)[masks]
+        masks = torch.cat(masks).to(teacher.device)
         if self.cfg.centering == "centre":
             return self.ibot(student, teacher, masks, self.teacher_temp())
         targets = sinkhorn_knopp_teacher(teacher, self.teacher_temp())
@@ -374,7 +378,8 @@ def collectives(cfg: CfgNode, world: int) -> List[LossCollective]:
 def loss_memory(cfg: CfgNode) -> int:
     """The teacher's output, alive from before the student's forward to the end of its backward
     (fp32): the class logits (G*N, K), with the head on the sequence the class tokens (G*N, DIMS[0]) and,
-    with iBOT, the logits of every patch of the global crops (G*N*L, K'), L = (side / patch)^2."""
+    with iBOT, the logits of the masked patches of the global crops (M, K'), M at most
+    ``ibot_masked_bound`` of the G*N images of L = (side / patch)^2 patches."""
     c, head, transforms = cfg.LOSS.dino_loss, cfg.MODEL.HEAD, cfg.DATA.TRAIN.TRANSFORMS
     rows = int(c.num_global_crops) * cfg.DATA.TRAIN.BATCHSIZE_PER_REPLICA
     elements = rows * head.OUT_DIM
@@ -382,7 +387,8 @@ def loss_memory(cfg: CfgNode) -> int:
         elements += rows * head.DIMS[0]  # the class tokens, the trunk's width
     if head.SEQUENCE and c.ibot_weight > 0:
         patches = (transforms.SIZE_CROPS[0] // _layout(cfg.MODEL.TRUNK).patch_size) ** 2
-        elements += rows * patches * (head.PATCH_OUT_DIM or head.OUT_DIM)
+        masked = ibot_masked_bound(rows, patches, c.mask_ratio_range, c.mask_sample_probability)
+        elements += masked * (head.PATCH_OUT_DIM or head.OUT_DIM)
     return elements * 4
 
 

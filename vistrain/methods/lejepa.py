@@ -15,7 +15,7 @@ from vistrain.losses.lejepa import lejepa_loss
 from vistrain.methods.base import Criterion, Head, LossCollective, Method, global_crops_fit
 from vistrain.models.heads.mlp import MLP
 
-KNOTS = 17  # the Epps-Pulley integral's points on [0, T_MAX] (the paper's and lightly's)
+KNOTS = 17  # the Epps-Pulley integral's points on [0, T_MAX] (the authors' minimal example's and lightly's)
 T_MAX = 3.0
 # the loss's peak over the model's activations, in (V, N, M, K) fp32 tensors: 5.4-8.6 of them
 # (python dev/bench/bench_loss_memory.py; 6.8 at the demo's V = 4, N = 64, M = 1024)
@@ -28,8 +28,10 @@ def section() -> CfgNode:
     # the first crops: the global views, whose mean embedding every view is pulled towards; the
     # others are local views (lightly's example: DINO's 2 global + 6 local crops)
     c.num_global_crops = 2
-    c.sigreg_weight = 0.05  # lambda: lambda SIGReg + (1 - lambda) prediction (the paper's 0.05)
-    c.num_slices = 1024  # random directions SIGReg tests per step, new every step (the paper's 1024)
+    c.sigreg_weight = 0.05  # lambda: lambda SIGReg + (1 - lambda) prediction (lightly's 0.05)
+    # random directions SIGReg tests per step, new every step: lightly's default 1024; the authors'
+    # minimal example (rbalestr-lab/lejepa MINIMAL.md) draws 256
+    c.num_slices = 1024
     return c
 
 

@@ -1,8 +1,10 @@
 """MoCo v3 (Chen, Xie and He, 2021): the student's prediction of one view against the momentum
 teacher's projections of the other view of every image of the global batch, InfoNCE with a
 temperature, symmetrised (``vistrain/losses/moco.py``); head "moco_v3": a projector and a
-predictor MLP with BatchNorm in every layer. Exactly two crops per image; on a ViT the paper's
-frozen random patch projection is ``MODEL.TRUNK.VIT.FROZEN_PATCH_PROJECTION``."""
+predictor MLP as the authors' ``moco/builder.py`` builds them (``MoCo_ResNet``, ``MoCo_ViT``).
+Exactly two crops per image; on a ViT the paper's frozen random patch projection is
+``MODEL.TRUNK.VIT.FROZEN_PATCH_PROJECTION`` and the authors' head reads the class token
+(``MODEL.HEAD.INPUT_FEATURE: cls``; the default reads the mean patch token)."""
 
 from typing import List, Sequence, Tuple
 
@@ -41,14 +43,22 @@ class MoCoV3Head(nn.Module):
     The hidden layers of both MLPs are 4096-d and are with ReLU; the output layers of both MLPs
     are 256-d, without ReLU. ... all layers in both MLPs have BN" (the output layers' BN without
     affine parameters, as the authors' ``_build_mlp``). The authors' projector has 2 layers on a
-    ResNet ([2048, 4096, 256]) and 3 on a ViT; the predictor [256, 4096, 256]. The momentum
-    teacher is built by the same builder (so it holds a predictor too, averaged but unused): the
-    loss reads the student's predictions and the teacher's projections.
+    ResNet ([2048, 4096, 256]) and 3 on a ViT; the predictor [256, 4096, 256]. Their code departs
+    from that sentence on a ResNet: its predictor's last layer has no BatchNorm
+    (``MoCo_ResNet``: ``_build_mlp(2, dim, mlp_dim, dim, False)``), and neither has its bias.
+    ``token_trunk``: the trunk is a ViT (it has a token sequence), which keeps the predictor's
+    last BN; on any other trunk the predictor ends in a plain Linear without bias, as the
+    authors' ResNet. The other Linear layers keep a bias (the authors' have none), which the
+    BatchNorm after each cancels. The momentum teacher is built by the same builder (so it holds
+    a predictor too, averaged but unused): the loss reads the student's predictions and the
+    teacher's projections.
     """
 
     in_feature = "avgpool"
 
-    def __init__(self, dims: Sequence[int], predictor_dims: Sequence[int], use_bn: bool):
+    def __init__(
+        self, dims: Sequence[int], predictor_dims: Sequence[int], use_bn: bool, token_trunk: bool = True
+    ):
         super().__init__()
         self.projection = MLP(dims, use_bn, last_bn=True)
         if int(predictor_dims[0]) != self.projection.dims[-1]:
@@ -56,15 +66,17 @@ class MoCoV3Head(nn.Module):
                 f"MODEL.HEAD.PREDICTOR_DIMS[0] must equal MODEL.HEAD.DIMS[-1] ({self.projection.dims[-1]}), "
                 f"got {predictor_dims[0]}"
             )
-        self.predictor = MLP(predictor_dims, use_bn, last_bn=True)
+        self.predictor = MLP(predictor_dims, use_bn, last_bn=token_trunk, bias=token_trunk)
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         k = self.projection(x)
         return k, self.predictor(k)
 
 
-def build_head(head_cfg) -> MoCoV3Head:
-    return MoCoV3Head(head_cfg.DIMS, head_cfg.PREDICTOR_DIMS, head_cfg.USE_BN)
+def build_head(head_cfg, trunk: nn.Module) -> MoCoV3Head:
+    """The head for ``trunk``: a ViT's (a trunk with a token sequence) or a ResNet's."""
+    token_trunk = "sequence" in trunk.feature_dims
+    return MoCoV3Head(head_cfg.DIMS, head_cfg.PREDICTOR_DIMS, head_cfg.USE_BN, token_trunk)
 
 
 class MoCoV3Criterion(Criterion):
@@ -93,7 +105,7 @@ def collectives(cfg: CfgNode, world: int) -> List[LossCollective]:
     return [LossCollective("all_gather", keys, 2)]
 
 
-HEAD = Head("moco_v3", build_head, head_keys)
+HEAD = Head("moco_v3", build_head, head_keys, sized_by_trunk=True)
 
 METHOD = Method(
     name="moco_v3_loss",

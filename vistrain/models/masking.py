@@ -115,6 +115,17 @@ def ibot_masks(
     return masks[torch.randperm(batch, generator=generator)]
 
 
+def ibot_masked_bound(
+    batch: int, num_patches: int, ratio_range: Tuple[float, float], sample_probability: float
+) -> int:
+    """The most patches :func:`ibot_masks` can mask in a batch (DINOv2's collate ``upperbound``):
+    image i of the n masked ones at most ``int(L * (low + (i + 1) (high - low) / n))``, at least 1."""
+    low, high = ratio_range
+    num_masked = min(batch, max(1, int(batch * sample_probability)))
+    step = (high - low) / num_masked
+    return sum(max(1, int(num_patches * (low + (i + 1) * step))) for i in range(num_masked))
+
+
 def mask_to(mask: torch.Tensor, device) -> torch.Tensor:
     """A boolean mask on ``device``, but kept where it is when ``device`` is meta: the mask's values
     decide the shape of what it selects (``tokens[mask]``: (M, D), M its True count), so a forward

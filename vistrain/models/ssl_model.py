@@ -12,6 +12,7 @@ Crops = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 class SSLModel(nn.Module):
     """``forward(crops)`` with crops a Tensor (N, 3, H, W) or a list of C such tensors (views).
+    The head reads the trunk feature ``in_feature`` (default: the one the head declares).
 
     Consecutive crops of the same resolution are concatenated and go through the trunk together
     (as in SwAV's multi-crop), so the trunk runs once per run of equal resolutions; the head then
@@ -32,13 +33,17 @@ class SSLModel(nn.Module):
     resolutions, and ``mask=`` a list aligned with it: ``head([f_1, ...], mask=None)`` without
     masking, else ``mask=[m_1 or None, ...]`` with ``forward(crops, mask=[(N, L) or None, ...])``
     masking the first crops (a list aligned with them: the global crops; the others unmasked).
+    ``forward(crops, head_mask=[...])`` hands the head the same masks but leaves the trunk's
+    input whole: a teacher that sees every patch and scores the ones the student's masks hide
+    (DINOv2's iBOT).
     """
 
-    def __init__(self, trunk: nn.Module, head: nn.Module):
+    def __init__(self, trunk: nn.Module, head: nn.Module, in_feature: Optional[str] = None):
         super().__init__()
         self.trunk = trunk
         self.head = head
-        in_feature = getattr(head, "in_feature", None)
+        self.in_feature = in_feature if in_feature is not None else getattr(head, "in_feature", None)
+        in_feature = self.in_feature
         if in_feature is not None and in_feature not in trunk.out_features:
             raise ConfigError(
                 f"the head reads trunk feature {in_feature!r}: add it to MODEL.TRUNK.OUT_FEATURES "
@@ -47,7 +52,7 @@ class SSLModel(nn.Module):
 
     def forward(self, crops: Crops, **masking):
         crops = _as_crop_list(crops)
-        in_feature = getattr(self.head, "in_feature", None)
+        in_feature = self.in_feature
         if getattr(self.head, "by_resolution", False):
             return self._by_resolution(crops, in_feature, **masking)
         if masking:
@@ -63,11 +68,17 @@ class SSLModel(nn.Module):
         features = [self.trunk(torch.cat(group))[in_feature] for group in _same_resolution_runs(crops)]
         return self.head(torch.cat(features))
 
-    def _by_resolution(self, crops: List[torch.Tensor], in_feature: str, mask=None, **others):
-        """``head(features per run, mask=masks per run)``; ``mask`` a list of per-crop (N, L)
-        masks (or None) for the first crops, None for no masking at all."""
-        if others or (mask is not None and (isinstance(mask, torch.Tensor) or len(mask) > len(crops))):
-            raise ValueError("this head takes mask=[a mask (N, L) or None for each of the first crops] only")
+    def _by_resolution(self, crops: List[torch.Tensor], in_feature: str, mask=None, head_mask=None, **others):
+        """``head(features per run, mask=masks per run)``; ``mask`` (trunk and head) or
+        ``head_mask`` (the head only) a list of per-crop (N, L) masks (or None) for the first
+        crops, None for no masking at all."""
+        trunk_masked, both = head_mask is None, mask is not None and head_mask is not None
+        mask = mask if trunk_masked else head_mask
+        wrong = mask is not None and (isinstance(mask, torch.Tensor) or len(mask) > len(crops))
+        if others or wrong or both:
+            raise ValueError(
+                "this head takes mask= or head_mask=[a mask (N, L) or None for each of the first crops] only"
+            )
         features, run_masks, start = [], [], 0
         for run in _same_resolution_runs(crops):
             masks = [
@@ -76,7 +87,7 @@ class SSLModel(nn.Module):
             ]
             start += len(run)
             run_mask = _run_mask(run, masks)
-            kwargs = {} if run_mask is None else {"mask": run_mask}
+            kwargs = {} if run_mask is None or not trunk_masked else {"mask": run_mask}
             features.append(self.trunk(torch.cat(run), **kwargs)[in_feature])
             run_masks.append(run_mask)
         return self.head(features, mask=None if mask is None else run_masks)

@@ -1,10 +1,12 @@
-"""Optimizers (SGD, LARS, AdamW) with parameter groups, and learning-rate schedules.
+"""Optimizers (SGD, LARS, AdamW) with parameter groups, learning-rate and weight-decay
+schedules, gradient clipping.
 
 Usage (the trainer)::
 
     optimizer = build_optimizer(cfg.OPTIMIZER, model)          # plain, DDP or sharded model
-    schedule = build_lr_schedule(cfg.OPTIMIZER, len(loader), global_batch)  # images per step
-    set_lr(optimizer, schedule(iteration))                     # every iteration, before step()
+    schedules = build_schedules(cfg.OPTIMIZER, len(loader), global_batch)  # images per step
+    lr = schedules.apply(optimizer, iteration)                 # every iteration, before step()
+    clip_gradients(model, max_norm, per_parameter)             # after backward, before step()
 """
 
 from typing import Callable, Dict, List, Optional
@@ -12,11 +14,30 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
+from vistrain.optim.clipping import clip_gradients
 from vistrain.optim.lars import LARS
 from vistrain.optim.param_groups import LayerOf, build_param_groups, param_group_key
-from vistrain.optim.schedulers import build_lr_schedule, lr_scaling_note, set_lr
+from vistrain.optim.schedulers import (
+    ParamSchedules,
+    build_lr_schedule,
+    build_schedules,
+    lr_scaling_note,
+    set_lr,
+    set_weight_decay,
+)
 
-__all__ = ["LARS", "build_lr_schedule", "build_optimizer", "lr_scaling_note", "param_group_key", "set_lr"]
+__all__ = [
+    "LARS",
+    "ParamSchedules",
+    "build_lr_schedule",
+    "build_optimizer",
+    "build_schedules",
+    "clip_gradients",
+    "lr_scaling_note",
+    "param_group_key",
+    "set_lr",
+    "set_weight_decay",
+]
 
 
 def _sgd(groups: List[dict], opt_cfg, lr: float) -> torch.optim.Optimizer:

@@ -61,6 +61,7 @@ class GroupTraits:
         out = {
             "name": self.key,
             "weight_decay": float(opt_cfg.weight_decay) if self.decay else 0.0,
+            "weight_decay_multiplier": 1.0 if self.decay else 0.0,  # of a weight-decay schedule
             "lr_multiplier": multiplier,
         }
         if opt_cfg.name == "lars":
@@ -131,12 +132,12 @@ def _iter_owned_params(model: nn.Module) -> Iterator[Tuple[str, nn.Module, nn.Pa
 def build_param_groups(opt_cfg, model: nn.Module, layer_of: Optional[LayerOf] = None) -> List[dict]:
     """torch.optim parameter groups for ``model`` (plain, DDP-wrapped or sharded by vistrain.fsdp).
 
-    Returns dicts ``{"params", "name", "weight_decay", "lr_multiplier"[, "lars_exclude"][,
-    "fixed_lr"]}`` in order of first appearance; parameters with ``requires_grad=False`` are skipped
-    and empty groups are dropped. With ``opt_cfg.layer_decay`` != 1 every layer of ``layer_of`` is a
-    group of its own (lr_multiplier ``layer_decay ** (L - l)``). Raises ValueError when nothing is
-    trainable, or for a layer decay without ``layer_of``; ConfigError for a ``fixed_lr_params``
-    prefix that names no trainable parameter.
+    Returns dicts ``{"params", "name", "weight_decay", "weight_decay_multiplier", "lr_multiplier"[,
+    "lars_exclude"][, "fixed_lr"]}`` in order of first appearance; parameters with
+    ``requires_grad=False`` are skipped and empty groups are dropped. With ``opt_cfg.layer_decay``
+    != 1 every layer of ``layer_of`` is a group of its own (lr_multiplier ``layer_decay ** (L -
+    l)``). Raises ValueError when nothing is trainable, or for a layer decay without ``layer_of``;
+    ConfigError for a ``fixed_lr_params`` prefix that names no trainable parameter.
     """
     if float(opt_cfg.layer_decay) != 1.0 and layer_of is None:
         raise ValueError(

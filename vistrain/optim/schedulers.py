@@ -1,4 +1,4 @@
-"""Learning-rate schedules on fvcore's param schedulers, evaluated per global iteration.
+"""Learning-rate and weight-decay schedules on fvcore's param schedulers, per global iteration.
 
 fvcore schedulers map training progress ``where`` in [0, 1) to a value. We convert a global
 iteration to ``where = iteration / (num_epochs * iterations_per_epoch)`` and put an optional
@@ -172,6 +172,52 @@ def build_lr_schedule(
         )
     scale = lr_scale(lr_cfg, global_batch)
     return LRSchedule(main, round(num_epochs * iterations_per_epoch), warmup, rescaled, scale)
+
+
+def build_weight_decay_schedule(opt_cfg, iterations_per_epoch: int) -> Optional[LRSchedule]:
+    """``iteration -> weight decay`` of ``opt_cfg.param_schedulers.weight_decay``; None for
+    "constant" (the groups keep ``OPTIMIZER.weight_decay``). "cosine": DINO's ``cosine_scheduler``
+    (no warm-up), ``end + (base - end) (1 + cos(pi i / T)) / 2`` at step i of T, base
+    ``OPTIMIZER.weight_decay``."""
+    wd_cfg = opt_cfg.param_schedulers.weight_decay
+    if wd_cfg.name == "constant":
+        return None
+    if wd_cfg.name != "cosine":
+        raise ValueError(f"unknown weight_decay schedule '{wd_cfg.name}'; valid: constant, cosine")
+    cosine = CosineParamScheduler(float(opt_cfg.weight_decay), float(wd_cfg.end_value))
+    return LRSchedule(cosine, round(float(opt_cfg.num_epochs) * iterations_per_epoch))
+
+
+class ParamSchedules:
+    """``OPTIMIZER.param_schedulers``: the lr's (:func:`build_lr_schedule`) and the weight
+    decay's (:func:`build_weight_decay_schedule`, None: constant); ``apply(optimizer, iteration)``
+    sets both for the step and returns the lr."""
+
+    def __init__(self, lr: LRSchedule, weight_decay: Optional[LRSchedule] = None):
+        self.lr, self.weight_decay = lr, weight_decay
+
+    def apply(self, optimizer: Optimizer, iteration: int) -> float:
+        lr = self.lr(iteration)
+        set_lr(optimizer, lr, self.lr.peak)
+        if self.weight_decay is not None:
+            set_weight_decay(optimizer, self.weight_decay(iteration))
+        return lr
+
+
+def build_schedules(opt_cfg, iterations_per_epoch: int, global_batch: Optional[int] = None) -> ParamSchedules:
+    """The :class:`ParamSchedules` of ``opt_cfg`` (``cfg.OPTIMIZER``) for a training run."""
+    return ParamSchedules(
+        build_lr_schedule(opt_cfg, iterations_per_epoch, global_batch),
+        build_weight_decay_schedule(opt_cfg, iterations_per_epoch),
+    )
+
+
+def set_weight_decay(optimizer: Optimizer, weight_decay: float) -> None:
+    """Set every group's weight decay to ``weight_decay * group["weight_decay_multiplier"]`` (1
+    for the groups that decay, 0 for the others; a group loaded without it: 1 if it decays now)."""
+    for group in optimizer.param_groups:
+        multiplier = group.setdefault("weight_decay_multiplier", float(group["weight_decay"] > 0))
+        group["weight_decay"] = weight_decay * multiplier
 
 
 def set_lr(optimizer: Optimizer, lr: float, peak: Optional[float] = None) -> None:

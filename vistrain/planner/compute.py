@@ -12,7 +12,7 @@ activations exist at a time, so it runs for models that do not fit a rank whole.
 
 import copy
 import time
-from typing import List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -23,10 +23,14 @@ from vistrain.torch_compat import BatchNormBase
 
 
 def unit_calls(
-    model: nn.Module, crops: List[torch.Tensor], head_units: Sequence[type] = ()
+    model: nn.Module,
+    crops: List[torch.Tensor],
+    head_units: Sequence[type] = (),
+    masking: Optional[Callable] = None,
 ) -> List[Tuple[nn.Module, torch.Size]]:
     """``(unit, input shape)`` of every outermost unit call of one forward of ``model`` (meta);
-    ``head_units``: the head's fp32 unit classes (``ModelShapes.head_units``)."""
+    ``head_units``: the head's fp32 unit classes (``ModelShapes.head_units``); ``masking``: the
+    method's (``ModelShapes.masking``), whose masks decide what a masked-image head scores."""
     classes = tuple(unit_classes(False, "block", head_units, model))
     calls, depth = [], [0]
 
@@ -44,7 +48,7 @@ def unit_calls(
             hooks += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
     try:
         with torch.no_grad():
-            model(crops)
+            model(crops, **(masking(crops) if masking is not None else {}))
     finally:
         for hook in hooks:
             hook.remove()
@@ -79,7 +83,6 @@ def time_unit(meta_unit: nn.Module, shape: torch.Size, device: torch.device, fir
 def compute_seconds(shape: RunShape, device: torch.device) -> float:
     """Seconds of one step's forward and backward on one rank of ``shape`` (its batch per rank and
     crops) on ``device`` with this process's threads, measured unit by unit."""
-    calls = unit_calls(
-        shape.model.model, meta_crops(shape.crops, shape.batch, shape.model.channels), shape.model.head_units
-    )
+    crops = meta_crops(shape.crops, shape.batch, shape.model.channels)
+    calls = unit_calls(shape.model.model, crops, shape.model.head_units, shape.model.masking)
     return sum(time_unit(unit, shape, device, first=i == 0) for i, (unit, shape) in enumerate(calls))

@@ -43,7 +43,7 @@ from vistrain.fsdp import (
 )
 from vistrain.losses import MomentumTeacher
 from vistrain.methods import build_method, build_model
-from vistrain.optim import build_lr_schedule, build_optimizer, lr_scaling_note, set_lr
+from vistrain.optim import ParamSchedules, build_optimizer, build_schedules, clip_gradients, lr_scaling_note
 from vistrain.planner.across_nodes import choose_across_nodes
 from vistrain.planner.auto_tune import check_same_knobs, exact_knobs_of
 from vistrain.runtime import precision
@@ -76,6 +76,7 @@ class StepSettings:
     clip_grad_norm: float
     in_backward: Optional[OptimizerInBackward]  # the step runs inside backward (sharded engine)
     memory_format: torch.memory_format = torch.contiguous_format  # of the image batches (N, C, H, W)
+    clip_per_parameter: bool = False  # each parameter's norm clipped on its own (DINO), not the global
 
 
 @dataclasses.dataclass
@@ -86,7 +87,7 @@ class _Run:
     model: nn.Module
     criterion: nn.Module
     optimizer: torch.optim.Optimizer
-    lr_schedule: object
+    schedules: ParamSchedules
     settings: StepSettings
     layout: EpochLayout
     num_epochs: int
@@ -170,7 +171,7 @@ def _build(cfg, device: torch.device) -> _Run:
     if note:
         logger.info(note)
     return _Run(
-        loader, model, criterion, optimizer, build_lr_schedule(cfg.OPTIMIZER, iters_per_epoch, step_batch),
+        loader, model, criterion, optimizer, build_schedules(cfg.OPTIMIZER, iters_per_epoch, step_batch),
         settings, layout, cfg.OPTIMIZER.num_epochs, teacher,
     )  # fmt: skip
 
@@ -198,8 +199,7 @@ def _train_epochs(cfg, run: _Run, iteration: int) -> None:
         set_epoch(run.loader, epoch, start_iteration=skip if epoch == start_epoch else 0)
         criterion.set_epoch(epoch)
         for batch, waited in timed(run.loader):  # waited: seconds this step waited for its batch
-            lr = run.lr_schedule(iteration)
-            set_lr(optimizer, lr, run.lr_schedule.peak)
+            lr = run.schedules.apply(optimizer, iteration)  # the step's lr and weight decay
             group = _accumulation_group(
                 iteration - epoch * iters_per_epoch, iters_per_epoch, settings.update_freq
             )
@@ -280,9 +280,11 @@ def _forward_backward(
         with torch.autocast(
             s.device.type, dtype=s.amp_dtype or torch.float32, enabled=s.amp_dtype is not None
         ):
-            targets = teacher(criterion.teacher_crops(crops)) if teacher is not None else None
             student = criterion.student_crops(crops)
-            loss = criterion(model(student, **criterion.masking(student)), len(crops), targets)
+            masking, targets = criterion.masking(student), None  # the masks first: the teacher may read them
+            if teacher is not None:
+                targets = teacher(criterion.teacher_crops(crops), **criterion.teacher_masking())
+            loss = criterion(model(student, **masking), len(crops), targets)
         # dividing by the group size makes the accumulated gradient the mean over its micro-batches
         scaled = loss / group.size
         try:
@@ -323,10 +325,7 @@ def _optimizer_step(model: nn.Module, criterion, optimizer, s: StepSettings, ite
     if s.clip_grad_norm > 0:
         if s.scaling is not None:
             s.scaling.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-        if backend_of(model) is not Backend.REPLICATED:  # sharded: the norm spans all shards
-            model.clip_grad_norm_(s.clip_grad_norm)
-        else:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip_grad_norm)
+        clip_gradients(model, s.clip_grad_norm, s.clip_per_parameter)  # global, or DINO's per parameter
     if s.scaling is not None:
         s.scaling.step(optimizer)  # skipped when some rank found an inf/NaN gradient
     else:
@@ -361,6 +360,7 @@ def _step_settings(cfg, model: nn.Module, optimizer, device: torch.device) -> St
         float(cfg.OPTIMIZER.clip_grad_norm),
         in_backward,
         memory_format,
+        clip_per_parameter=bool(cfg.OPTIMIZER.clip_grad_per_parameter),
     )
 
 
