@@ -38,6 +38,7 @@ from vistrain.checkpoint.files import (
     find_latest_checkpoint,
     safe_load,
 )
+from vistrain.checkpoint.input_conv import adapt_input_conv, adaptable, first_conv_weight
 from vistrain.checkpoint.key_map import (
     KeyMap,
     find_key_map,
@@ -221,17 +222,20 @@ def _load_targets(model: nn.Module) -> dict:
     return {name: t for name, t in named if name in names}
 
 
-def _assign(target: torch.Tensor, source: "WeightsSource", key: str) -> None:
-    """Copy checkpoint tensor ``key`` into ``target``; a meta target (per-unit initialisation)
-    instead records the read, done when the sharded engine creates the target's unit."""
+def _assign(target: torch.Tensor, source: "WeightsSource", key: str, adapt: bool = False) -> None:
+    """Copy checkpoint tensor ``key`` into ``target`` (``adapt``: RGB kernels adapted to the
+    target's input channels, ``input_conv.adapt_input_conv``); a meta target (per-unit
+    initialisation) instead records the read, done when the sharded engine creates the target's unit."""
+    channels = target.shape[1] if adapt else 0
     if target.is_meta:
-        defer_value(target, functools.partial(_read_as, source, key, target.dtype))
+        defer_value(target, functools.partial(_read_as, source, key, target.dtype, channels))
     else:
-        target.copy_(source.read(key))
+        target.copy_(_read_as(source, key, target.dtype, channels))
 
 
-def _read_as(source: "WeightsSource", key: str, dtype: torch.dtype) -> torch.Tensor:
-    return source.read(key).to(dtype)
+def _read_as(source: "WeightsSource", key: str, dtype: torch.dtype, channels: int = 0) -> torch.Tensor:
+    tensor = source.read(key)
+    return (adapt_input_conv(tensor, channels) if channels else tensor).to(dtype)
 
 
 @torch.no_grad()
@@ -254,12 +258,21 @@ def load_pretrained(model: nn.Module, weights_cfg, only_prefix: str = "") -> Loa
         raise CheckpointError(f"{source.path}: holds no key starting with {only_prefix!r}")
     key_map = _key_map(weights_cfg, shapes, targets)
     report = LoadReport(source.path, key_map)
+    first_conv = first_conv_weight(model)
     for key, shape in shapes.items():
         name = key_map(key)
         if any(s in name for s in weights_cfg.SKIP_LAYERS):
             report.skipped.append(name)
         elif name not in targets:
             (report.classifier if key_map.is_classifier(key) else report.unexpected).append(name)
+        elif name == first_conv and adaptable(shape, targets[name].shape):
+            _assign(targets[name], source, key, adapt=True)
+            report.loaded.append(name)
+            channels = targets[name].shape[1]
+            how = "summed over R, G, B" if channels == 1 else f"repeated R, G, B and scaled by 3/{channels}"
+            logger.info(
+                f"{name}: the checkpoint's RGB kernels adapted to {channels} input channels ({how}, as timm does)"
+            )
         elif tuple(targets[name].shape) != tuple(shape):
             raise CheckpointError(
                 f"{source.path}: {key} has shape {tuple(shape)} but the model's {name} "

@@ -156,6 +156,8 @@ RULES = {
     "DATA.*.FOLDER_LABELS": [one_of(("auto", "subfolders", "none"))],
     "DATA.*.DECODE_SIZE": [at_least(0)],
     "DATA.*.SHUFFLE_WINDOW": [at_least(1)],
+    "DATA.CHANNELS": [at_least(1)],
+    "DATA.NORMALIZE_FROM_IMAGES": [at_least(0)],
     "DATA.TRAIN.LABEL_FRACTION": [above(0), at_most(1)],
     "DATA.TRAIN.LABEL_SUBSET_SEED": [at_least(0)],
     "DATA.*.TRANSFORMS.NAME": [one_of("transforms")],
@@ -220,7 +222,7 @@ RULES = {
 }
 
 # what DATA_PATHS entries a source reads: must exist and hold something
-PATH_KINDS = {"disk_folder": "folder", "disk_filelist": "file"}
+PATH_KINDS = {"disk_folder": "folder", "disk_filelist": "file", "hf_dataset": "folder or file"}
 # DATA splits each engine reads (extract_features: BENCHMARK.EXTRACT_SPLITS)
 SPLITS_READ = {
     "train": ("TRAIN",),
@@ -387,6 +389,8 @@ def _data_path_problem(kind: Optional[str], path: str) -> Problem:
         return f"file {path} does not exist"
     if kind == "file" and os.path.getsize(path) == 0:
         return f"file {path} is empty"
+    if kind == "folder or file" and not os.path.exists(path):
+        return f"{path} does not exist"
     return None
 
 
@@ -511,13 +515,13 @@ def _labels_only_where_used(cfg: CfgNode, _: Catalog) -> Problem:
 
 
 def _input_channels(cfg: CfgNode, _: Catalog) -> Problem:
-    """The views are 3-channel images (a one-channel source's channel repeated): a trunk taking
-    another number of channels would fail at its first convolution."""
-    channels = cfg.MODEL.TRUNK.IN_CHANNELS
-    if channels != 3 and cfg.JOB in SPLITS_READ:
+    """The views have DATA.CHANNELS channels: a trunk taking another number would fail at its
+    first convolution."""
+    channels, views = cfg.MODEL.TRUNK.IN_CHANNELS, cfg.DATA.CHANNELS
+    if channels != views and _splits_read(cfg):
         return (
-            f"MODEL.TRUNK.IN_CHANNELS={channels}, but the data pipeline makes 3-channel views "
-            "(a one-channel source's channel repeated): set MODEL.TRUNK.IN_CHANNELS=3"
+            f"MODEL.TRUNK.IN_CHANNELS={channels}, but the views have DATA.CHANNELS={views}: set both to "
+            f"the channels the trunk should see (DATA.CHANNELS={channels} to keep this trunk)"
         )
     return None
 

@@ -51,15 +51,23 @@ _C.DATA.PIN_MEMORY = True  # pinned host memory (only used on CUDA)
 _C.DATA.CACHE_DIR = ""  # where bundled data sets are written ("" -> ~/.cache/vistrain)
 # elpv: seed of the 75/25 train/test split, stratified by (class, cell type); TRAIN and TEST share it
 _C.DATA.SPLIT_SEED = 0
+# channels of the views of both splits (MODEL.TRUNK.IN_CHANNELS must match): 3 (RGB; grey images
+# repeated), 1 (grey; RGB images made grey), or the images' own count (bands of TIFF or .npy images)
+_C.DATA.CHANNELS = 3
+# 0: each split normalises with its TRANSFORMS.MEAN / STD; N > 0: both splits with the per-channel
+# mean and std of N images of DATA.TRAIN spread over it (scaled as for the views), computed when a
+# loader is built and logged
+_C.DATA.NORMALIZE_FROM_IMAGES = 0
 
 
 def _split_defaults(batch_size, shuffle):
     split = CN()
-    # one per data set: disk_folder | disk_filelist | synthetic | demo_digits | elpv | webdataset
+    # one per data set: disk_folder | disk_filelist | synthetic | demo_digits | elpv | webdataset | hf_dataset
     split.DATA_SOURCES = ["synthetic"]
     # folder (disk_folder), text file of "path label" lines (disk_filelist), elpv: "" for the
     # installed elpv-dataset package or a folder holding its labels.csv and images/, webdataset: a
-    # brace pattern of tar shards (/data/shards/train-{000000..000099}.tar)
+    # brace pattern of tar shards (/data/shards/train-{000000..000099}.tar); hf_dataset: a folder
+    # written by save_to_disk, an image folder, a folder of parquet files or a parquet file
     split.DATA_PATHS = [""]
     # which split of demo_digits / elpv (val: its 25% test side) / a disk_folder with train/ and val/
     split.SPLIT = "train"
@@ -78,6 +86,9 @@ def _split_defaults(batch_size, shuffle):
     # shuffle buffer; larger mixes more, reads spread over more of a shard; vistrain/data/shards.py)
     split.SHUFFLE_WINDOW = 1000
     split.SKIP_CORRUPT = False  # True: skip unreadable images (counted in logs); False: stop the run
+    split.HF_IMAGE_COLUMN = "image"  # hf_dataset: the column of the images (Image, or arrays)
+    split.HF_LABEL_COLUMN = "label"  # hf_dataset: the column of integer labels ("": unlabelled, -1)
+    split.HF_SPLIT = ""  # hf_dataset: the split to read ("": the only one there is)
     split.TRANSFORMS = CN()  # see vistrain/data/transforms.py
     split.TRANSFORMS.NAME = (
         "multicrop" if shuffle else "eval"
@@ -101,7 +112,12 @@ def _split_defaults(batch_size, shuffle):
     split.TRANSFORMS.SOLARIZE_PROB = 0.0  # solarisation probability
     split.TRANSFORMS.RESIZE = 36  # eval: shorter side before the center crop
     split.TRANSFORMS.CENTER_CROP = 32  # eval: crop side
-    split.TRANSFORMS.MEAN = [0.485, 0.456, 0.406]  # normalisation
+    # pixel values mapped to [0, 1] (clipped): [low, high], or [] for the dtype's range (8-bit
+    # 0..255, 16-bit 0..65535, floats 0..1)
+    split.TRANSFORMS.PIXEL_RANGE = []
+    # normalisation per channel: DATA.CHANNELS values each, or one for all channels (DATA.NORMALIZE_FROM_IMAGES
+    # computes them from the images)
+    split.TRANSFORMS.MEAN = [0.485, 0.456, 0.406]
     split.TRANSFORMS.STD = [0.229, 0.224, 0.225]
     return split
 

@@ -16,9 +16,9 @@ from vistrain.data.datasets import (  # noqa: F401
     IndexSubset,
     SSLDataset,
     build_dataset,
-    read_image,
 )
 from vistrain.data.demo_digits import ensure_demo_digits  # noqa: F401
+from vistrain.data.folders import read_image  # noqa: F401
 from vistrain.data.loader import build_loader, set_epoch  # noqa: F401
 from vistrain.data.sampler import DistributedSampler, epoch_order, mix_seed, rank_indices  # noqa: F401
 from vistrain.data.transforms import TRANSFORMS, build_transform  # noqa: F401

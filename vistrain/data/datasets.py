@@ -1,8 +1,9 @@
 """Data sources (flat registry) and the dataset that turns a sample key into augmented views.
 
 Sources (``DATA.<split>.DATA_SOURCES``, one ``DATA_PATHS`` entry each; the entry is ignored by
-``synthetic`` and ``demo_digits``). A source's ``load(i)`` gives ``(pixels, label)``: the image as a
-uint8 array, (H, W, 3) RGB or (H, W) grayscale.
+``synthetic`` and ``demo_digits``). A source's ``load(i)`` gives ``(pixels, label)``: the image as an
+array (H, W) or (H, W, C), uint8 for the images PIL converts (RGB or grayscale), the file's own
+dtype and bands for 16-bit PNG and TIFF images and ``.npy`` arrays (``vistrain/data/pixels.py``).
 
 * ``disk_folder``: ImageFolder layout ``<path>/<class>/**/<image>``, labels the indices of the
   sorted class folder names; or a flat or nested folder of unlabelled images (label -1), as
@@ -22,6 +23,8 @@ uint8 array, (H, W, 3) RGB or (H, W) grayscale.
 * ``webdataset``: tar shards, ``DATA_PATHS`` a brace pattern such as
   ``/data/shards/train-{000000..000099}.tar``, each shard with the index ``tools/make_shards.py``
   writes; labels from ``cls`` members (-1 without); its epoch rule and resume in ``shards.py``.
+* ``hf_dataset``: a Hugging Face ``datasets`` data set on disk (``save_to_disk``, an image folder,
+  parquet files), its columns ``HF_IMAGE_COLUMN`` / ``HF_LABEL_COLUMN``; see ``hf_source.py``.
 
 Several sources are concatenated in order, labels kept as each source gives them; ``DATA_LIMIT``
 keeps the first N samples of the concatenation. Input that cannot work (a missing or empty folder,
@@ -47,10 +50,11 @@ from vistrain.data.folders import (
     CorruptImageError,
     pick_split_folder,
     read_filelist,
-    read_image,
     scan_disk_folder,
     scan_image_folder,
 )
+from vistrain.data.hf_source import hf_dataset
+from vistrain.data.pixels import fit_channels, read_pixels
 from vistrain.data.sampler import mix_seed
 from vistrain.data.transforms import build_transform
 
@@ -60,7 +64,8 @@ MAX_CONSECUTIVE_BAD = 50  # give up when this many images in a row are unreadabl
 
 class FileSource:
     """Image files with integer labels: ``load(i) -> (pixels, label)``, pixels a uint8 array
-    (H, W, 3) RGB (``mode`` "RGB") or (H, W) grayscale ("L"). With ``keep_decoded`` each image is
+    (H, W, 3) RGB (``mode`` "RGB") or (H, W) grayscale ("L"), or for deeper images and arrays
+    their own (``vistrain.data.pixels.read_pixels``). With ``keep_decoded`` each image is
     decoded once per process and kept in memory (small data sets: the demo digits are 1.5 MB)."""
 
     def __init__(
@@ -78,7 +83,7 @@ class FileSource:
     def load(self, i: int) -> Tuple[np.ndarray, int]:
         pixels = None if self._decoded is None else self._decoded.get(i)
         if pixels is None:
-            pixels = np.array(read_image(self.paths[i], self.mode))
+            pixels = read_pixels(self.paths[i], self.mode)
             if self._decoded is not None:
                 self._decoded[i] = pixels
         return pixels, self.labels[i]
@@ -155,6 +160,7 @@ SOURCES: Dict[str, Callable] = {
     "demo_digits": _demo_digits,
     "elpv": _elpv,
     "webdataset": shards.webdataset_source,
+    "hf_dataset": hf_dataset,
 }
 
 
@@ -174,6 +180,9 @@ class SSLDataset(Dataset):
     order; then ``"index"``/``"label"`` are the replacement's and ``"skipped"`` counts the images
     passed over. ``num_skipped`` totals them in *this* process only: with DataLoader workers, sum
     the batches' ``"num_skipped"`` instead.
+
+    ``channels``: the views' (``DATA.CHANNELS``); each image is fitted to them before the transform
+    (``vistrain.data.pixels.fit_channels``), a DataError naming the file when it cannot be.
     """
 
     def __init__(
@@ -184,6 +193,7 @@ class SSLDataset(Dataset):
         skip_corrupt: bool = False,
         limit: int = -1,
         key: str = "DATA.TRAIN",
+        channels: int = 3,
     ):
         self.sources = list(sources)
         self.offsets = np.cumsum([0] + [len(s) for s in self.sources]).tolist()
@@ -192,6 +202,7 @@ class SSLDataset(Dataset):
         if self.length == 0:
             raise DataError(f"{key} is empty (check DATA_SOURCES, DATA_PATHS and DATA_LIMIT)")
         self.transform, self.seed, self.skip_corrupt, self.key = transform, seed, skip_corrupt, key
+        self.channels = channels
         self.num_skipped = 0
         self._reported = set()
 
@@ -236,16 +247,24 @@ class SSLDataset(Dataset):
         if not 0 <= index < self.length:
             raise IndexError(f"index {index} out of range for a data set of {self.length}")
         image, label, used, skipped = self._load_readable(index)
+        image = self._fitted(image, used)
         generator = torch.Generator().manual_seed(mix_seed(self.seed, epoch, index))
         prepared = self.transform.prepare(image, generator)
         return {"prepared": prepared, "label": int(label), "index": used, "skipped": skipped}
+
+    def _fitted(self, image: np.ndarray, index: int) -> np.ndarray:
+        try:
+            return fit_channels(image, self.channels)
+        except DataError as err:
+            source, local = self._locate(index)
+            raise DataError(f"{source.describe(local)}: {err}") from None
 
     def collate(self, samples: List[dict]) -> dict:
         """A batch of samples (see :func:`vistrain.data.collate.collate_multicrop`)."""
         return collate_multicrop(samples, self.transform)
 
     def views(self, key: Union[int, Tuple[int, int]]) -> List[torch.Tensor]:
-        """The views of one sample: List[Tensor (3, h, w)], as its batch would hold them."""
+        """The views of one sample: List[Tensor (C, h, w)], as its batch would hold them."""
         return [crops[0] for crops in self.collate([self[key]])["crops"]]
 
 
@@ -284,14 +303,25 @@ class IndexSubset(Dataset):
 
 
 def build_dataset(
-    split_cfg, cache_dir: str = "", seed: int = 0, key: str = "DATA.TRAIN", split_seed: int = 0
+    split_cfg,
+    cache_dir: str = "",
+    seed: int = 0,
+    key: str = "DATA.TRAIN",
+    split_seed: int = 0,
+    channels: int = 3,
+    mean_std: Optional[Tuple[List[float], List[float]]] = None,
 ) -> SSLDataset:
     """Dataset of one split from ``DATA.<split>`` (``cache_dir`` is ``DATA.CACHE_DIR``; ``key``
-    the split's section, named by errors; ``split_seed`` is ``DATA.SPLIT_SEED``)."""
-    named = _named_paths(split_cfg)
-    sources = [SOURCES[name](split_cfg, path, cache_dir, split_seed) for name, path in named]
-    transform = build_transform(split_cfg.TRANSFORMS)
-    return SSLDataset(sources, transform, seed, split_cfg.SKIP_CORRUPT, split_cfg.DATA_LIMIT, key)
+    the split's section, named by errors; ``split_seed`` is ``DATA.SPLIT_SEED``; ``channels``
+    ``DATA.CHANNELS``; ``mean_std`` the normalisation computed from the images: ``loader.image_statistics``)."""
+    sources = build_sources(split_cfg, cache_dir, split_seed)
+    transform = build_transform(split_cfg.TRANSFORMS, channels, mean_std)
+    return SSLDataset(sources, transform, seed, split_cfg.SKIP_CORRUPT, split_cfg.DATA_LIMIT, key, channels)
+
+
+def build_sources(split_cfg, cache_dir: str = "", split_seed: int = 0) -> List:
+    """The sources of ``DATA.<split>`` in order (arguments as :func:`build_dataset`'s)."""
+    return [SOURCES[name](split_cfg, path, cache_dir, split_seed) for name, path in _named_paths(split_cfg)]
 
 
 def count_samples(split_cfg) -> int:

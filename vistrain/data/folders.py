@@ -26,6 +26,7 @@ from vistrain.distributed import comm
 logger = logging.getLogger(__name__)
 FOLDER_LABELS = ("auto", "subfolders", "none")
 UNLABELLED = -1  # the label of an image that has none
+IMAGE_SUFFIXES = IMG_EXTENSIONS + (".npy",)  # torchvision's, and NumPy arrays (vistrain/data/pixels.py)
 
 
 class CorruptImageError(DataError):
@@ -46,7 +47,7 @@ def read_image(path: str, mode: str = "RGB") -> Image.Image:
 
 
 def is_image(name: str) -> bool:
-    return name.lower().endswith(IMG_EXTENSIONS)
+    return name.lower().endswith(IMAGE_SUFFIXES)
 
 
 def pick_split_folder(path: str, split: str) -> str:
@@ -83,7 +84,7 @@ def scan_unlabelled(root: str) -> List[str]:
         paths += [os.path.join(folder, f) for f in sorted(files) if is_image(f)]
     _warn_repeated(repeated, root)
     if not paths:
-        raise DataError(f"disk_folder: no images ({', '.join(IMG_EXTENSIONS)}) under {root}")
+        raise DataError(f"disk_folder: no images ({', '.join(IMAGE_SUFFIXES)}) under {root}")
     return paths
 
 
@@ -109,7 +110,7 @@ def scan_image_folder(root: str) -> Tuple[List[str], List[int], List[str]]:
                     labels.append(label)
     _warn_repeated(repeated, root)
     if not paths:
-        raise DataError(f"disk_folder: no images ({', '.join(IMG_EXTENSIONS)}) under {root}")
+        raise DataError(f"disk_folder: no images ({', '.join(IMAGE_SUFFIXES)}) under {root}")
     return paths, labels, classes
 
 

@@ -1,19 +1,23 @@
 """``build_loader``: dataset + transforms + distributed sampler + collator -> DataLoader of one rank."""
 
+import logging
 import multiprocessing
 import os
 import signal
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import DataLoader
 
-from vistrain.data.datasets import IndexSubset, build_dataset
+from vistrain.data.datasets import IndexSubset, SSLDataset, build_dataset, build_sources
+from vistrain.data.pixels import channel_stats
 from vistrain.data.sampler import DistributedSampler
 from vistrain.data.shards import ShardSampler, shard_sizes
+from vistrain.data.transforms import unit_pixels
 from vistrain.distributed import comm
 from vistrain.distributed.supervise import die_with_parent
 
+logger = logging.getLogger(__name__)
 SPLITS = ("TRAIN", "TEST")
 
 
@@ -47,9 +51,11 @@ def build_loader(
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid splits: {list(SPLITS)}")
     split_cfg = data_cfg[split]
+    mean_std = image_statistics(data_cfg) if data_cfg.NORMALIZE_FROM_IMAGES > 0 else None
     dataset = build_dataset(
-        split_cfg, data_cfg.CACHE_DIR, seed=seed, key=f"DATA.{split}", split_seed=data_cfg.SPLIT_SEED
-    )
+        split_cfg, data_cfg.CACHE_DIR, seed=seed, key=f"DATA.{split}", split_seed=data_cfg.SPLIT_SEED,
+        channels=data_cfg.CHANNELS, mean_std=mean_std,
+    )  # fmt: skip
     if indices is not None:
         dataset = IndexSubset(dataset, indices)
     batch_size = split_cfg.BATCHSIZE_PER_REPLICA
@@ -133,3 +139,40 @@ def set_epoch(loader: DataLoader, epoch: int, start_iteration: int = 0) -> None:
             f"the loader's sampler {type(sampler).__name__} has no set_epoch; build it with build_loader"
         )
     sampler.set_epoch(epoch, start_iteration)
+
+
+class _UnitPixels:
+    """The transform of :func:`image_statistics`: an image's pixels as the views start from them,
+    float (c, H, W) in [0, 1]."""
+
+    def __init__(self, pixel_range: Sequence[float]):
+        self.pixel_range = pixel_range
+
+    def prepare(self, image, generator: torch.Generator) -> torch.Tensor:
+        pixels = unit_pixels(image, self.pixel_range)
+        return pixels.float().div_(255) if pixels.dtype == torch.uint8 else pixels
+
+
+def image_statistics(data_cfg) -> Tuple[List[float], List[float]]:
+    """Per-channel (mean, std) of ``DATA.NORMALIZE_FROM_IMAGES`` images of ``DATA.TRAIN``, evenly
+    spaced over it (indices floor(k L / N)), fitted to ``DATA.CHANNELS`` and scaled to [0, 1] as
+    for the views (DATA.TRAIN's PIXEL_RANGE), unreadable ones as SKIP_CORRUPT says; logged."""
+    split_cfg, channels = data_cfg.TRAIN, data_cfg.CHANNELS
+    sources = build_sources(split_cfg, data_cfg.CACHE_DIR, data_cfg.SPLIT_SEED)
+    transform = _UnitPixels([float(v) for v in split_cfg.TRANSFORMS.PIXEL_RANGE])
+    dataset = SSLDataset(
+        sources, transform, 0, split_cfg.SKIP_CORRUPT, split_cfg.DATA_LIMIT, "DATA.TRAIN", channels
+    )
+    wanted = min(data_cfg.NORMALIZE_FROM_IMAGES, len(dataset))
+    images = [dataset[k * len(dataset) // wanted]["prepared"] for k in range(wanted)]
+    mean, std = channel_stats(images, channels)
+    if comm.is_main_process():
+        logger.info(
+            f"normalising with the mean {_rounded(mean)} and std {_rounded(std)} of {wanted} images of DATA.TRAIN "
+            "(DATA.NORMALIZE_FROM_IMAGES; set TRANSFORMS.MEAN and STD to these to fix them)"
+        )
+    return mean, std
+
+
+def _rounded(values: Sequence[float]) -> str:
+    return "[" + ", ".join(f"{v:.4f}" for v in values) + "]"

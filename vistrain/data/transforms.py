@@ -23,25 +23,43 @@ out when AFFINE_DEGREES, AFFINE_TRANSLATE and AFFINE_SHEAR are 0 and AFFINE_SCAL
 other step whose probability or strength is 0 is left out too. The geometric steps come first so
 that they act on the whole image, before the crop picks a part. A grayscale source's views are made
 on its one channel (a third of the work; saturation, hue and grayscale are no-ops on it). The output
-is a list of float32 tensors (N, 3, SIZE_CROPS[i], SIZE_CROPS[i]) in config order, so views of one
+is a list of float32 tensors (N, C, SIZE_CROPS[i], SIZE_CROPS[i]) in config order, so views of one
 resolution are consecutive.
 
+Channels and depth (``vistrain/data/pixels.py``): the views have C = ``DATA.CHANNELS`` channels (3
+by default). 8-bit images are scaled by 1/255 as ToTensor does; other dtypes (16-bit PNG and TIFF,
+``.npy`` arrays) and 8-bit images with a ``PIXEL_RANGE`` are scaled to [0, 1] per image, before the
+views, by (x - low) / (high - low), clipped, [low, high] = ``PIXEL_RANGE`` or the dtype's range.
+Geometry, flips, brightness, contrast and blur act on any number of channels (contrast blends with
+the mean of the view's grey image: luma for RGB, the mean of the channels for other than 1 or 3).
+Saturation, hue and random grayscale need RGB: on one channel they do nothing; on views of other
+than 1 or 3 channels they are skipped, and so is solarisation (its threshold is a colour's), with
+one log line when the recipe asks for them. ``Normalize`` takes MEAN / STD of C values, or one
+value for every channel; 1-channel views given 3 values take their averages (a grey image's three
+equal channels).
+
 ``eval``: Resize(RESIZE) -> CenterCrop(CENTER_CROP) (PIL, per image) -> ToTensor -> Normalize: a
-one-element list.
+one-element list. Images PIL cannot hold (other than 8-bit with 1 or 3 channels, or with a
+PIXEL_RANGE) are scaled to [0, 1] first and resized as tensors (bilinear, antialiased).
 
 Randomness: a view's parameters are uniforms drawn, per image, from the generator the dataset seeds
 with (seed, epoch, index) (``vistrain.data.datasets.SSLDataset``), so the views are a function of
 (seed, epoch, index), whatever the batch, the worker count or the rank.
 """
 
-from typing import Callable, Dict, List, Sequence, Tuple
+import logging
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from PIL import Image
 from torchvision.transforms import functional as TF
 
+from vistrain.config.errors import ConfigError
 from vistrain.data import views as V
+from vistrain.data.pixels import check_pixel_range, keeps_bytes, to_unit
+
+logger = logging.getLogger(__name__)
 
 
 def _check_multicrop(cfg) -> None:
@@ -126,30 +144,44 @@ def _uniform(u: torch.Tensor, low: float, high: float) -> torch.Tensor:
 
 
 def to_pixels(image: np.ndarray) -> torch.Tensor:
-    """A source's uint8 array (H, W) or (H, W, 3) -> uint8 tensor (C, H, W), C = 1 or 3 (shares memory)."""
+    """A source's array (H, W) or (H, W, C) -> tensor (C, H, W) of its dtype (shares memory)."""
     pixels = torch.from_numpy(image if image.flags.writeable else image.copy())
     return pixels.unsqueeze(0) if pixels.ndim == 2 else pixels.permute(2, 0, 1)
 
 
+def unit_pixels(image: np.ndarray, pixel_range: Sequence[float]) -> torch.Tensor:
+    """(C, H, W): uint8 as it is (scaled with its batch), any other dtype or a PIXEL_RANGE already
+    scaled to float32 in [0, 1] (``vistrain.data.pixels.to_unit``)."""
+    pixels = to_pixels(image)
+    return pixels if keeps_bytes(pixels, pixel_range) else to_unit(pixels, pixel_range)
+
+
 def _stack(pixels: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Same-size uint8 images -> float (N, C, H, W) in [0, 1]; grayscale ones made RGB if any is."""
+    """Same-size images (uint8, or float in [0, 1]) -> float (N, C, H, W) in [0, 1]; one-channel
+    ones repeated to the others' channels if any has more."""
     channels = max(p.shape[0] for p in pixels)
     if any(p.shape[0] != channels for p in pixels):
         pixels = [p.expand(channels, -1, -1) for p in pixels]
-    return torch.stack(pixels).float().div_(255)
+    if all(p.dtype == torch.uint8 for p in pixels):
+        return torch.stack(pixels).float().div_(255)
+    return torch.stack([p.float().div_(255) if p.dtype == torch.uint8 else p for p in pixels])
 
 
 class MultiCropTransform:
     """Multi-crop views, made a batch at a time (see the module docstring).
 
-    ``prepare(image, generator)``, per image: its pixels as uint8 (C, H, W) and, per resolution, the
+    ``prepare(image, generator)``, per image: its pixels (C, H, W) (uint8, or float32 in [0, 1] for
+    other depths: ``unit_pixels``) and, per resolution, the
     uniforms of its views (NUM_CROPS[i], NUM_DRAWS) and, with the elastic step, their noise fields
     (NUM_CROPS[i], 2, H, W), drawn from ``generator``. ``transform(prepared_list)``, per batch of N:
-    List[Tensor (N, 3, SIZE_CROPS[i], SIZE_CROPS[i]) float32], NUM_CROPS[0] entries, then NUM_CROPS[1]...
-    A view depends only on its image and its draws, not on the rest of the batch.
+    List[Tensor (N, C, SIZE_CROPS[i], SIZE_CROPS[i]) float32], NUM_CROPS[0] entries, then NUM_CROPS[1]...
+    A view depends only on its image and its draws, not on the rest of the batch. ``channels``: C,
+    ``DATA.CHANNELS``; ``mean_std``: normalisation computed from the data (else MEAN / STD).
     """
 
-    def __init__(self, cfg):
+    def __init__(
+        self, cfg, channels: int = 3, mean_std: Optional[Tuple[Sequence[float], Sequence[float]]] = None
+    ):
         _check_multicrop(cfg)
         _check_color(cfg)
         self.crops = [
@@ -171,10 +203,16 @@ class MultiCropTransform:
         self.strength = float(cfg.COLOR_DISTORTION)
         self.blur = (float(cfg.BLUR_PROB), *(float(v) for v in cfg.BLUR_RADIUS))
         self.solarize = float(cfg.SOLARIZE_PROB)
-        self.mean, self.std = _mean_std(cfg)
+        self.pixel_range = _pixel_range(cfg)
+        self.mean, self.std = _mean_std(cfg, channels, mean_std)
+        if channels not in (1, 3) and (self.strength > 0 or self.solarize > 0):
+            logger.info(
+                f"views of {channels} channels: colour jitter is brightness and contrast only; saturation, "
+                "hue, random grayscale and solarisation are skipped (they need RGB)"
+            )
 
     def prepare(self, image: np.ndarray, generator: torch.Generator) -> dict:
-        pixels = to_pixels(image)
+        pixels = unit_pixels(image, self.pixel_range)
         draws = []
         for count, _, _ in self.crops:
             uniforms = torch.rand(count, NUM_DRAWS, generator=generator)
@@ -285,30 +323,56 @@ class MultiCropTransform:
         if prob > 0:
             coin, sigma = _column(u, "blur").unbind(1)
             V.apply_where(batch, coin < prob, V.gaussian_blur, _uniform(sigma, low, high))
-        if self.solarize > 0:
+        if self.solarize > 0 and batch.shape[1] in (1, 3):
             V.apply_where(batch, _column(u, "solarize") < self.solarize, V.solarize)
         return batch
 
 
-def _mean_std(cfg):
-    if len(cfg.MEAN) != 3 or len(cfg.STD) != 3:
-        raise ValueError(f"TRANSFORMS.MEAN and STD need 3 values each, got {cfg.MEAN} and {cfg.STD}")
-    return [float(v) for v in cfg.MEAN], [float(v) for v in cfg.STD]
+def _mean_std(cfg, channels: int, given=None) -> Tuple[List[float], List[float]]:
+    """MEAN and STD (or ``given``, computed from the data) as ``channels`` values each: C given,
+    one repeated, or (one channel) the average of three. ConfigError (one line) otherwise."""
+    fitted = []
+    for key, values in zip(("MEAN", "STD"), given if given is not None else (cfg.MEAN, cfg.STD)):
+        values = [float(v) for v in values]
+        if len(values) == 1:
+            values = values * channels
+        elif len(values) == 3 and channels == 1:
+            values = [sum(values) / 3]
+        if len(values) != channels:
+            raise ConfigError(
+                f"TRANSFORMS.{key} needs DATA.CHANNELS={channels} values (or one for every channel), got "
+                f"{len(values)}; or set DATA.NORMALIZE_FROM_IMAGES to compute MEAN and STD from the images"
+            )
+        fitted.append(values)
+    if min(fitted[1]) <= 0:
+        raise ConfigError(f"TRANSFORMS.STD must be positive, got {fitted[1]}")
+    return fitted[0], fitted[1]
+
+
+def _pixel_range(cfg) -> List[float]:
+    check_pixel_range(cfg.PIXEL_RANGE)
+    return [float(v) for v in cfg.PIXEL_RANGE]
 
 
 class EvalTransform:
-    """Resize the shorter side to RESIZE, crop the centre CENTER_CROP (per image, PIL, bilinear),
-    normalise (per batch): ``transform(prepared_list)`` -> [Tensor (N, 3, CENTER_CROP, CENTER_CROP)]."""
+    """Resize the shorter side to RESIZE, crop the centre CENTER_CROP (per image, PIL, bilinear;
+    images PIL cannot hold: as float tensors), normalise (per batch): ``transform(prepared_list)``
+    -> [Tensor (N, C, CENTER_CROP, CENTER_CROP)]; ``channels``, ``mean_std`` as MultiCropTransform's."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, channels: int = 3, mean_std=None):
         if cfg.RESIZE < cfg.CENTER_CROP:
             raise ValueError(f"TRANSFORMS.RESIZE ({cfg.RESIZE}) must be >= CENTER_CROP ({cfg.CENTER_CROP})")
         self.resize, self.crop = int(cfg.RESIZE), int(cfg.CENTER_CROP)
-        self.mean, self.std = _mean_std(cfg)
+        self.pixel_range = _pixel_range(cfg)
+        self.mean, self.std = _mean_std(cfg, channels, mean_std)
 
     def prepare(self, image: np.ndarray, generator: torch.Generator = None) -> dict:
-        resized = TF.resize(Image.fromarray(image), self.resize)
-        return {"pixels": to_pixels(np.array(TF.center_crop(resized, self.crop)))}
+        if image.dtype == np.uint8 and not self.pixel_range and (image.ndim == 2 or image.shape[2] == 3):
+            resized = TF.resize(Image.fromarray(image), self.resize)
+            return {"pixels": to_pixels(np.array(TF.center_crop(resized, self.crop)))}
+        pixels = unit_pixels(image, self.pixel_range)
+        resized = TF.resize(pixels, self.resize, antialias=True)
+        return {"pixels": TF.center_crop(resized, self.crop)}
 
     def __call__(self, prepared: Sequence[dict]) -> List[torch.Tensor]:
         return [V.normalize(_stack([p["pixels"] for p in prepared]), self.mean, self.std)]
@@ -317,9 +381,10 @@ class EvalTransform:
 TRANSFORMS: Dict[str, Callable] = {"multicrop": MultiCropTransform, "eval": EvalTransform}
 
 
-def build_transform(transforms_cfg):
-    """Build the transform named ``transforms_cfg.NAME`` from ``DATA.<split>.TRANSFORMS``."""
+def build_transform(transforms_cfg, channels: int = 3, mean_std=None):
+    """Build the transform named ``transforms_cfg.NAME`` from ``DATA.<split>.TRANSFORMS`` for views
+    of ``channels`` channels (``DATA.CHANNELS``), normalised by ``mean_std`` when it is given."""
     name = transforms_cfg.NAME
     if name not in TRANSFORMS:
         raise ValueError(f"unknown TRANSFORMS.NAME {name!r}; valid names: {sorted(TRANSFORMS)}")
-    return TRANSFORMS[name](transforms_cfg)
+    return TRANSFORMS[name](transforms_cfg, channels, mean_std)

@@ -1,6 +1,7 @@
 """The operations of ``transforms.MultiCropTransform``, each on M views at once.
 
-Images are float32 in [0, 1] of shape (M, C, H, W), C = 1 (grayscale) or 3 (RGB); every random
+Images are float32 in [0, 1] of shape (M, C, H, W), C = 1 (grayscale), 3 (RGB) or any other
+number of channels (bands: geometry, brightness, contrast and blur only); every random
 parameter is a tensor with one entry per view (M,), so one call does the work that torchvision's
 transforms do one PIL image at a time. Each function follows the torchvision (or PIL) op named in
 its docstring; they differ only in floating point (no rounding to 8 bits between steps) and where
@@ -191,9 +192,12 @@ def turn(images: torch.Tensor, quarter_turns: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------- colour
 def grayscale(images: torch.Tensor) -> torch.Tensor:
-    """(M, 3, H, W) RGB -> (M, 1, H, W) luma 0.299 R + 0.587 G + 0.114 B; one channel is kept."""
+    """(M, 3, H, W) RGB -> (M, 1, H, W) luma 0.299 R + 0.587 G + 0.114 B; one channel is kept;
+    other channel counts give the mean of their channels."""
     if images.shape[1] == 1:
         return images
+    if images.shape[1] != 3:
+        return images.mean(1, keepdim=True)
     r, g, b = images.unbind(1)
     return (_LUMA[0] * r + _LUMA[1] * g + _LUMA[2] * b).unsqueeze(1)
 
@@ -215,14 +219,14 @@ def contrast(images: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
 
 
 def saturation(images: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """``adjust_saturation``: blend each RGB view with its grayscale image (a no-op on one channel)."""
-    return images if images.shape[1] == 1 else _blend(images, grayscale(images), factor)
+    """``adjust_saturation``: blend each RGB view with its grayscale image (a no-op on other than 3 channels)."""
+    return images if images.shape[1] != 3 else _blend(images, grayscale(images), factor)
 
 
 def hue(images: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """``adjust_hue``: rotate the hue of each RGB view by ``shift`` (M,) turns in [-0.5, 0.5]
-    (HSV round trip, as torchvision's tensor op); a no-op on one channel."""
-    if images.shape[1] == 1:
+    (HSV round trip, as torchvision's tensor op); a no-op on other than 3 channels."""
+    if images.shape[1] != 3:
         return images
     value = images.amax(1)
     chroma = value - images.amin(1)
@@ -247,8 +251,9 @@ def color_jitter(
     """``ColorJitter`` of the ``chosen`` (M,) bool views: each view's four ops in its own ``order``
     (M, 4), a permutation of 0..3 (brightness, contrast, saturation, hue), with its ``factors``
     (M, 4) in that op order. The other views get factor 1 (brightness, contrast and saturation
-    leave a view exactly as it is then) or no hue step."""
-    ops = JITTER_OPS if images.shape[1] == 3 else JITTER_OPS[:2]  # saturation, hue: no-ops on one channel
+    leave a view exactly as it is then) or no hue step. Views of other than 3 channels get
+    brightness and contrast only (saturation and hue are RGB's)."""
+    ops = JITTER_OPS if images.shape[1] == 3 else JITTER_OPS[:2]
     for slot in range(len(JITTER_OPS)):
         for op_index, op in enumerate(ops):
             now = chosen & (order[:, slot] == op_index)
@@ -288,7 +293,7 @@ def solarize(images: torch.Tensor) -> torch.Tensor:
 
 
 def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
-    """(M, C, H, W) in [0, 1] -> (M, 3, H, W) (x - mean) / std per channel; one channel becomes
-    three (the trunk takes RGB)."""
-    mean_t, std_t = (torch.tensor(list(v), dtype=images.dtype).view(1, 3, 1, 1) for v in (mean, std))
+    """(M, C, H, W) in [0, 1] -> (M, K, H, W) (x - mean) / std per channel, K = len(mean): a
+    one-channel view given K values becomes K channels (grey views for an RGB trunk)."""
+    mean_t, std_t = (torch.tensor(list(v), dtype=images.dtype).view(1, -1, 1, 1) for v in (mean, std))
     return (images - mean_t) / std_t

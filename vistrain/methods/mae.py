@@ -49,7 +49,7 @@ class MAEDecoder(nn.Module):
     mask tokens", position embeddings added to all, transformer blocks, a linear layer to pixels.
 
     ``forward(encoded, keep)``: encoded (N, prefix + K, D_enc), the encoder's "sequence";
-    keep (N, K), the kept patches' indices -> (N, L, P*P*3), every patch's pixels (the prefix
+    keep (N, K), the kept patches' indices -> (N, L, P*P*C), every patch's pixels (C: the trunk's input channels) (the prefix
     tokens dropped), L = grid^2. Fixed 2-D sin-cos position embeddings (zeros for the prefix, a
     buffer); a learned mask token; torchvision's ``EncoderBlock`` with fp32 LayerNorms, so the
     ViT's wrap policy makes every decoder block a unit too.
@@ -72,7 +72,10 @@ class MAEDecoder(nn.Module):
             [EncoderBlock(heads, width, 4 * width, 0.0, 0.0, norm) for _ in range(depth)]
         )
         self.norm = norm(width)
-        self.predict = nn.Linear(width, trunk.patch_size**2 * 3)
+        channels = next(
+            m.in_channels for m in trunk.modules() if isinstance(m, nn.Conv2d)
+        )  # the patch projection's
+        self.predict = nn.Linear(width, trunk.patch_size**2 * channels)
 
     def forward(self, encoded: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         x = self.embed(encoded)
@@ -101,7 +104,7 @@ def build_head(head_cfg, trunk: nn.Module) -> MAEDecoder:
 
 
 class MAECriterion(Criterion):
-    """MAE on the decoder's pixels (N, L, P*P*3) of the one crop per image, against that crop's
+    """MAE on the decoder's pixels (N, L, P*P*C) of the one crop per image, against that crop's
     patches: ``masking`` draws (keep, masked) for the crop and remembers the crop and the masked
     indices; ``forward`` scores the masked patches. The generator is this rank's and part of
     ``state_dict()``."""
@@ -118,7 +121,7 @@ class MAECriterion(Criterion):
         self._pending: Optional[tuple] = None  # (images, masked indices) of the last masking()
 
     def masking(self, crops: Sequence[torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """``keep`` (N, K) for the one crop (N, 3, H, W): the kept patches of each image."""
+        """``keep`` (N, K) for the one crop (N, C, H, W): the kept patches of each image."""
         if len(crops) != 1:
             raise ValueError(f"mae_loss takes one crop per image, got {len(crops)}")
         images = crops[0]

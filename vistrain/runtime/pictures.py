@@ -16,11 +16,28 @@ TEXT = (0, 0, 0)
 
 
 def to_pixels(image: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
-    """A normalised view (3, h, w) float32 back to uint8 (h, w, 3), undoing ``Normalize(mean, std)``."""
-    mean_t = torch.tensor(list(mean), dtype=torch.float32)[:, None, None]
-    std_t = torch.tensor(list(std), dtype=torch.float32)[:, None, None]
-    pixels = (image.float().cpu() * std_t + mean_t).clamp(0, 1) * 255
-    return pixels.round().to(torch.uint8).permute(1, 2, 0).numpy()
+    """A normalised view (C, h, w) float32 back to uint8 (h, w, 3), undoing ``Normalize(mean, std)``
+    (C values each, one for all, or for a grey view three averaged; other lengths: the view's own
+    range). A view of other than 3 channels is shown grey, from its first channel."""
+    channels, image = image.shape[0], image.float().cpu()
+    mean_t, std_t = _per_channel(mean, channels), _per_channel(std, channels)
+    if mean_t is None or std_t is None:
+        low, high = image.amin(), image.amax()
+        mean_t, std_t = low, (high - low).clamp(min=1e-6)
+    pixels = ((image * std_t + mean_t).clamp(0, 1) * 255).round().to(torch.uint8)
+    if channels != 3:
+        pixels = pixels[:1].expand(3, -1, -1)
+    return pixels.permute(1, 2, 0).numpy()
+
+
+def _per_channel(values: Sequence[float], channels: int) -> Optional[torch.Tensor]:
+    """(channels, 1, 1) of ``values`` fitted to ``channels`` as the views' normalisation fits them."""
+    values = [float(v) for v in values]
+    if len(values) == 3 and channels == 1:
+        values = [sum(values) / 3]
+    if len(values) == 1:
+        values = values * channels
+    return torch.tensor(values)[:, None, None] if len(values) == channels else None
 
 
 def tile(rows: List[List[np.ndarray]], side: int, captions: Optional[List[List[str]]] = None) -> Image.Image:
