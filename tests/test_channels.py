@@ -5,6 +5,7 @@ adapted to 1 and 4 input channels as timm adapts them."""
 
 import logging
 import struct
+import sys
 import zlib
 
 import numpy as np
@@ -278,3 +279,13 @@ def test_rgb_kernels_adapt_as_timm_adapts_them(tmp_path, caplog, one_thread):
         torch.testing.assert_close(
             grey.trunk(x)["avgpool"], rgb.trunk(x.expand(-1, 3, -1, -1))["avgpool"], rtol=1e-4, atol=1e-5
         )
+
+
+def test_without_tifffile_the_line_names_the_extra(bands, monkeypatch):
+    folder, _ = bands
+    monkeypatch.setitem(sys.modules, "tifffile", None)  # import tifffile now fails
+    with pytest.raises(
+        ConfigError,
+        match=r'a.tif \(more bands or bits than PIL reads\) needs tifffile: pip install "vistrain\[tiff\]"$',
+    ):
+        read_pixels(str(folder / "a.tif"))

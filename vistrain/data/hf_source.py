@@ -60,6 +60,10 @@ def _load(path: str):
     """The Dataset or DatasetDict at ``path`` (see the module docstring); DataError (one line)
     when ``datasets`` cannot read it."""
     datasets = _datasets()
+    if not os.path.isdir(path) and not (os.path.isfile(path) and path.endswith(".parquet")):
+        raise DataError(
+            f"hf_dataset: {path} is neither a folder (save_to_disk, image folder, parquet files) nor a .parquet file"
+        )
     try:
         return _read(datasets, path)
     except (FileNotFoundError, ValueError) as err:  # datasets' DataFilesNotFoundError, EmptyDatasetError...
@@ -73,11 +77,7 @@ def _read(datasets, path: str):
         if glob.glob(os.path.join(glob.escape(path), "**", "*.parquet"), recursive=True):
             return datasets.load_dataset("parquet", data_dir=path)
         return datasets.load_dataset("imagefolder", data_dir=path)
-    if os.path.isfile(path) and path.endswith(".parquet"):
-        return datasets.load_dataset("parquet", data_files=path)
-    raise DataError(
-        f"hf_dataset: {path} is neither a folder (save_to_disk, image folder, parquet files) nor a .parquet file"
-    )
+    return datasets.load_dataset("parquet", data_files=path)
 
 
 def _pick_split(data, split: str, path: str):
