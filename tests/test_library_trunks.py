@@ -186,7 +186,10 @@ def test_in_channels_reach_every_family():
         ([*CONVNEXT, "config.MODEL.TRUNK.TIMM.KWARGS={in_chans: 1}"], "set MODEL.TRUNK.IN_CHANNELS only"),
         ([*CONVNEXT, "config.MODEL.TRUNK.OUT_FEATURES=[stage9]"], "OUT_FEATURES"),
         ([*CONVNEXT, "config.MODEL.TRUNK.TIMM.BLOCKS=[ConvNextBlock]"], "ConvNeXtBlock"),
-        ([*CONVNEXT, "config.MODEL.TRUNK.IN_CHANNELS=1"], "the views have DATA.CHANNELS=3"),
+        (
+            [*CONVNEXT, "config.MODEL.TRUNK.IN_CHANNELS=1", "config.DATA.CHANNELS=3"],
+            "the views have DATA.CHANNELS=3",
+        ),
         (
             [*CONVNEXT, "config.MODEL.TRUNK.TIMM.KWARGS={in_chans:3}"],
             "has no value: write the mapping",

@@ -51,8 +51,9 @@ _C.DATA.PIN_MEMORY = True  # pinned host memory (only used on CUDA)
 _C.DATA.CACHE_DIR = ""  # where bundled data sets are written ("" -> ~/.cache/vistrain)
 # elpv: seed of the 75/25 train/test split, stratified by (class, cell type); TRAIN and TEST share it
 _C.DATA.SPLIT_SEED = 0
-# channels of the views of both splits (MODEL.TRUNK.IN_CHANNELS must match): 3 (RGB; grey images
-# repeated), 1 (grey; RGB images made grey), or the images' own count (bands of TIFF or .npy images)
+# channels of the views of both splits, MODEL.TRUNK.IN_CHANNELS unless a recipe or override sets it
+# (then they must match): 3 (RGB; grey images repeated), 1 (grey; RGB images made grey), or the
+# images' own count (bands of TIFF or .npy images)
 _C.DATA.CHANNELS = 3
 # 0: each split normalises with its TRANSFORMS.MEAN / STD; N > 0: both splits with the per-channel
 # mean and std of N images of DATA.TRAIN spread over it (scaled as for the views), computed when a
@@ -409,6 +410,11 @@ _C.MONITOR.STOP_ON_COLLAPSE = False
 # default and a LOSS.<name> section per method, MODEL.HEAD.NAME's default and the MODEL.HEAD keys of
 # the methods' heads
 METHOD_SECTIONS = ("LOSS", "MODEL.HEAD")
+
+
+# keys that take another key's value when neither the recipe (with its _BASE_ chain) nor an override
+# sets them (vistrain/config/loader.py load_config)
+FOLLOWS = {"DATA.CHANNELS": "MODEL.TRUNK.IN_CHANNELS"}
 
 
 def get_defaults(methods: Optional[CN] = None) -> CN:

@@ -23,7 +23,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Set, Tuple
 import yaml
 from fvcore.common.config import CfgNode
 
-from vistrain.config.defaults import get_defaults
+from vistrain.config.defaults import FOLLOWS, get_defaults
 from vistrain.config.errors import ConfigError
 
 
@@ -84,7 +84,26 @@ def load_config(argv: Sequence[str], methods: Optional[CfgNode] = None) -> CfgNo
         if key == "VERSION":
             raise ConfigError("VERSION is set by vistrain itself (it tells which key layout a config uses)")
         _set_key(cfg, key, _parse_literal(key, text), raw=text, where="command line")
+    _follow(cfg, explicit_keys(argv))
     cfg.freeze()
+    return cfg
+
+
+def _follow(cfg: CfgNode, explicit: Set[str]) -> None:
+    """Keys of ``FOLLOWS`` that ``explicit`` (the keys the recipe and overrides set) leaves out
+    take the value of the key they follow."""
+    for key, leader in FOLLOWS.items():
+        if key not in explicit:
+            *path, last = key.split(".")
+            section = cfg
+            for part in path:
+                section = section[part]
+            section[last] = _get(cfg, leader)
+
+
+def _get(cfg: CfgNode, key: str) -> Any:
+    for part in key.split("."):
+        cfg = cfg[part]
     return cfg
 
 

@@ -180,7 +180,7 @@ def fit_channels(image: np.ndarray, channels: int) -> np.ndarray:
         return luma(image)
     raise DataError(
         f"an image of {have} channels, but the views have DATA.CHANNELS={channels}: set "
-        f"DATA.CHANNELS={have} and MODEL.TRUNK.IN_CHANNELS={have}"
+        f"MODEL.TRUNK.IN_CHANNELS={have} (DATA.CHANNELS follows it unless set)"
     )
 
 
