@@ -21,7 +21,7 @@ from vistrain.config import ConfigError, DataError
 from vistrain.data.datasets import build_dataset
 from vistrain.data.loader import image_statistics
 from vistrain.data.pixels import fit_channels, read_pixels
-from vistrain.jobs import check_values
+from vistrain.jobs import check_values, normalized_config
 from vistrain.methods import build_model, load_config
 
 TINY = "test/simclr_tiny"
@@ -108,7 +108,7 @@ def test_four_band_tiff_and_npy_images_are_read_and_scaled(bands):
         _folder_cfg(
             folder,
             *STILL,
-            "config.DATA.TRAIN.TRANSFORMS.PIXEL_RANGE=[0,4095]",
+            "config.DATA.TRAIN.PIXEL_RANGE=[0,4095]",
             "config.DATA.TRAIN.TRANSFORMS.MEAN=[0.0]",
             "config.DATA.TRAIN.TRANSFORMS.STD=[1.0]",
         )
@@ -203,10 +203,14 @@ def test_grey_views_are_the_grey_channel_of_rgb_views(tmp_path):
 def test_normalisation_from_the_images_and_its_errors(bands):
     folder, images = bands
     cfg = _folder_cfg(folder, "config.DATA.NORMALIZE_FROM_IMAGES=2")
-    mean, std = image_statistics(cfg.DATA)
+    mean, std, count = image_statistics(cfg.DATA)
     used = np.stack([images[0], images[2]]).reshape(-1, 4) / 65535  # images 0 and 2 of 4 (evenly spaced)
     np.testing.assert_allclose(mean, used.mean(0), rtol=1e-6)
     np.testing.assert_allclose(std, used.std(0), rtol=1e-6)
+    # the command line computes them once and hands the ranks (and config.yaml) the values
+    resolved, line = normalized_config(cfg)
+    assert resolved.DATA.NORMALIZE_FROM_IMAGES == 0 and count == 2 and "of 2 images of DATA.TRAIN" in line
+    assert resolved.DATA.TRAIN.TRANSFORMS.MEAN == resolved.DATA.TEST.TRANSFORMS.MEAN == mean
     with pytest.raises(
         ConfigError, match=r"TRANSFORMS.MEAN needs DATA.CHANNELS=4 values \(or one for every channel\), got 3"
     ):
@@ -215,7 +219,7 @@ def test_normalisation_from_the_images_and_its_errors(bands):
         build_dataset(
             _folder_cfg(
                 folder,
-                "config.DATA.TRAIN.TRANSFORMS.PIXEL_RANGE=[5,1]",
+                "config.DATA.TRAIN.PIXEL_RANGE=[5,1]",
                 "config.DATA.TRAIN.TRANSFORMS.MEAN=[0.5]",
             ).DATA.TRAIN,
             channels=4,

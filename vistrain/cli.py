@@ -79,17 +79,20 @@ def _main(argv: Sequence[str]) -> int:
                 checked_config,
                 fitted_warmups,
                 get_job,
+                normalized_config,
                 training_samples,
             )
 
             cfg = checked_config(argv)
             samples = training_samples(cfg)
             cfg, fitted = fitted_warmups(cfg, samples)
+            cfg, normalized = normalized_config(cfg)
             check_run_folder(cfg, samples)
             job, notes = get_job(cfg.JOB), []
-            if fitted:
-                say(fitted)
-                notes.append(fitted)
+            for note in (fitted, normalized):
+                if note:
+                    say(note)
+                    notes.append(note)
             if cfg.JOB == "train" and cfg.MODEL.FSDP_CONFIG.AUTO_TUNE:
                 say(
                     "planning the memory per rank of each setting of the exact knobs (MODEL.FSDP_CONFIG.AUTO_TUNE)"

@@ -22,6 +22,7 @@ from vistrain.config import ConfigError, InputError
 from vistrain.config.checks import Catalog
 from vistrain.config.warmups import fit_warmups
 from vistrain.data.datasets import SOURCES, count_samples
+from vistrain.data.loader import image_statistics, statistics_line
 from vistrain.data.sampler import samples_per_rank
 from vistrain.data.transforms import TRANSFORMS
 from vistrain.distributed.launch import planned_world_size
@@ -107,6 +108,22 @@ def fitted_warmups(cfg, samples: Optional[int]) -> Tuple[CfgNode, Optional[str]]
     (``Method.warmups``) and its iterations per epoch: the config a short run trains, and the
     one-line note when a warm-up was shortened."""
     return fit_warmups(cfg, method_warmups(cfg), iterations_per_epoch(cfg, samples))
+
+
+def normalized_config(cfg) -> Tuple[CfgNode, Optional[str]]:
+    """With ``DATA.NORMALIZE_FROM_IMAGES``: the config whose splits normalise with the mean and std
+    of DATA.TRAIN's images, computed here once (the key set back to 0, so that the ranks and the
+    saved config.yaml hold the values), and the line that says so; else ``cfg`` and None."""
+    if cfg.DATA.NORMALIZE_FROM_IMAGES <= 0:
+        return cfg, None
+    mean, std, count = image_statistics(cfg.DATA)
+    out = cfg.clone()
+    out.defrost()
+    for split in ("TRAIN", "TEST"):
+        out.DATA[split].TRANSFORMS.MEAN, out.DATA[split].TRANSFORMS.STD = list(mean), list(std)
+    out.DATA.NORMALIZE_FROM_IMAGES = 0
+    out.freeze()
+    return out, statistics_line(mean, std, count)
 
 
 def check_run_folder(cfg, samples: Optional[int]) -> None:

@@ -98,6 +98,13 @@ def probability(value, _) -> Problem:
     return None if 0 <= value <= 1 else f"is a probability in [0, 1]; got {value}"
 
 
+def value_range(value, _) -> Problem:
+    """[] or [low, high] with low < high (DATA.<split>.PIXEL_RANGE)."""
+    if not value or (len(value) == 2 and value[0] < value[1]):
+        return None
+    return f"must be [] (the dtype's range) or [low, high] with low < high; got {list(value)}"
+
+
 def writable_folder(value: str, _) -> Problem:
     """A folder that exists and is writable, or could be created: a folder made (and removed) in
     the nearest existing one says so, where permission bits do not (root on a read-only mount,
@@ -156,6 +163,7 @@ RULES = {
     "DATA.*.FOLDER_LABELS": [one_of(("auto", "subfolders", "none"))],
     "DATA.*.DECODE_SIZE": [at_least(0)],
     "DATA.*.SHUFFLE_WINDOW": [at_least(1)],
+    "DATA.*.PIXEL_RANGE": [value_range],
     "DATA.CHANNELS": [at_least(1)],
     "DATA.NORMALIZE_FROM_IMAGES": [at_least(0)],
     "DATA.TRAIN.LABEL_FRACTION": [above(0), at_most(1)],

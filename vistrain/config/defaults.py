@@ -87,6 +87,9 @@ def _split_defaults(batch_size, shuffle):
     # shuffle buffer; larger mixes more, reads spread over more of a shard; vistrain/data/shards.py)
     split.SHUFFLE_WINDOW = 1000
     split.SKIP_CORRUPT = False  # True: skip unreadable images (counted in logs); False: stop the run
+    # pixel values mapped to [0, 1] (clipped): [low, high], or [] for the dtype's range (8-bit
+    # 0..255, 16-bit 0..65535, floats 0..1)
+    split.PIXEL_RANGE = []
     split.HF_IMAGE_COLUMN = "image"  # hf_dataset: the column of the images (Image, or arrays)
     split.HF_LABEL_COLUMN = "label"  # hf_dataset: the column of integer labels ("": unlabelled, -1)
     split.HF_SPLIT = ""  # hf_dataset: the split to read ("": the only one there is)
@@ -113,9 +116,6 @@ def _split_defaults(batch_size, shuffle):
     split.TRANSFORMS.SOLARIZE_PROB = 0.0  # solarisation probability
     split.TRANSFORMS.RESIZE = 36  # eval: shorter side before the center crop
     split.TRANSFORMS.CENTER_CROP = 32  # eval: crop side
-    # pixel values mapped to [0, 1] (clipped): [low, high], or [] for the dtype's range (8-bit
-    # 0..255, 16-bit 0..65535, floats 0..1)
-    split.TRANSFORMS.PIXEL_RANGE = []
     # normalisation per channel: DATA.CHANNELS values each, or one for all channels (DATA.NORMALIZE_FROM_IMAGES
     # computes them from the images)
     split.TRANSFORMS.MEAN = [0.485, 0.456, 0.406]

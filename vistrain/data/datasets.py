@@ -315,7 +315,7 @@ def build_dataset(
     the split's section, named by errors; ``split_seed`` is ``DATA.SPLIT_SEED``; ``channels``
     ``DATA.CHANNELS``; ``mean_std`` the normalisation computed from the images: ``loader.image_statistics``)."""
     sources = build_sources(split_cfg, cache_dir, split_seed)
-    transform = build_transform(split_cfg.TRANSFORMS, channels, mean_std)
+    transform = build_transform(split_cfg.TRANSFORMS, channels, mean_std, split_cfg.PIXEL_RANGE)
     return SSLDataset(sources, transform, seed, split_cfg.SKIP_CORRUPT, split_cfg.DATA_LIMIT, key, channels)
 
 

@@ -51,7 +51,11 @@ def build_loader(
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid splits: {list(SPLITS)}")
     split_cfg = data_cfg[split]
-    mean_std = image_statistics(data_cfg) if data_cfg.NORMALIZE_FROM_IMAGES > 0 else None
+    mean_std = None
+    if data_cfg.NORMALIZE_FROM_IMAGES > 0:  # the command line computes them once, before the ranks
+        *mean_std, count = image_statistics(data_cfg)
+        if comm.is_main_process():
+            logger.info(statistics_line(*mean_std, count))
     dataset = build_dataset(
         split_cfg, data_cfg.CACHE_DIR, seed=seed, key=f"DATA.{split}", split_seed=data_cfg.SPLIT_SEED,
         channels=data_cfg.CHANNELS, mean_std=mean_std,
@@ -153,25 +157,29 @@ class _UnitPixels:
         return pixels.float().div_(255) if pixels.dtype == torch.uint8 else pixels
 
 
-def image_statistics(data_cfg) -> Tuple[List[float], List[float]]:
-    """Per-channel (mean, std) of ``DATA.NORMALIZE_FROM_IMAGES`` images of ``DATA.TRAIN``, evenly
+def image_statistics(data_cfg) -> Tuple[List[float], List[float], int]:
+    """Per-channel (mean, std, images read) of ``DATA.NORMALIZE_FROM_IMAGES`` images of ``DATA.TRAIN`` (at most), evenly
     spaced over it (indices floor(k L / N)), fitted to ``DATA.CHANNELS`` and scaled to [0, 1] as
-    for the views (DATA.TRAIN's PIXEL_RANGE), unreadable ones as SKIP_CORRUPT says; logged."""
+    for the views (DATA.TRAIN.PIXEL_RANGE), unreadable ones as SKIP_CORRUPT says."""
     split_cfg, channels = data_cfg.TRAIN, data_cfg.CHANNELS
     sources = build_sources(split_cfg, data_cfg.CACHE_DIR, data_cfg.SPLIT_SEED)
-    transform = _UnitPixels([float(v) for v in split_cfg.TRANSFORMS.PIXEL_RANGE])
+    transform = _UnitPixels([float(v) for v in split_cfg.PIXEL_RANGE])
     dataset = SSLDataset(
         sources, transform, 0, split_cfg.SKIP_CORRUPT, split_cfg.DATA_LIMIT, "DATA.TRAIN", channels
     )
     wanted = min(data_cfg.NORMALIZE_FROM_IMAGES, len(dataset))
-    images = [dataset[k * len(dataset) // wanted]["prepared"] for k in range(wanted)]
-    mean, std = channel_stats(images, channels)
-    if comm.is_main_process():
-        logger.info(
-            f"normalising with the mean {_rounded(mean)} and std {_rounded(std)} of {wanted} images of DATA.TRAIN "
-            "(DATA.NORMALIZE_FROM_IMAGES; set TRANSFORMS.MEAN and STD to these to fix them)"
-        )
-    return mean, std
+    mean, std = channel_stats(
+        [dataset[k * len(dataset) // wanted]["prepared"] for k in range(wanted)], channels
+    )
+    return mean, std, wanted
+
+
+def statistics_line(mean: Sequence[float], std: Sequence[float], count: int) -> str:
+    """What :func:`image_statistics` found, in one line."""
+    return (
+        f"normalising with the mean {_rounded(mean)} and std {_rounded(std)} of {count} "
+        "images of DATA.TRAIN (DATA.NORMALIZE_FROM_IMAGES; set TRANSFORMS.MEAN and STD to these to fix them)"
+    )
 
 
 def _rounded(values: Sequence[float]) -> str:

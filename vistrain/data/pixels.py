@@ -20,8 +20,11 @@ repeated last, a third of the work); a 3-channel image is made grey for C = 1 by
 one-line DataError naming DATA.CHANNELS.
 
 Scaling (:func:`to_unit`): x -> (x - low) / (high - low) clipped to [0, 1], [low, high] the
-configured ``TRANSFORMS.PIXEL_RANGE`` or, when it is empty, the dtype's range (uint8 [0, 255],
+configured ``DATA.<split>.PIXEL_RANGE`` or, when it is empty, the dtype's range (uint8 [0, 255],
 uint16 [0, 65535], int16 [-32768, 32767], floats [0, 1]).
+
+Normalisation (:func:`fit_normalization`, :func:`channel_stats`): MEAN and STD of C values, one for
+all, or three averaged for grey views; or the per-channel mean and std of a sample of the images.
 """
 
 import io
@@ -193,6 +196,33 @@ def luma(image: np.ndarray) -> np.ndarray:
     return ((weighted + 32768) >> 16).astype(image.dtype)
 
 
+def fit_normalization(
+    mean: Sequence[float],
+    std: Sequence[float],
+    channels: int,
+    computed: Optional[Tuple[Sequence[float], Sequence[float]]] = None,
+) -> Tuple[List[float], List[float]]:
+    """TRANSFORMS.MEAN and STD (or ``computed`` from the images) as ``channels`` values each: C
+    given, one repeated, or for one channel the average of three (a grey image's three equal
+    channels). ConfigError (one line) otherwise."""
+    fitted = []
+    for key, values in zip(("MEAN", "STD"), computed if computed is not None else (mean, std)):
+        values = [float(v) for v in values]
+        if len(values) == 1:
+            values = values * channels
+        elif len(values) == 3 and channels == 1:
+            values = [sum(values) / 3]
+        if len(values) != channels:
+            raise ConfigError(
+                f"TRANSFORMS.{key} needs DATA.CHANNELS={channels} values (or one for every channel), got "
+                f"{len(values)}; or set DATA.NORMALIZE_FROM_IMAGES to compute MEAN and STD from the images"
+            )
+        fitted.append(values)
+    if min(fitted[1]) <= 0:
+        raise ConfigError(f"TRANSFORMS.STD must be positive, got {fitted[1]}")
+    return fitted[0], fitted[1]
+
+
 # --------------------------------------------------------------------------------------- scaling
 def value_range(dtype: torch.dtype, pixel_range: Optional[Sequence[float]]) -> Tuple[float, float]:
     """[low, high] that maps to [0, 1]: ``pixel_range``, else the dtype's (floats: [0, 1])."""
@@ -218,7 +248,7 @@ def to_unit(pixels: torch.Tensor, pixel_range: Optional[Sequence[float]]) -> tor
 def check_pixel_range(pixel_range: Sequence[float]) -> None:
     if pixel_range and (len(pixel_range) != 2 or not pixel_range[0] < pixel_range[1]):
         raise ConfigError(
-            f"TRANSFORMS.PIXEL_RANGE must be [] (the dtype's range) or [low, high] with low < high, got {list(pixel_range)}"
+            f"PIXEL_RANGE must be [] (the dtype's range) or [low, high] with low < high, got {list(pixel_range)}"
         )
 
 

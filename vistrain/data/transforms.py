@@ -28,7 +28,7 @@ resolution are consecutive.
 
 Channels and depth (``vistrain/data/pixels.py``): the views have C = ``DATA.CHANNELS`` channels (3
 by default). 8-bit images are scaled by 1/255 as ToTensor does; other dtypes (16-bit PNG and TIFF,
-``.npy`` arrays) and 8-bit images with a ``PIXEL_RANGE`` are scaled to [0, 1] per image, before the
+``.npy`` arrays) and 8-bit images with a ``DATA.<split>.PIXEL_RANGE`` are scaled to [0, 1] per image, before the
 views, by (x - low) / (high - low), clipped, [low, high] = ``PIXEL_RANGE`` or the dtype's range.
 Geometry, flips, brightness, contrast and blur act on any number of channels (contrast blends with
 the mean of the view's grey image: luma for RGB, the mean of the channels for other than 1 or 3).
@@ -55,9 +55,8 @@ import torch
 from PIL import Image
 from torchvision.transforms import functional as TF
 
-from vistrain.config.errors import ConfigError
 from vistrain.data import views as V
-from vistrain.data.pixels import check_pixel_range, keeps_bytes, to_unit
+from vistrain.data.pixels import check_pixel_range, fit_normalization, keeps_bytes, to_unit
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +179,11 @@ class MultiCropTransform:
     """
 
     def __init__(
-        self, cfg, channels: int = 3, mean_std: Optional[Tuple[Sequence[float], Sequence[float]]] = None
+        self,
+        cfg,
+        channels: int = 3,
+        mean_std: Optional[Tuple[Sequence[float], Sequence[float]]] = None,
+        pixel_range: Sequence[float] = (),
     ):
         _check_multicrop(cfg)
         _check_color(cfg)
@@ -203,8 +206,8 @@ class MultiCropTransform:
         self.strength = float(cfg.COLOR_DISTORTION)
         self.blur = (float(cfg.BLUR_PROB), *(float(v) for v in cfg.BLUR_RADIUS))
         self.solarize = float(cfg.SOLARIZE_PROB)
-        self.pixel_range = _pixel_range(cfg)
-        self.mean, self.std = _mean_std(cfg, channels, mean_std)
+        self.pixel_range = _pixel_range(pixel_range)
+        self.mean, self.std = fit_normalization(cfg.MEAN, cfg.STD, channels, mean_std)
         if channels not in (1, 3) and (self.strength > 0 or self.solarize > 0):
             logger.info(
                 f"views of {channels} channels: colour jitter is brightness and contrast only; saturation, "
@@ -328,30 +331,9 @@ class MultiCropTransform:
         return batch
 
 
-def _mean_std(cfg, channels: int, given=None) -> Tuple[List[float], List[float]]:
-    """MEAN and STD (or ``given``, computed from the data) as ``channels`` values each: C given,
-    one repeated, or (one channel) the average of three. ConfigError (one line) otherwise."""
-    fitted = []
-    for key, values in zip(("MEAN", "STD"), given if given is not None else (cfg.MEAN, cfg.STD)):
-        values = [float(v) for v in values]
-        if len(values) == 1:
-            values = values * channels
-        elif len(values) == 3 and channels == 1:
-            values = [sum(values) / 3]
-        if len(values) != channels:
-            raise ConfigError(
-                f"TRANSFORMS.{key} needs DATA.CHANNELS={channels} values (or one for every channel), got "
-                f"{len(values)}; or set DATA.NORMALIZE_FROM_IMAGES to compute MEAN and STD from the images"
-            )
-        fitted.append(values)
-    if min(fitted[1]) <= 0:
-        raise ConfigError(f"TRANSFORMS.STD must be positive, got {fitted[1]}")
-    return fitted[0], fitted[1]
-
-
-def _pixel_range(cfg) -> List[float]:
-    check_pixel_range(cfg.PIXEL_RANGE)
-    return [float(v) for v in cfg.PIXEL_RANGE]
+def _pixel_range(pixel_range: Sequence[float]) -> List[float]:
+    check_pixel_range(pixel_range)
+    return [float(v) for v in pixel_range]
 
 
 class EvalTransform:
@@ -359,12 +341,12 @@ class EvalTransform:
     images PIL cannot hold: as float tensors), normalise (per batch): ``transform(prepared_list)``
     -> [Tensor (N, C, CENTER_CROP, CENTER_CROP)]; ``channels``, ``mean_std`` as MultiCropTransform's."""
 
-    def __init__(self, cfg, channels: int = 3, mean_std=None):
+    def __init__(self, cfg, channels: int = 3, mean_std=None, pixel_range: Sequence[float] = ()):
         if cfg.RESIZE < cfg.CENTER_CROP:
             raise ValueError(f"TRANSFORMS.RESIZE ({cfg.RESIZE}) must be >= CENTER_CROP ({cfg.CENTER_CROP})")
         self.resize, self.crop = int(cfg.RESIZE), int(cfg.CENTER_CROP)
-        self.pixel_range = _pixel_range(cfg)
-        self.mean, self.std = _mean_std(cfg, channels, mean_std)
+        self.pixel_range = _pixel_range(pixel_range)
+        self.mean, self.std = fit_normalization(cfg.MEAN, cfg.STD, channels, mean_std)
 
     def prepare(self, image: np.ndarray, generator: torch.Generator = None) -> dict:
         if image.dtype == np.uint8 and not self.pixel_range and (image.ndim == 2 or image.shape[2] == 3):
@@ -381,10 +363,11 @@ class EvalTransform:
 TRANSFORMS: Dict[str, Callable] = {"multicrop": MultiCropTransform, "eval": EvalTransform}
 
 
-def build_transform(transforms_cfg, channels: int = 3, mean_std=None):
+def build_transform(transforms_cfg, channels: int = 3, mean_std=None, pixel_range: Sequence[float] = ()):
     """Build the transform named ``transforms_cfg.NAME`` from ``DATA.<split>.TRANSFORMS`` for views
-    of ``channels`` channels (``DATA.CHANNELS``), normalised by ``mean_std`` when it is given."""
+    of ``channels`` channels (``DATA.CHANNELS``) of pixels mapped to [0, 1] from ``pixel_range``
+    (``DATA.<split>.PIXEL_RANGE``), normalised by ``mean_std`` when it is given."""
     name = transforms_cfg.NAME
     if name not in TRANSFORMS:
         raise ValueError(f"unknown TRANSFORMS.NAME {name!r}; valid names: {sorted(TRANSFORMS)}")
-    return TRANSFORMS[name](transforms_cfg, channels, mean_std)
+    return TRANSFORMS[name](transforms_cfg, channels, mean_std, pixel_range)
