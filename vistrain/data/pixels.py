@@ -4,8 +4,8 @@ their values to [0, 1], and per-channel statistics for the normalisation.
 Reading (:func:`read_pixels`), by file suffix:
 
 * ``.npy``: a NumPy array (H, W) or (H, W, C) of any integer or float dtype, read as it is.
-* ``.png``: 8-bit images through PIL as every other format (``read_image``: converted to the
-  source's mode, RGB or L); 16-bit grey as uint16 (H, W) (PIL's ``I;16``), 16-bit colour as uint16
+* ``.png``: 8-bit images as every other format (``read_image``: converted by PIL to the source's
+  mode, RGB or L); 16-bit grey as uint16 (H, W) (PIL's ``I;16``), 16-bit colour as uint16
   (H, W, 3) (``torchvision.io.decode_png``; alpha dropped, as PIL's RGB conversion drops it).
 * ``.tif`` / ``.tiff``: one frame of at most 4 samples of at most 8 bits through PIL (its mode
   conversions: palette, CMYK, YCbCr, 1-bit); one band of 16-bit integers or 32-bit floats through
@@ -84,12 +84,13 @@ def checked_array(array: np.ndarray, name: str) -> np.ndarray:
 
 
 def _deep(source: Union[str, bytes], name: str, mode: str) -> np.ndarray:
-    """A PNG or TIFF (or any image PIL reads), ``source`` its path or bytes: see the module docstring."""
+    """A PNG or TIFF (or any image PIL reads), ``source`` its path or bytes: see the module
+    docstring. 8-bit files are decoded by ``read_image``, as every other image file."""
     tiff = source.startswith(TIFF_MAGIC) if isinstance(source, bytes) else not source.lower().endswith(".png")
     try:
         with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
             how = _how(image)
-            if how == "convert":
+            if how == "convert" and isinstance(source, bytes):
                 return np.array(image.convert(mode))  # convert() forces the full decode
             if how == "native":
                 return checked_array(np.array(image), name)
@@ -103,6 +104,8 @@ def _deep(source: Union[str, bytes], name: str, mode: str) -> np.ndarray:
         if not tiff:
             raise CorruptImageError(f"cannot read image {name}: {err}") from None
         how = "tifffile"  # PIL could not decode it: tifffile may
+    if how == "convert":
+        return np.array(read_image(source, mode))
     return _png16(source, name) if how == "png16" else _tifffile(source, name)
 
 
