@@ -4,9 +4,11 @@ equal to the grey channel of the RGB path, normalisation from the data, and 3-ch
 adapted to 1 and 4 input channels as timm adapts them."""
 
 import logging
+import runpy
 import struct
 import sys
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -294,3 +296,22 @@ def test_without_tifffile_the_line_names_the_extra(bands, monkeypatch):
         match=r'a.tif \(more bands or bits than PIL reads\) needs tifffile: pip install "vistrain\[tiff\]"$',
     ):
         read_pixels(str(folder / "a.tif"))
+
+
+def test_band_images_in_tar_shards(bands, tmp_path, capsys):
+    """Shards made from a folder of band images hold the files' bytes: read back as the folder reads them."""
+    folder, images = bands
+    make_shards = runpy.run_path(str(Path(__file__).parents[1] / "tools" / "make_shards.py"))["main"]
+    assert make_shards([str(folder), str(tmp_path / "shards")]) == 0
+    pattern = '"' + str(tmp_path / "shards" / "bands-{000000..000000}.tar") + '"'
+    cfg = _folder_cfg(
+        pattern,
+        "config.DATA.TRAIN.DATA_SOURCES=[webdataset]",
+        "config.DATA.TRAIN.TRANSFORMS.MEAN=[0.5]",
+        "config.DATA.TRAIN.TRANSFORMS.STD=[0.25]",
+    )
+    data = build_dataset(cfg.DATA.TRAIN, channels=4)
+    got = sorted((data.sources[0].load(i)[0] for i in range(4)), key=lambda a: int(a[0, 0, 0]))
+    for array, image in zip(got, sorted(images, key=lambda a: int(a[0, 0, 0]))):
+        np.testing.assert_array_equal(array, image)
+    assert data.views(0)[0].shape == (4, 16, 16)

@@ -29,7 +29,7 @@ all, or three averaged for grey views; or the per-channel mean and std of a samp
 
 import io
 import os
-from typing import BinaryIO, List, Optional, Sequence, Tuple, Union
+from typing import BinaryIO, Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -56,11 +56,26 @@ def read_pixels(path: str, mode: str = "RGB") -> np.ndarray:
     return np.array(read_image(path, mode))
 
 
-def decode_pixels(data: bytes, name: str, mode: str = "RGB") -> np.ndarray:
-    """:func:`read_pixels` of a file's bytes (the format found from them; ``name`` for messages)."""
+def decode_pixels(data: bytes, name: Union[str, Callable[[], str]], mode: str = "RGB") -> np.ndarray:
+    """:func:`read_pixels` of a file's bytes, the format found from them. ``name``: the file's, for
+    messages, or a function giving it (called only when a message is written)."""
+    if callable(name):
+        name = _LazyName(name)
     if data.startswith(NPY_MAGIC):
         return _npy(io.BytesIO(data), name)
     return _deep(data, name, mode)
+
+
+class _LazyName:
+    """A name computed when a message formats it (a shard member's name reads the shard's index)."""
+
+    def __init__(self, get: Callable[[], str]):
+        self.get = get
+
+    def __format__(self, spec: str) -> str:
+        return format(self.get(), spec)
+
+    __str__ = __format__
 
 
 def _npy(source: Union[str, BinaryIO], name: str) -> np.ndarray:

@@ -39,7 +39,6 @@ new ranks' plan). Mixed with other sources, the samples follow the folders' glob
 """
 
 import collections
-import io
 import json
 import os
 import tarfile
@@ -47,10 +46,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
 
 from vistrain.config.errors import ConfigError, DataError
 from vistrain.data.folders import UNLABELLED, CorruptImageError, is_image
+from vistrain.data.pixels import decode_pixels
 from vistrain.data.sampler import DistributedSampler, mix_seed, samples_per_rank
 
 INDEX_SUFFIX = ".index.json"
@@ -173,7 +172,8 @@ def read_index(shard: str, pattern: str) -> dict:
 # ------------------------------------------------------------------------------------ the source
 class ShardSource:
     """The samples of tar shards: ``load(i) -> (pixels, label)``, pixels a uint8 array (H, W, 3) RGB
-    (``mode`` "RGB") or (H, W) grayscale ("L"), the image member's bytes decoded with PIL.
+    (``mode`` "RGB") or (H, W) grayscale ("L"), the image member's bytes decoded as a file of a
+    folder is (``vistrain.data.pixels.decode_pixels``: deeper images and arrays as they are).
 
     Per sample it keeps the image's byte offset and size (int64 arrays) and the label (a list);
     keys are read back from a shard's index only to name a bad sample."""
@@ -219,16 +219,8 @@ class ShardSource:
         return data
 
     def load(self, i: int) -> Tuple[np.ndarray, int]:
-        data = self.read_bytes(i)
-        try:
-            with Image.open(io.BytesIO(data)) as image:
-                pixels = np.array(image.convert(self.mode))  # convert() decodes it all: a bad file fails here
-        except UnidentifiedImageError:
-            raise CorruptImageError(
-                f"cannot read image {self.describe(i)}: not an image format PIL knows"
-            ) from None
-        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-            raise CorruptImageError(f"cannot read image {self.describe(i)}: {err}") from None
+        # as a file of a folder is decoded (16-bit, multi-band TIFF and .npy members too)
+        pixels = decode_pixels(self.read_bytes(i), lambda: self.describe(i), self.mode)
         return pixels, self.labels[i]
 
     def _file(self, shard: int) -> int:
