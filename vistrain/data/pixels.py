@@ -75,7 +75,8 @@ class _LazyName:
     def __format__(self, spec: str) -> str:
         return format(self.get(), spec)
 
-    __str__ = __format__
+    def __str__(self) -> str:
+        return self.get()
 
 
 def _npy(source: Union[str, BinaryIO], name: str) -> np.ndarray:
