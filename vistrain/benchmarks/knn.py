@@ -12,8 +12,9 @@ images are scored ``KNN_CHUNK_SIZE`` at a time, so memory is O(chunk x N_train),
 O(N_test x N_train). Multi-rank: every rank extracts its part of both splits; the training bank
 is gathered on every rank (de-duplicated and sorted by data set index, so it equals the
 single-process bank exactly), each rank scores its own test images, and the de-duplicated hit
-counts are summed. With ``DATA.TRAIN.LABEL_FRACTION`` the bank holds that stratified part of
-TRAIN only. Results go to the log, TensorBoard (``knn/<feature>/top1``) and
+counts are summed. The bank is every labelled TRAIN image once (read in order, nothing dropped);
+with ``DATA.TRAIN.LABEL_FRACTION`` that stratified part of TRAIN only. Results go to the log,
+TensorBoard (``knn/<feature>/top1``) and
 ``CHECKPOINT.DIR/metrics.json``.
 """
 
@@ -113,7 +114,7 @@ def knn(cfg) -> None:
     bench = cfg.BENCHMARK
     device = start_run(cfg)
 
-    loaders = {"TRAIN": label_fraction.labelled_train_loader(cfg, device)[0]}  # the bank: labelled images
+    loaders = {"TRAIN": label_fraction.labelled_train_loader(_bank_config(cfg), device)[0]}
     loaders["TEST"] = build_loader(cfg.DATA, "TEST", seed=cfg.SEED_VALUE, device=device)
     num_classes = common.num_classes(loaders["TRAIN"].dataset, loaders["TEST"].dataset)
     trunk, dims = common.build_frozen_trunk(cfg, device)
@@ -142,6 +143,16 @@ def knn(cfg) -> None:
         results.update(common.summarise(counts[None], [name]))
         results[name]["bank_size"] = bank.shape[0]
     _report(cfg, results, time.perf_counter() - start)
+
+
+def _bank_config(cfg):
+    """``cfg`` with DATA.TRAIN read in order, nothing dropped: every labelled image is in the bank
+    once, however few they are (a label fraction) and whatever DROP_LAST training would use."""
+    bank = cfg.clone()
+    bank.defrost()
+    bank.DATA.TRAIN.SHUFFLE = bank.DATA.TRAIN.DROP_LAST = False
+    bank.freeze()
+    return bank
 
 
 def _report(cfg, results: Dict[str, dict], seconds: float) -> None:
