@@ -308,6 +308,10 @@ _C.CHECKPOINT.AUTO_RESUME = True  # continue from the latest complete checkpoint
 _C.CHECKPOINT.CHECKPOINT_FREQUENCY = 1  # every N epochs (the last epoch is always saved)
 _C.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY = -1  # also every N iterations (-1: off)
 _C.CHECKPOINT.KEEP_LAST = 3  # complete checkpoints kept (older ones deleted)
+# A folder's checkpoints resume only under the schedule that made them (epochs, lr schedule and
+# warm-up, global batch, augmentations, the method's settings, seed: vistrain/checkpoint/identity.py);
+# another is refused in one line naming a free folder. True: train on from them under this config
+_C.CHECKPOINT.ALLOW_OTHER_SCHEDULE = False
 # SIGTERM or SIGUSR1 (a scheduler's preemption or time limit) stops every rank at the next iteration
 # boundary and saves a checkpoint there; a step or save still running this long after the signal is
 # abandoned (the previous checkpoint stands) and the job exits 143. Keep it below the scheduler's

@@ -133,7 +133,8 @@ def train(cfg, notes: Sequence[str] = (), across_nodes=None) -> None:
     if iteration >= run.total_iterations:
         logger.info(
             f"nothing to do: {cfg.CHECKPOINT.DIR} already holds {plural(iteration / iters_per_epoch, 'epoch')} "
-            f"of the {run.num_epochs} asked for (raise OPTIMIZER.num_epochs to train on)"
+            f"of the {run.num_epochs} asked for (to train on: raise OPTIMIZER.num_epochs, with "
+            "config.CHECKPOINT.ALLOW_OTHER_SCHEDULE=True)"
         )
         return
     record_config(cfg, trained_until=resumed_from)
