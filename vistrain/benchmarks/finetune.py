@@ -51,6 +51,7 @@ from vistrain.runtime import precision
 from vistrain.runtime.logger import TrainingMeter, logger, timed
 from vistrain.runtime.parallel import parallelize
 from vistrain.runtime.run_setup import record_config, start_run
+from vistrain.runtime.tracking import wandb_settings
 
 
 @dataclasses.dataclass
@@ -83,7 +84,9 @@ def finetune(cfg) -> None:
     lrs = [float(lr) for lr in cfg.BENCHMARK.FINETUNE.LRS] if job.holdout else []
     epochs = cfg.OPTIMIZER.num_epochs
     total = epochs * (len(job.train_loader) + len(lrs) * (len(job.holdout[0]) if job.holdout else 0))
-    job.meter = TrainingMeter(cfg.CHECKPOINT.DIR, cfg.LOG_FREQUENCY, total, device)
+    job.meter = TrainingMeter(
+        cfg.CHECKPOINT.DIR, cfg.LOG_FREQUENCY, total, device, tracking=wandb_settings(cfg)
+    )
     job.clock = linear_report.JobClock(total)
     _log_header(job, lrs)
     for note in job.notes:

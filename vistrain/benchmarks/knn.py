@@ -18,7 +18,6 @@ TensorBoard (``knn/<feature>/top1``) and
 ``CHECKPOINT.DIR/metrics.json``.
 """
 
-import os
 import time
 from typing import Dict, Sequence, Tuple
 
@@ -29,9 +28,10 @@ from vistrain.benchmarks import common, label_fraction
 from vistrain.config.words import plural
 from vistrain.data import build_loader
 from vistrain.distributed import comm
-from vistrain.runtime.logger import logger
+from vistrain.runtime.logger import RunWriter, logger
 from vistrain.runtime.precision import amp_dtype
 from vistrain.runtime.run_setup import record_config, start_run
+from vistrain.runtime.tracking import wandb_settings
 
 # --------------------------------------------------------------------------------------------
 # pure maths
@@ -171,9 +171,7 @@ def _report(cfg, results: Dict[str, dict], seconds: float) -> None:
     }
     path = common.write_metrics(cfg.CHECKPOINT.DIR, record)
     if comm.is_main_process():
-        from torch.utils.tensorboard import SummaryWriter
-
-        with SummaryWriter(log_dir=os.path.join(cfg.CHECKPOINT.DIR, "tb")) as writer:
+        with RunWriter(cfg.CHECKPOINT.DIR, wandb_settings(cfg)) as writer:
             for name, res in results.items():
                 writer.add_scalar(f"knn/{name}/top1", res["top1"], 0)
                 writer.add_scalar(f"knn/{name}/top5", res["top5"], 0)

@@ -42,6 +42,7 @@ from vistrain.runtime.logger import TrainingMeter, logger
 from vistrain.runtime.parallel import parallelize
 from vistrain.runtime.precision import amp_dtype
 from vistrain.runtime.run_setup import record_config, start_run
+from vistrain.runtime.tracking import wandb_settings
 
 __all__ = ["CachedFeatures", "FrozenFeatures", "LinearHeads", "cache_features", "linear_eval", "train_heads"]
 
@@ -69,7 +70,10 @@ def linear_eval(cfg) -> None:
     device = start_run(cfg)
     job = _build(cfg, device)
     record_config(cfg)  # built and loaded: the job really starts
-    meter = TrainingMeter(cfg.CHECKPOINT.DIR, cfg.LOG_FREQUENCY, job.total, device, console=False)
+    tracking = wandb_settings(cfg)
+    meter = TrainingMeter(
+        cfg.CHECKPOINT.DIR, cfg.LOG_FREQUENCY, job.total, device, console=False, tracking=tracking
+    )
     heads, (lrs, selection), iterations = _train(cfg, job, meter)
     train_seconds = time.perf_counter() - start
     groups = [list(g) for g in cfg.BENCHMARK.CLASS_GROUPS]

@@ -362,6 +362,21 @@ _C.BENCHMARK.FINETUNE.HOLDOUT_FRACTION = 0.2  # part of TRAIN (stratified) that 
 
 
 # ---------------------------------------------------------------------------------------------
+# Where a run's scalars and images go besides log.txt, metrics.jsonl and TensorBoard (CHECKPOINT.DIR/tb)
+_C.LOGGING = CN()
+# Weights & Biases (pip install "vistrain[wandb]"; vistrain/runtime/tracking.py): rank 0 mirrors
+# every TensorBoard scalar and image to a W&B run kept in CHECKPOINT.DIR/wandb (a resumed run
+# continues it)
+_C.LOGGING.WANDB = CN()
+_C.LOGGING.WANDB.ENABLED = False
+_C.LOGGING.WANDB.PROJECT = "vistrain"
+_C.LOGGING.WANDB.NAME = ""  # the W&B run's name ("": the run folder's name)
+# online | offline (no network nor account; `wandb sync` uploads it later) | disabled | "" (wandb's
+# default: the WANDB_MODE environment variable, else online)
+_C.LOGGING.WANDB.MODE = ""
+
+
+# ---------------------------------------------------------------------------------------------
 # Watching a run learn (vistrain/training/monitor.py): every EVERY_EPOCHS epochs and after the last
 # one, the trunk of the network BENCHMARK.WEIGHTS_FROM names (in eval mode, no gradients) reads
 # held-out images; their kNN top-1, RankMe and feature std go to the log, metrics.jsonl,
