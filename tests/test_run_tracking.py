@@ -133,3 +133,19 @@ def test_every_launch_adds_its_provenance(tmp_path):
         assert first["git"]["commit"] == head.stdout.strip() and isinstance(first["git"]["dirty"], bool)
     assert all(isinstance(name, str) for name in first["extras"])  # {distribution: version or None}
     assert sorted(p.name for p in tmp_path.glob("config*.yaml")) == ["config.yaml"]
+
+
+def test_a_wandb_run_that_cannot_start_is_one_line(tmp_path, monkeypatch):
+    import wandb
+
+    def refuse(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    settings = tracking.WandbSettings("vistrain-tests", "", "online", "train", {})
+    with pytest.raises(ConfigError) as refused:
+        tracking.WandbSink(settings, str(tmp_path))
+    assert str(refused.value) == (
+        "LOGGING.WANDB: Weights & Biases could not start a run: No API key configured. Use `wandb login` "
+        "to log in; or set LOGGING.WANDB.MODE=offline (no account or network needed)"
+    )

@@ -61,17 +61,24 @@ class WandbSink:
         self.wandb = wandb
         folder = os.path.join(os.path.abspath(run_dir), "wandb")
         os.makedirs(folder, exist_ok=True)
-        self.run = wandb.init(
-            project=settings.project,
-            name=settings.name or os.path.basename(os.path.abspath(run_dir)),
-            mode=settings.mode or None,
-            dir=os.path.abspath(run_dir),
-            id=_run_id(folder),
-            resume="allow",
-            job_type=settings.job,
-            config=settings.config,
-            settings=wandb.Settings(silent=True, console="off"),
-        )
+        try:
+            self.run = wandb.init(
+                project=settings.project,
+                name=settings.name or os.path.basename(os.path.abspath(run_dir)),
+                mode=settings.mode or None,
+                dir=os.path.abspath(run_dir),
+                id=_run_id(folder),
+                resume="allow",
+                job_type=settings.job,
+                config=settings.config,
+                settings=wandb.Settings(silent=True, console="off"),
+            )
+        except wandb.errors.Error as error:  # not logged in, no network...: the user's to fix
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0].rstrip(".")
+            raise ConfigError(
+                f"LOGGING.WANDB: Weights & Biases could not start a run: {first}; or set "
+                "LOGGING.WANDB.MODE=offline (no account or network needed)"
+            ) from None
         self.run.define_metric("iteration")
         self.run.define_metric("*", step_metric="iteration")
         self.row: Dict[str, object] = {}
