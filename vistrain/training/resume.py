@@ -33,10 +33,8 @@ def resume(run_dir: str, run, cfg=None) -> Tuple[int, int]:
     if path is None:
         return 0, 0
     if cfg is not None:  # every rank reads the same metadata: the same answer everywhere
-        meta = read_metadata(path)
-        check_same_run(
-            run_dir, meta, cfg, run.layout.num_samples, agreed=True, world_size=comm.get_world_size()
-        )
+        saved, world = read_metadata(path), comm.get_world_size()
+        check_same_run(run_dir, saved, cfg, run.layout.num_samples, agreed=True, world_size=world)
     state = load_sharded_checkpoint(path, run.checkpointed_models(), run.optimizer)
     meta, extra = state["metadata"], state["extra"]
     iteration = resume_iteration(meta, run.layout, path)
