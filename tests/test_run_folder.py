@@ -236,7 +236,8 @@ def test_world_size_changes_resume_from_the_most_advanced_and_record_each_config
     epoch: checkpoint 12, less numbered but more advanced), then a rerun asking for 3 epochs."""
     run_on_ranks(_train, 1, _tiny(tmp_path, "config.OPTIMIZER.num_epochs=2"))
     first_config = (tmp_path / "config.yaml").read_text()
-    run_on_ranks(_train, 2, _tiny(tmp_path, "config.OPTIMIZER.num_epochs=3"))
+    train_on = "config.CHECKPOINT.ALLOW_OTHER_SCHEDULE=True"  # 3 epochs from a 2-epoch run's checkpoint
+    run_on_ranks(_train, 2, _tiny(tmp_path, "config.OPTIMIZER.num_epochs=3", train_on))
     assert sorted(p.name for p in tmp_path.glob("checkpoint_*")) == ["checkpoint_12", "checkpoint_16"]
     latest = find_latest_checkpoint(str(tmp_path))
     assert latest == str(tmp_path / "checkpoint_12")
@@ -284,7 +285,13 @@ def _recorded_run(run_dir, *overrides, samples=32):
     """A complete checkpoint of the tiny recipe (with ``overrides``) as a run on ``samples``
     training images saves it: its config and data size in metadata.json."""
     cfg = load_config(_tiny(run_dir, *overrides))
-    meta = {"epoch": 1, "samples_seen": samples, "num_samples": samples, "config": cfg.dump()}
+    meta = {
+        "epoch": 1,
+        "samples_seen": samples,
+        "num_samples": samples,
+        "config": cfg.dump(),
+        "world_size": 2,
+    }
     return save_sharded_checkpoint(str(run_dir), 4, nn.Linear(3, 2), None, {}, meta, 0)
 
 
@@ -332,7 +339,8 @@ def test_another_run_into_a_folder_is_one_line_exit_2_naming_a_free_folder(tmp_p
 
 
 def test_what_may_change_on_resume_passes_the_folder_check(tmp_path):
-    """Epochs (training on), lr, batch, ranks, knobs, augmentations, logging: the same run."""
+    """Ranks (with the same global batch), exact knobs, precision, logging, checkpoint settings:
+    the same run and schedule."""
     from vistrain.jobs import check_run_folder
 
     _recorded_run(tmp_path)
@@ -341,18 +349,100 @@ def test_what_may_change_on_resume_passes_the_folder_check(tmp_path):
         load_config(
             _tiny(
                 tmp_path,
-                "config.OPTIMIZER.num_epochs=40",
-                "config.OPTIMIZER.param_schedulers.lr.base_value=0.3",
-                "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
                 "config.DISTRIBUTED.NUM_PROC_PER_NODE=1",
+                "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",  # 2 ranks x 4 saved it
                 "config.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP=True",
-                "config.DATA.TRAIN.TRANSFORMS.BLUR_PROB=0.0",
+                "config.OPTIMIZER.step_in_backward=True",
+                "config.MODEL.AMP_PARAMS.USE_AMP=True",
                 "config.LOG_FREQUENCY=1",
                 "config.CHECKPOINT.KEEP_LAST=5",
             )
         ),
         32,
     )
+
+
+def test_another_schedule_in_a_folder_is_one_line_exit_2_unless_training_on(tmp_path, capsys):
+    """README's first try (1 epoch here: 2) then the recipe (40) in the same folder: resuming would
+    train neither schedule. Refused before any rank starts, one line naming a free folder;
+    with ALLOW_OTHER_SCHEDULE it trains on."""
+    from vistrain.jobs import check_run_folder
+
+    run_dir = tmp_path / "run"
+    _recorded_run(run_dir)
+    before = _folder_state(run_dir)
+    assert cli.main(_tiny(run_dir, "config.OPTIMIZER.num_epochs=40")) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        f"run folder taken: {run_dir} holds checkpoints trained with OPTIMIZER.num_epochs 2; this run asks "
+        "for OPTIMIZER.num_epochs 40: resuming would continue that run under another schedule and a fresh "
+        f"start would overwrite it: give this run its own folder, e.g. config.CHECKPOINT.DIR={tmp_path / 'run_2'} "
+        "(or train on from it: config.CHECKPOINT.ALLOW_OTHER_SCHEDULE=True)"
+    ]
+    assert _folder_state(run_dir) == before
+    train_on = "config.CHECKPOINT.ALLOW_OTHER_SCHEDULE=True"
+    check_run_folder(load_config(_tiny(run_dir, "config.OPTIMIZER.num_epochs=40", train_on)), 32)
+
+
+@pytest.mark.parametrize(
+    "other, said",
+    [
+        (
+            [
+                "config.OPTIMIZER.param_schedulers.lr.base_value=0.3",
+                "config.DATA.TRAIN.BATCHSIZE_PER_REPLICA=8",
+            ],
+            "OPTIMIZER.param_schedulers.lr.base_value 0.05, global batch 8 (2 ranks x 4); this run asks "
+            "for OPTIMIZER.param_schedulers.lr.base_value 0.3, global batch 16 (2 ranks x 8):",
+        ),
+        (["config.OPTIMIZER.param_schedulers.lr.warmup_epochs=0.2"], "lr.warmup_epochs 0.5; this run asks"),
+        (
+            ["config.DATA.TRAIN.TRANSFORMS.BLUR_PROB=0.0"],
+            "DATA.TRAIN.TRANSFORMS.BLUR_PROB 0.5; this run asks",
+        ),
+        (["config.LOSS.simclr_loss.temperature=0.5"], "LOSS.simclr_loss.temperature 0.1; this run asks"),
+        (["config.SEED_VALUE=1"], "SEED_VALUE 0; this run asks for SEED_VALUE 1:"),
+    ],
+)
+def test_the_schedule_a_folder_remembers(tmp_path, other, said):
+    """The lr and batch, the warm-up, the augmentations, the method's settings, the seed."""
+    from vistrain.checkpoint.identity import OtherRunError
+    from vistrain.jobs import check_run_folder
+
+    _recorded_run(tmp_path)
+    with pytest.raises(OtherRunError, match="holds checkpoints trained with ") as refused:
+        check_run_folder(load_config(_tiny(tmp_path, *other)), 32)
+    assert said in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_an_evaluation_over_another_ones_results_is_one_line_exit_2(tmp_path, capsys):
+    """A 10% linear evaluation in the folder of the full-label one, a kNN or a pretraining run
+    there: refused, one line naming a free folder. The same evaluation (on other ranks, other
+    logging) runs again there."""
+    from vistrain.checkpoint.identity import OtherRunError
+    from vistrain.jobs import check_run_folder
+
+    run_dir = tmp_path / "eval"
+    evaluation = ["config=test/benchmark_tiny", f"config.CHECKPOINT.DIR={run_dir}"]
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(load_config(evaluation).dump())  # what its run recorded
+    assert cli.main([*evaluation, "config.DATA.TRAIN.LABEL_FRACTION=0.5"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"run folder taken: {run_dir} holds the results of another linear_eval job "
+        "(DATA.TRAIN.LABEL_FRACTION 1.0; this run: DATA.TRAIN.LABEL_FRACTION 0.5), which this run would "
+        f"overwrite: give it its own folder, e.g. config.CHECKPOINT.DIR={tmp_path / 'eval_2'}"
+    ]
+    for job in ("knn", "train"):
+        with pytest.raises(
+            OtherRunError, match=f"holds the results of a linear_eval job; this run is a {job} job"
+        ):
+            check_run_folder(load_config([*evaluation, f"config.JOB={job}"]), None)
+    same = [
+        "config.DISTRIBUTED.NUM_PROC_PER_NODE=1",
+        "config.LOGGING.WANDB.ENABLED=True",
+        "config.LOG_FREQUENCY=1",
+    ]
+    check_run_folder(load_config([*evaluation, *same]), None)
 
 
 def test_keys_added_since_a_folder_was_saved_are_no_difference(tmp_path):

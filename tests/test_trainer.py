@@ -247,14 +247,15 @@ def test_checkpoint_round_trip_and_pruning(tmp_path):
 
 
 def test_cli_run_logs_and_resumes(tmp_path):
-    """Epoch 1 by train() on 2 ranks; then the CLI (2 spawned ranks) must resume it, not start over."""
+    """Epoch 1 by train() on 2 ranks; then the CLI (2 spawned ranks) must train on from it to
+    epoch 2 (another schedule, asked for), not start over."""
     run_on_ranks(_train_on_rank, 2, _tiny(tmp_path, "config.OPTIMIZER.num_epochs=1"))
     assert find_latest_checkpoint(str(tmp_path)).endswith("checkpoint_4")
     result = subprocess.run(
         [
             sys.executable,
             str(REPO / "tools" / "run_distributed.py"),
-            *_tiny(tmp_path, "config.LOG_FREQUENCY=1"),
+            *_tiny(tmp_path, "config.LOG_FREQUENCY=1", "config.CHECKPOINT.ALLOW_OTHER_SCHEDULE=True"),
         ],
         capture_output=True,
         text=True,
@@ -272,7 +273,9 @@ def test_cli_run_logs_and_resumes(tmp_path):
     assert [m["epoch"] for m in metrics[2:]] == [1, 1, 1, 1]
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     saved = load_config([f"config={tmp_path / 'config.yaml'}"])
-    assert saved == load_config(_tiny(tmp_path, "config.LOG_FREQUENCY=1"))
+    assert saved == load_config(
+        _tiny(tmp_path, "config.LOG_FREQUENCY=1", "config.CHECKPOINT.ALLOW_OTHER_SCHEDULE=True")
+    )
     latest = find_latest_checkpoint(str(tmp_path))
     assert latest.endswith("checkpoint_8") and read_metadata(latest)["world_size"] == 2
     assert sorted(p.name for p in tmp_path.glob("checkpoint_*")) == ["checkpoint_4", "checkpoint_8"]

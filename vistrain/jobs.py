@@ -16,7 +16,7 @@ from vistrain.benchmarks.common import FEATURE_VIEWS
 from vistrain.benchmarks.precise_bn import TRUNK_BN_STATS
 from vistrain.benchmarks.weights import WEIGHTS_FROM
 from vistrain.checkpoint.files import CheckpointError, find_latest_checkpoint, read_metadata
-from vistrain.checkpoint.identity import check_same_run
+from vistrain.checkpoint.identity import check_same_results, check_same_run
 from vistrain.checkpoint.pretrained import check_weights_file
 from vistrain.config import ConfigError, InputError
 from vistrain.config.checks import Catalog
@@ -127,15 +127,21 @@ def normalized_config(cfg) -> Tuple[CfgNode, Optional[str]]:
 
 
 def check_run_folder(cfg, samples: Optional[int]) -> None:
-    """A training run's ``CHECKPOINT.DIR`` holds no other run (other data, method or model):
-    ``vistrain.checkpoint.identity.OtherRunError``, one line naming a free folder, otherwise.
-    ``samples``: :func:`training_samples`. Called before the ranks start (the ranks check again
-    when they resume)."""
+    """``CHECKPOINT.DIR`` holds nothing the job would mix with or overwrite: for a training run no
+    other run (other data, method, model or schedule); for an evaluation no other job's or
+    evaluation's results (its ``config.yaml``). ``vistrain.checkpoint.identity.OtherRunError``,
+    one line naming a free folder, otherwise. ``samples``: :func:`training_samples`. Called before
+    the ranks start (the ranks check a training run's folder again when they resume)."""
+    recorded = os.path.join(cfg.CHECKPOINT.DIR, "config.yaml")
+    if os.path.isfile(recorded):
+        with open(recorded) as f:
+            check_same_results(cfg.CHECKPOINT.DIR, f.read(), cfg)
     if samples is None:
         return
     latest = find_latest_checkpoint(cfg.CHECKPOINT.DIR)
     if latest is not None:
-        check_same_run(cfg.CHECKPOINT.DIR, read_metadata(latest), cfg, samples)
+        world = planned_world_size(cfg.DISTRIBUTED, os.environ)
+        check_same_run(cfg.CHECKPOINT.DIR, read_metadata(latest), cfg, samples, world_size=world)
 
 
 def checked_config(argv: Sequence[str], files: bool = True) -> CfgNode:

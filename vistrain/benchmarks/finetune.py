@@ -51,6 +51,7 @@ from vistrain.runtime import precision
 from vistrain.runtime.logger import TrainingMeter, logger, timed
 from vistrain.runtime.parallel import parallelize
 from vistrain.runtime.run_setup import record_config, start_run
+from vistrain.runtime.tracking import wandb_settings
 
 
 @dataclasses.dataclass
@@ -63,6 +64,7 @@ class _Job:
     train_loader: object  # the labelled images trained on (a label fraction's, or all of TRAIN)
     test_loader: object
     holdout: Optional[Tuple[object, object]]  # (fit loader, held-out loader) with FINETUNE.LRS
+    notes: List[str] = dataclasses.field(default_factory=list)  # for the log: batches fitted, no choice
     meter: Optional[TrainingMeter] = None
     clock: Optional[linear_report.JobClock] = None
     iterations: int = 0  # over every run so far
@@ -79,12 +81,16 @@ def finetune(cfg) -> None:
     check_feature_trains_the_trunk(cfg)
     job = _build(cfg, device)
     record_config(cfg)  # built and checked: the job really starts
-    lrs = [float(lr) for lr in cfg.BENCHMARK.FINETUNE.LRS]
+    lrs = [float(lr) for lr in cfg.BENCHMARK.FINETUNE.LRS] if job.holdout else []
     epochs = cfg.OPTIMIZER.num_epochs
     total = epochs * (len(job.train_loader) + len(lrs) * (len(job.holdout[0]) if job.holdout else 0))
-    job.meter = TrainingMeter(cfg.CHECKPOINT.DIR, cfg.LOG_FREQUENCY, total, device)
+    job.meter = TrainingMeter(
+        cfg.CHECKPOINT.DIR, cfg.LOG_FREQUENCY, total, device, tracking=wandb_settings(cfg)
+    )
     job.clock = linear_report.JobClock(total)
     _log_header(job, lrs)
+    for note in job.notes:
+        logger.info(note)
     lr, until, selection = _select(job, lrs) if lrs else (_base_lr(cfg), epochs, None)
     model, _ = train_run(job, lr, job.train_loader, until)
     logger.info(f"final fit on DATA.TRAIN done: lr {lr:g}, {plural(until, 'epoch')} ({job.clock.elapsed()})")
@@ -97,25 +103,39 @@ def finetune(cfg) -> None:
 
 
 def _build(cfg, device: torch.device) -> _Job:
-    """The loaders (TRAIN: a label fraction's images; with FINETUNE.LRS its fit and held-out parts)."""
-    train_loader, subset = label_fraction.labelled_train_loader(cfg, device)
+    """The loaders (TRAIN: a label fraction's images; with FINETUNE.LRS its fit and held-out
+    parts), each training pass's batch fitted to its images (``label_fraction.BatchFit``)."""
+    fit = label_fraction.job_batch_fit(cfg)
+    train_loader, subset = label_fraction.labelled_train_loader(cfg, device, fit=fit)
     test_loader = build_loader(cfg.DATA, "TEST", seed=cfg.SEED_VALUE, device=device)
     num_classes = common.num_classes(train_loader.dataset, test_loader.dataset)
     _check_batches(train_loader, "DATA.TRAIN")
-    holdout = None
+    holdout, notes = None, []
     if cfg.BENCHMARK.FINETUNE.LRS:
-        fraction = cfg.BENCHMARK.FINETUNE.HOLDOUT_FRACTION
-        positions = lr_grid.holdout_split(train_loader.dataset.targets, fraction, cfg.SEED_VALUE)
-        fit, held_out = (label_fraction.in_data_set(part, subset) for part in positions)
-        seed = cfg.SEED_VALUE
-        fit_loader = build_loader(cfg.DATA, "TRAIN", seed=seed, device=device, indices=fit)
-        _check_batches(fit_loader, "the fit part of DATA.TRAIN (lower FINETUNE.HOLDOUT_FRACTION)")
-        held_out_data = common.holdout_data_config(cfg.DATA)
-        holdout = (
-            fit_loader,
-            build_loader(held_out_data, "TRAIN", seed=seed, device=device, indices=held_out),
-        )
-    return _Job(cfg, device, num_classes, train_loader, test_loader, holdout)
+        fraction, seed = cfg.BENCHMARK.FINETUNE.HOLDOUT_FRACTION, cfg.SEED_VALUE
+        positions, note = lr_grid.lr_splits(train_loader.dataset.targets, 1, fraction, seed)
+        if positions:
+            holdout = _holdout_loaders(
+                cfg, device, [label_fraction.in_data_set(p, subset) for p in positions[0]], fit
+            )
+        else:  # no class has two labelled images: nothing to hold out
+            notes.append(f"{note} for OPTIMIZER's num_epochs, with no choice among BENCHMARK.FINETUNE.LRS")
+    note = fit.note()
+    return _Job(
+        cfg, device, num_classes, train_loader, test_loader, holdout, notes + ([note] if note else [])
+    )
+
+
+def _holdout_loaders(cfg, device: torch.device, parts, fit: label_fraction.BatchFit):
+    """(the fit part's loader, its batch fitted by ``fit``; the held-out part's, read like TEST) of
+    ``parts`` = (fit, held-out) data set indices."""
+    fit_part, held_out = parts
+    batch = fit.batch("the fit part", len(fit_part))
+    fit_loader = label_fraction.fitted_train_loader(cfg, device, fit_part, batch)
+    _check_batches(fit_loader, "the fit part of DATA.TRAIN (lower FINETUNE.HOLDOUT_FRACTION)")
+    held_out_data = common.holdout_data_config(cfg.DATA)
+    seed = cfg.SEED_VALUE
+    return fit_loader, build_loader(held_out_data, "TRAIN", seed=seed, device=device, indices=held_out)
 
 
 def _check_batches(loader, what: str) -> None:

@@ -12,12 +12,12 @@ images are scored ``KNN_CHUNK_SIZE`` at a time, so memory is O(chunk x N_train),
 O(N_test x N_train). Multi-rank: every rank extracts its part of both splits; the training bank
 is gathered on every rank (de-duplicated and sorted by data set index, so it equals the
 single-process bank exactly), each rank scores its own test images, and the de-duplicated hit
-counts are summed. With ``DATA.TRAIN.LABEL_FRACTION`` the bank holds that stratified part of
-TRAIN only. Results go to the log, TensorBoard (``knn/<feature>/top1``) and
+counts are summed. The bank is every labelled TRAIN image once (read in order, nothing dropped);
+with ``DATA.TRAIN.LABEL_FRACTION`` that stratified part of TRAIN only. Results go to the log,
+TensorBoard (``knn/<feature>/top1``) and
 ``CHECKPOINT.DIR/metrics.json``.
 """
 
-import os
 import time
 from typing import Dict, Sequence, Tuple
 
@@ -28,9 +28,10 @@ from vistrain.benchmarks import common, label_fraction
 from vistrain.config.words import plural
 from vistrain.data import build_loader
 from vistrain.distributed import comm
-from vistrain.runtime.logger import logger
+from vistrain.runtime.logger import RunWriter, logger
 from vistrain.runtime.precision import amp_dtype
 from vistrain.runtime.run_setup import record_config, start_run
+from vistrain.runtime.tracking import wandb_settings
 
 # --------------------------------------------------------------------------------------------
 # pure maths
@@ -113,7 +114,7 @@ def knn(cfg) -> None:
     bench = cfg.BENCHMARK
     device = start_run(cfg)
 
-    loaders = {"TRAIN": label_fraction.labelled_train_loader(cfg, device)[0]}  # the bank: labelled images
+    loaders = {"TRAIN": label_fraction.labelled_train_loader(_bank_config(cfg), device)[0]}
     loaders["TEST"] = build_loader(cfg.DATA, "TEST", seed=cfg.SEED_VALUE, device=device)
     num_classes = common.num_classes(loaders["TRAIN"].dataset, loaders["TEST"].dataset)
     trunk, dims = common.build_frozen_trunk(cfg, device)
@@ -144,6 +145,16 @@ def knn(cfg) -> None:
     _report(cfg, results, time.perf_counter() - start)
 
 
+def _bank_config(cfg):
+    """``cfg`` with DATA.TRAIN read in order, nothing dropped: every labelled image is in the bank
+    once, however few they are (a label fraction) and whatever DROP_LAST training would use."""
+    bank = cfg.clone()
+    bank.defrost()
+    bank.DATA.TRAIN.SHUFFLE = bank.DATA.TRAIN.DROP_LAST = False
+    bank.freeze()
+    return bank
+
+
 def _report(cfg, results: Dict[str, dict], seconds: float) -> None:
     common.log_accuracy_table(
         f"kNN on DATA.TEST ({cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE or 'random init'}):", results
@@ -160,9 +171,7 @@ def _report(cfg, results: Dict[str, dict], seconds: float) -> None:
     }
     path = common.write_metrics(cfg.CHECKPOINT.DIR, record)
     if comm.is_main_process():
-        from torch.utils.tensorboard import SummaryWriter
-
-        with SummaryWriter(log_dir=os.path.join(cfg.CHECKPOINT.DIR, "tb")) as writer:
+        with RunWriter(cfg.CHECKPOINT.DIR, wandb_settings(cfg)) as writer:
             for name, res in results.items():
                 writer.add_scalar(f"knn/{name}/top1", res["top1"], 0)
                 writer.add_scalar(f"knn/{name}/top5", res["top5"], 0)

@@ -21,7 +21,7 @@ either replicated or sharded by our engine (``AUTO_SETUP_FSDP``). Test counts ar
 import dataclasses
 import os
 import time
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
@@ -42,6 +42,7 @@ from vistrain.runtime.logger import TrainingMeter, logger
 from vistrain.runtime.parallel import parallelize
 from vistrain.runtime.precision import amp_dtype
 from vistrain.runtime.run_setup import record_config, start_run
+from vistrain.runtime.tracking import wandb_settings
 
 __all__ = ["CachedFeatures", "FrozenFeatures", "LinearHeads", "cache_features", "linear_eval", "train_heads"]
 
@@ -69,7 +70,10 @@ def linear_eval(cfg) -> None:
     device = start_run(cfg)
     job = _build(cfg, device)
     record_config(cfg)  # built and loaded: the job really starts
-    meter = TrainingMeter(cfg.CHECKPOINT.DIR, cfg.LOG_FREQUENCY, job.total, device, console=False)
+    tracking = wandb_settings(cfg)
+    meter = TrainingMeter(
+        cfg.CHECKPOINT.DIR, cfg.LOG_FREQUENCY, job.total, device, console=False, tracking=tracking
+    )
     heads, (lrs, selection), iterations = _train(cfg, job, meter)
     train_seconds = time.perf_counter() - start
     groups = [list(g) for g in cfg.BENCHMARK.CLASS_GROUPS]
@@ -98,7 +102,8 @@ def linear_eval(cfg) -> None:
 def _build(cfg, device) -> _Job:
     """Loaders (TRAIN: a label fraction's images), the frozen trunk, the lr grid's passes; logs
     the header. TRAIN's features are computed once when its transform is the deterministic one."""
-    train_loader, subset = label_fraction.labelled_train_loader(cfg, device)
+    fit = label_fraction.job_batch_fit(cfg)
+    train_loader, subset = label_fraction.labelled_train_loader(cfg, device, fit=fit)
     test_loader = build_loader(cfg.DATA, "TEST", seed=cfg.SEED_VALUE, device=device)
     num_classes = common.num_classes(train_loader.dataset, test_loader.dataset)
     if len(train_loader) == 0:
@@ -108,13 +113,16 @@ def _build(cfg, device) -> _Job:
     source = FrozenFeatures(
         trunk, list(dims), bench.POOL_SIZE, amp_dtype(cfg.MODEL), device, bench.FEATURE_VIEWS
     )
-    grid, (splits, fit_loaders), total = _passes(cfg, train_loader, subset, device)
+    grid, (splits, fit_loaders), total, notes = _passes(cfg, train_loader, subset, device, fit)
     world = comm.get_world_size()
     logger.info(
         linear_report.header(
             source.names, dims, num_classes, cfg.OPTIMIZER.num_epochs, len(train_loader), world
         )
     )
+    for note in (*notes, fit.note()):
+        if note:
+            logger.info(note)
     if grid:
         logger.info(linear_report.grid_plan(grid, len(splits), bench.LINEAR_HOLDOUT_FRACTION))
     train_source = source
@@ -144,30 +152,35 @@ def _train(cfg, job: _Job, meter: TrainingMeter):
     return heads, (lrs, selection), iterations
 
 
-def _passes(cfg, train_loader, subset, device):
+def _passes(cfg, train_loader, subset, device, fit: label_fraction.BatchFit):
     """(the lr grid, ([(fit, held-out) data set indices of the training images], their fit
     loaders), the iterations of the whole job: every grid round's and the final fit's, each
-    ``num_epochs`` long). ``subset``: the training images' data set indices (None: all of TRAIN)."""
+    ``num_epochs`` long, [notes for the log]). ``subset``: the training images' data set indices
+    (None: all of TRAIN); ``fit``: the job's batch per pass. Few labels may shrink the folds or
+    leave no lr to choose (``lr_grid.lr_splits``): the grid is then empty."""
     grid = [float(lr) for lr in cfg.BENCHMARK.LINEAR_LRS]
-    splits = []
+    splits, notes = [], []
     if grid:
-        positions = _lr_splits(cfg, train_loader.dataset.targets)
+        bench = cfg.BENCHMARK
+        positions, note = lr_grid.lr_splits(
+            train_loader.dataset.targets,
+            int(bench.LINEAR_LR_FOLDS),
+            bench.LINEAR_HOLDOUT_FRACTION,
+            cfg.SEED_VALUE,
+        )
+        if not positions:  # nothing to hold out: no lr chosen, no feature picked by a score
+            note += " every feature, and the first of BENCHMARK.FEATURES is reported as picked"
+            grid = []
+        notes.append(note)
         splits = [tuple(label_fraction.in_data_set(part, subset) for part in pair) for pair in positions]
-    fit_loaders = [_fit_loader(cfg, fit, device) for fit, _ in splits]
+    fit_loaders = [_fit_loader(cfg, part, device, fit) for part, _ in splits]
     total = cfg.OPTIMIZER.num_epochs * (len(train_loader) + sum(len(loader) for loader in fit_loaders))
-    return grid, (splits, fit_loaders), total
+    return grid, (splits, fit_loaders), total, notes
 
 
-def _lr_splits(cfg, labels) -> List[Tuple[List[int], List[int]]]:
-    """(fit, held-out) positions in ``labels`` (the training images'): k stratified folds, or one holdout."""
-    folds = int(cfg.BENCHMARK.LINEAR_LR_FOLDS)
-    if folds > 1:
-        return lr_grid.stratified_folds(labels, folds, cfg.SEED_VALUE)
-    return [lr_grid.holdout_split(labels, cfg.BENCHMARK.LINEAR_HOLDOUT_FRACTION, cfg.SEED_VALUE)]
-
-
-def _fit_loader(cfg, fit: List[int], device):
-    loader = build_loader(cfg.DATA, "TRAIN", seed=cfg.SEED_VALUE, device=device, indices=fit)
+def _fit_loader(cfg, part: List[int], device, fit: label_fraction.BatchFit):
+    batch = fit.batch("the fit parts", len(part))
+    loader = label_fraction.fitted_train_loader(cfg, device, part, batch)
     if len(loader) == 0:
         raise ConfigError(
             "the fit part of DATA.TRAIN yields no full batch: lower LINEAR_HOLDOUT_FRACTION or LINEAR_LR_FOLDS"

@@ -130,8 +130,11 @@ def report(run_dir: str, record: dict, writer, what: str) -> None:
     log_lines(results_table(title, results, "lr" in first))
     picked = record["picked"]
     if len(results) > 1:
+        how = (
+            "by the held-out top-1 on TRAIN" if "holdout_top1" in picked else "(no held-out score: the first)"
+        )
         logger.info(
-            f"picked by the held-out top-1 on TRAIN: {picked['feature']}, top-1 {picked['top1']:.2f}%"
+            f"picked {how}: {picked['feature']}, top-1 {picked['top1']:.2f}%"
             + "".join(f", {k} {v:.2f}%" for k, v in picked.items() if k.startswith("top1_"))
         )
     if writer is not None:

@@ -9,9 +9,17 @@ grid trains k times, each time scored on a different 1/k of TRAIN, and every lr 
 hits over all TRAIN images (one image is worth 1/N of a point rather than 1/(N/10): on small data
 sets a single held-out part picks lrs by noise). The chosen learning rate of every feature is then
 retrained on the whole TRAIN split.
+
+Few labels (a label fraction): a held-out image whose class has no image in the fit part is wrong
+for every lr, so it says nothing. :func:`lr_splits` therefore holds out only images of classes with
+two or more images, and with k folds uses k' = min(k, the smallest such class) folds, so that every
+class held out in a fold is also in its fit part; classes of one image stay in every fit part.
+When no class has two images (1% of the digits: one per class) nothing can be held out: no lr is
+chosen (``OPTIMIZER``'s lr) and the first feature is reported as picked.
 """
 
-from typing import Dict, List, Sequence, Tuple
+from collections import Counter
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -61,6 +69,53 @@ def stratified_folds(labels: Sequence[int], folds: int, seed: int) -> List[Tuple
             dealt += 1
     everything = set(range(len(labels)))
     return [(sorted(everything - set(holdout)), sorted(holdout)) for holdout in holdouts]
+
+
+Splits = List[Tuple[List[int], List[int]]]
+
+
+def lr_splits(
+    labels: Sequence[int], folds: int, holdout_fraction: float, seed: int
+) -> Tuple[Splits, Optional[str]]:
+    """The (fit, held-out) positions in ``labels`` that choose the lr, and a one-line note when
+    few labels changed the plan (module docstring), else None.
+
+    ``folds`` k > 1: :func:`stratified_folds` over the images of the classes with >= 2 images, with
+    k' = min(k, their smallest count) folds; the images of one-image classes are added to every fit
+    part. ``folds`` 1: one :func:`holdout_split` (which holds out no image of a one-image class).
+    No class with 2 images: ``[]``: nothing to hold out.
+    """
+    labels = list(labels)
+    counts = Counter(labels)
+    foldable = [i for i, label in enumerate(labels) if counts[label] >= 2]
+    singles = sorted(set(range(len(labels))) - set(foldable))
+    if not foldable:
+        return [], (
+            f"no class has two labelled images ({len(labels)} images, one per class): none can be held "
+            "out to choose the lr, so OPTIMIZER's lr trains"
+        )
+    if folds <= 1:
+        return [holdout_split(labels, holdout_fraction, seed)], None
+    smallest = min(counts[labels[i]] for i in foldable)
+    used = min(folds, smallest)
+    inner = stratified_folds([labels[i] for i in foldable], used, seed)
+    splits = [
+        (sorted([foldable[i] for i in fit] + singles), [foldable[i] for i in held_out])
+        for fit, held_out in inner
+    ]
+    if used == folds and not singles:
+        return splits, None
+    note = f"few labelled images: the lr is chosen by {used}-fold cross-validation"
+    if used < folds:
+        note += f" (not {folds}: a class has only {smallest} images)"
+    if singles:
+        alone = (
+            "1 image alone in its class is"
+            if len(singles) == 1
+            else f"{len(singles)} images alone in their class are"
+        )
+        note += f"; {alone} never held out (trained on in every fold)"
+    return splits, note
 
 
 def pooled_top1(per_fold: Sequence[Dict[str, dict]]) -> Dict[str, float]:

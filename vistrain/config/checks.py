@@ -19,6 +19,7 @@ run folder or starts a rank.
 
 import dataclasses
 import functools
+import importlib.util
 import os
 import tempfile
 from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
@@ -227,6 +228,7 @@ RULES = {
     "MONITOR.NUM_IMAGES": [at_least(2)],
     "MONITOR.RANKME_MIN": [at_least(0)],
     "MONITOR.STD_MIN": [at_least(0), below(1)],
+    "LOGGING.WANDB.MODE": [one_of(("", "online", "offline", "disabled"))],
 }
 
 # what DATA_PATHS entries a source reads: must exist and hold something
@@ -561,7 +563,15 @@ def _step_in_backward_is_exact(cfg: CfgNode, _: Catalog) -> Problem:
     return None
 
 
+def _wandb_installed(cfg: CfgNode, _: Catalog) -> Problem:
+    """LOGGING.WANDB needs the wandb extra (looked up, not imported)."""
+    if cfg.LOGGING.WANDB.ENABLED and importlib.util.find_spec("wandb") is None:
+        return 'LOGGING.WANDB.ENABLED needs wandb: pip install "vistrain[wandb]"'
+    return None
+
+
 CROSS_RULES = (
+    _wandb_installed,
     _input_channels,
     _data_sources,
     _data_paths,

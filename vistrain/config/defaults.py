@@ -325,6 +325,10 @@ _C.CHECKPOINT.AUTO_RESUME = True  # continue from the latest complete checkpoint
 _C.CHECKPOINT.CHECKPOINT_FREQUENCY = 1  # every N epochs (the last epoch is always saved)
 _C.CHECKPOINT.CHECKPOINT_ITER_FREQUENCY = -1  # also every N iterations (-1: off)
 _C.CHECKPOINT.KEEP_LAST = 3  # complete checkpoints kept (older ones deleted)
+# A folder's checkpoints resume only under the schedule that made them (epochs, lr schedule and
+# warm-up, global batch, augmentations, the method's settings, seed: vistrain/checkpoint/identity.py);
+# another is refused in one line naming a free folder. True: train on from them under this config
+_C.CHECKPOINT.ALLOW_OTHER_SCHEDULE = False
 # SIGTERM or SIGUSR1 (a scheduler's preemption or time limit) stops every rank at the next iteration
 # boundary and saves a checkpoint there; a step or save still running this long after the signal is
 # abandoned (the previous checkpoint stands) and the job exits 143. Keep it below the scheduler's
@@ -372,6 +376,21 @@ _C.BENCHMARK.FINETUNE.LABEL_SMOOTHING = 0.0  # cross-entropy against (1 - e) one
 # best (lr, epoch) on the held-out images is then trained on all of TRAIN, stopped at that epoch
 _C.BENCHMARK.FINETUNE.LRS = []
 _C.BENCHMARK.FINETUNE.HOLDOUT_FRACTION = 0.2  # part of TRAIN (stratified) that scores the LRS
+
+
+# ---------------------------------------------------------------------------------------------
+# Where a run's scalars and images go besides log.txt, metrics.jsonl and TensorBoard (CHECKPOINT.DIR/tb)
+_C.LOGGING = CN()
+# Weights & Biases (pip install "vistrain[wandb]"; vistrain/runtime/tracking.py): rank 0 mirrors
+# every TensorBoard scalar and image to a W&B run kept in CHECKPOINT.DIR/wandb (a resumed run
+# continues it)
+_C.LOGGING.WANDB = CN()
+_C.LOGGING.WANDB.ENABLED = False
+_C.LOGGING.WANDB.PROJECT = "vistrain"
+_C.LOGGING.WANDB.NAME = ""  # the W&B run's name ("": the run folder's name)
+# online | offline (no network nor account; `wandb sync` uploads it later) | disabled | "" (wandb's
+# default: the WANDB_MODE environment variable, else online)
+_C.LOGGING.WANDB.MODE = ""
 
 
 # ---------------------------------------------------------------------------------------------

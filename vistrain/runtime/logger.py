@@ -1,5 +1,8 @@
 """Watching a run: console/file log lines, metrics.jsonl and TensorBoard scalars (rank 0 writes).
 
+Every scalar and image of a run goes through rank 0's :class:`RunWriter`: TensorBoard, and with
+``LOGGING.WANDB.ENABLED`` a Weights & Biases run too (:mod:`vistrain.runtime.tracking`).
+
 Per iteration the trainer only adds tensors on the device (no host sync) and the seconds it waited
 for the batch (:func:`timed`): ``data_time`` (mean wait per iteration) and ``data_share`` (the
 part of the window's wall time spent waiting for data, mean over ranks) say whether the data
@@ -19,6 +22,7 @@ import sys
 import time
 from typing import Iterable, Iterator, Optional, Tuple
 
+import numpy as np
 import torch
 
 from vistrain.config.errors import DivergedError
@@ -26,6 +30,7 @@ from vistrain.config.words import plural
 from vistrain.distributed import comm
 from vistrain.fsdp.memory import peak_rss_mib
 from vistrain.runtime.precision import LossScaling
+from vistrain.runtime.tracking import WandbSettings, WandbSink
 
 logger = logging.getLogger("vistrain")
 LOG_FILE_ONLY = {"log_file_only": True}  # logger.info(line, extra=LOG_FILE_ONLY): log.txt, not the console
@@ -55,6 +60,49 @@ def peak_memory_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return peak_rss_mib()
+
+
+class RunWriter:
+    """Rank 0's sinks of a run's scalars and images: TensorBoard (``run_dir/tb``) and, given
+    ``tracking`` (``vistrain.runtime.tracking.wandb_settings``), a W&B run in the run folder.
+    The part of TensorBoard's ``SummaryWriter`` API that vistrain writes with."""
+
+    def __init__(self, run_dir: str, tracking: Optional[WandbSettings] = None):
+        from torch.utils.tensorboard import SummaryWriter  # slow import: rank 0 only
+
+        self.tensorboard = SummaryWriter(log_dir=os.path.join(run_dir, "tb"))
+        self.wandb = WandbSink(tracking, run_dir) if tracking is not None else None
+        if self.wandb is not None:
+            mode = tracking.mode or os.environ.get("WANDB_MODE", "online")
+            logger.info(f"Weights & Biases: {mode} run {self.wandb.run.id} in {self.wandb.where}")
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.tensorboard.add_scalar(tag, value, step)
+        if self.wandb is not None:
+            self.wandb.add_scalar(tag, value, step)
+
+    def add_image(self, tag: str, image: np.ndarray, step: int, dataformats: str = "CHW") -> None:
+        """``image`` uint8 in ``dataformats`` order ("CHW" or "HWC", as TensorBoard takes it)."""
+        self.tensorboard.add_image(tag, image, step, dataformats=dataformats)
+        if self.wandb is not None:
+            self.wandb.add_image(tag, image if dataformats == "HWC" else np.moveaxis(image, 0, -1), step)
+
+    def flush(self) -> None:
+        self.tensorboard.flush()
+        if self.wandb is not None:
+            self.wandb.flush()
+
+    def close(self) -> None:
+        self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.close()
+            self.wandb = None
+
+    def __enter__(self) -> "RunWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class NonFiniteLossError(DivergedError):
@@ -102,8 +150,10 @@ class TrainingMeter:
         device: torch.device,
         scaling: Optional[LossScaling] = None,
         console: bool = True,
+        tracking: Optional[WandbSettings] = None,
     ):
-        """``console`` False: the periodic lines go to log.txt only (metrics and TensorBoard as ever)."""
+        """``console`` False: the periodic lines go to log.txt only (metrics and TensorBoard as ever);
+        ``tracking``: a W&B run beside TensorBoard (:class:`RunWriter`)."""
         if log_frequency < 1:
             raise ValueError(f"LOG_FREQUENCY must be >= 1, got {log_frequency}")
         self.run_dir, self.log_frequency, self.total = run_dir, log_frequency, total_iterations
@@ -116,9 +166,7 @@ class TrainingMeter:
         self.last_loss: Optional[float] = None
         self.writer = self.metrics_file = None
         if comm.is_main_process():
-            from torch.utils.tensorboard import SummaryWriter  # slow import: rank 0 only
-
-            self.writer = SummaryWriter(log_dir=os.path.join(run_dir, "tb"))
+            self.writer = RunWriter(run_dir, tracking)
             self.metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")  # noqa: SIM115  closed by close()
 
     def update(

@@ -12,6 +12,7 @@ from vistrain.config import save_config
 from vistrain.config.words import plural
 from vistrain.distributed import comm
 from vistrain.distributed.launch import resolve_device
+from vistrain.runtime import provenance
 from vistrain.runtime.host_memory import set_mmap_threshold
 from vistrain.runtime.logger import logger, setup_logging
 
@@ -39,7 +40,8 @@ def start_run(cfg) -> torch.device:
 
 
 def record_config(cfg, trained_until: int = 0) -> str:
-    """Rank 0: write ``CHECKPOINT.DIR/config.yaml`` now that the job really starts; returns its path.
+    """Rank 0: write ``CHECKPOINT.DIR/config.yaml`` now that the job really starts, and add this
+    launch to ``provenance.json`` (:mod:`vistrain.runtime.provenance`); returns the config's path.
 
     Called only once a run is past every check and resume, so runs that fail early or find nothing
     to do never replace the record. A previous, different ``config.yaml`` describes what trained
@@ -49,6 +51,10 @@ def record_config(cfg, trained_until: int = 0) -> str:
     path = os.path.join(cfg.CHECKPOINT.DIR, "config.yaml")
     if not comm.is_main_process():
         return path
+    device = torch.device(resolve_device(cfg.MACHINE))
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    provenance.append_record(cfg.CHECKPOINT.DIR, provenance.launch_record(cfg.JOB, device, trained_until))
     if os.path.isfile(path):
         with open(path) as f:
             previous = f.read()

@@ -22,7 +22,8 @@ def resume(run_dir: str, run, cfg=None) -> Tuple[int, int]:
     """Load the most advanced complete checkpoint of ``run_dir`` (saved on any world size) into
     ``run`` (the trainer's: its models, optimizer, criterion, epoch layout and loss scaling).
     ``cfg``, when given: the run's config, refused in one line before anything is loaded when the
-    folder trains other data, another method or model (``vistrain.checkpoint.identity``).
+    folder trains other data, another method or model, or on another schedule
+    (``vistrain.checkpoint.identity``).
 
     Returns (the iteration to continue from, the resumed checkpoint's own iteration); (0, 0) when
     there is none.
@@ -32,7 +33,8 @@ def resume(run_dir: str, run, cfg=None) -> Tuple[int, int]:
     if path is None:
         return 0, 0
     if cfg is not None:  # every rank reads the same metadata: the same answer everywhere
-        check_same_run(run_dir, read_metadata(path), cfg, run.layout.num_samples, agreed=True)
+        saved, world = read_metadata(path), comm.get_world_size()
+        check_same_run(run_dir, saved, cfg, run.layout.num_samples, agreed=True, world_size=world)
     state = load_sharded_checkpoint(path, run.checkpointed_models(), run.optimizer)
     meta, extra = state["metadata"], state["extra"]
     iteration = resume_iteration(meta, run.layout, path)

@@ -60,6 +60,7 @@ from vistrain.runtime.pictures import save_picture, view_grid
 from vistrain.runtime.run_setup import record_config, start_run
 from vistrain.runtime.sharding import build_for_run
 from vistrain.runtime.teacher import build_teacher
+from vistrain.runtime.tracking import wandb_settings
 from vistrain.training.monitor import Monitor
 from vistrain.training.preemption import BoundaryStop
 from vistrain.training.resume import resume
@@ -133,7 +134,8 @@ def train(cfg, notes: Sequence[str] = (), across_nodes=None) -> None:
     if iteration >= run.total_iterations:
         logger.info(
             f"nothing to do: {cfg.CHECKPOINT.DIR} already holds {plural(iteration / iters_per_epoch, 'epoch')} "
-            f"of the {run.num_epochs} asked for (raise OPTIMIZER.num_epochs to train on)"
+            f"of the {run.num_epochs} asked for (to train on: raise OPTIMIZER.num_epochs, with "
+            "config.CHECKPOINT.ALLOW_OTHER_SCHEDULE=True)"
         )
         return
     record_config(cfg, trained_until=resumed_from)
@@ -182,8 +184,9 @@ def _train_epochs(cfg, run: _Run, iteration: int) -> None:
     model, criterion, optimizer, settings = run.model, run.criterion, run.optimizer, run.settings
     iters_per_epoch = run.layout.iters_per_epoch
     meter = TrainingMeter(
-        cfg.CHECKPOINT.DIR, cfg.LOG_FREQUENCY, run.total_iterations, settings.device, settings.scaling
-    )
+        cfg.CHECKPOINT.DIR, cfg.LOG_FREQUENCY, run.total_iterations, settings.device, settings.scaling,
+        tracking=wandb_settings(cfg),
+    )  # fmt: skip
     stop = BoundaryStop(cfg, run.total_iterations)  # SIGTERM / SIGUSR1: stop and save at a boundary
     watched = run.watched(cfg.BENCHMARK.WEIGHTS_FROM)
     monitor = Monitor(cfg, watched, meter, run.num_epochs, settings.device, start=iteration)
