@@ -13,6 +13,7 @@ from vistrain.methods import (
     moco_v3,
     nnclr,
     simclr,
+    simmim,
     simsiam,
     supervised,
     swav,
@@ -34,6 +35,7 @@ METHODS: Dict[str, Method] = {
     "simsiam_loss": simsiam.METHOD,
     "nnclr_loss": nnclr.METHOD,
     "supervised_loss": supervised.METHOD,
+    "simmim_loss": simmim.METHOD,
 }
 DEFAULT_METHOD = "simclr_loss"  # LOSS.NAME's default; its head is MODEL.HEAD.NAME's
 
