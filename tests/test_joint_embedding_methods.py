@@ -36,6 +36,7 @@ TINY = {
     "simsiam_loss": "test/simsiam_tiny",
     "nnclr_loss": "test/nnclr_tiny",
     "supervised_loss": "test/supervised_tiny",
+    "simmim_loss": "test/simmim_tiny",
 }
 DEMOS = [
     "pretrain/mocov3_regnet_demo",
@@ -46,6 +47,7 @@ DEMOS = [
     "pretrain/simsiam_regnet_demo",
     "pretrain/nnclr_regnet_demo",
     "pretrain/supervised_regnet_demo",
+    "pretrain/simmim_vit_demo",
 ]
 # simclr_vit_tiny's trunk
 _VIT_TRUNK = [
@@ -234,6 +236,7 @@ def test_the_planner_counts_the_teacher_the_losss_collectives_and_its_memory():
         "simsiam_loss": [],
         "nnclr_loss": [("all_gather", view, 1), ("all_gather", 2 * view, 2), ("all_reduce", 2 * view, 2)],
         "supervised_loss": [],
+        "simmim_loss": [],
     }
     nnclr = load_config(["config=pretrain/nnclr_regnet_demo"])  # the support set and a lookup's similarities
     assert METHODS["nnclr_loss"].loss_memory(nnclr) == (64 + 64) * 1024 * 4

@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vistrain.config import ConfigError
 from vistrain.losses.simmim import simmim_loss, simmim_masks
 from vistrain.methods import build_method, build_model, load_config
 from vistrain.methods.configuration import method_problem
