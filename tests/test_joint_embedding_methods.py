@@ -2,7 +2,8 @@
 crops (the losses themselves: tests/test_joint_embedding_losses.py), its head and its one-line
 config errors, what the planner counts for it, and its demo recipe on 2 gloo ranks sharded and
 under DDP (the same first 3 losses, fp32, 1e-5), resumed from 2 ranks on 3. SimSiam, NNCLR (with
-its support set) and the supervised method too (their own tests: tests/test_new_methods.py)."""
+its support set) and the supervised method too (their own tests: tests/test_new_methods.py), SimMIM
+and I-JEPA (tests/test_mim_methods.py)."""
 
 import re
 import shutil
@@ -37,7 +38,9 @@ TINY = {
     "nnclr_loss": "test/nnclr_tiny",
     "supervised_loss": "test/supervised_tiny",
     "simmim_loss": "test/simmim_tiny",
+    "ijepa_loss": "test/ijepa_tiny",
 }
+TEACHERS = ("moco_v3_loss", "ijepa_loss")  # the methods with a momentum teacher
 DEMOS = [
     "pretrain/mocov3_regnet_demo",
     "pretrain/mocov3_vit_demo",
@@ -48,6 +51,7 @@ DEMOS = [
     "pretrain/nnclr_regnet_demo",
     "pretrain/supervised_regnet_demo",
     "pretrain/simmim_vit_demo",
+    "pretrain/ijepa_vit_demo",
 ]
 # simclr_vit_tiny's trunk
 _VIT_TRUNK = [
@@ -222,9 +226,7 @@ def test_the_planner_counts_the_teacher_the_losss_collectives_and_its_memory():
         shape = run_shape(cfg, ModelShapes(cfg.MODEL, 100.0))
         found[name] = sorted((c.op, c.nbytes, c.calls) for c in step_collectives(shape) if c.what == "loss")
         planned = plan(shape)
-        assert (
-            planned.teacher_params == (planned.params if name == "moco_v3_loss" else 0) and planned.params > 0
-        )
+        assert planned.teacher_params == (planned.params if name in TEACHERS else 0) and planned.params > 0
     view = 2 * 4 * 16 * 4  # ranks x images per rank x width x fp32
     wide = 2 * 4 * 32 * 4
     sums = 2 * (2 * 4 * 64 * 17 + 1) * 4  # ranks x (cos and sin x 4 views x 64 slices x 17 knots + 1)
@@ -237,6 +239,7 @@ def test_the_planner_counts_the_teacher_the_losss_collectives_and_its_memory():
         "nnclr_loss": [("all_gather", view, 1), ("all_gather", 2 * view, 2), ("all_reduce", 2 * view, 2)],
         "supervised_loss": [],
         "simmim_loss": [],
+        "ijepa_loss": [],
     }
     nnclr = load_config(["config=pretrain/nnclr_regnet_demo"])  # the support set and a lookup's similarities
     assert METHODS["nnclr_loss"].loss_memory(nnclr) == (64 + 64) * 1024 * 4
@@ -361,7 +364,7 @@ def test_every_method_resumes_from_two_ranks_on_three(tmp_path):
                 assert int(loss_state["support.position"]) == 4 * 8 % 12
                 for key in ("support.queue", "support.position"):
                     torch.testing.assert_close(loss_state[key], saved_loss[key], rtol=0, atol=0)
-            assert iteration > 0 and bool(teacher) == (name == "moco_v3_loss")
+            assert iteration > 0 and bool(teacher) == (name in TEACHERS)
             for key, value in student.items():
                 torch.testing.assert_close(value, saved[key], rtol=0, atol=0, msg=key)
             for key, value in teacher.items():

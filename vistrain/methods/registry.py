@@ -8,6 +8,7 @@ from vistrain.methods import (
     barlow_twins,
     byol,
     dino,
+    ijepa,
     lejepa,
     mae,
     moco_v3,
@@ -36,6 +37,7 @@ METHODS: Dict[str, Method] = {
     "nnclr_loss": nnclr.METHOD,
     "supervised_loss": supervised.METHOD,
     "simmim_loss": simmim.METHOD,
+    "ijepa_loss": ijepa.METHOD,
 }
 DEFAULT_METHOD = "simclr_loss"  # LOSS.NAME's default; its head is MODEL.HEAD.NAME's
 

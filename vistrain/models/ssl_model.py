@@ -25,8 +25,8 @@ class SSLModel(nn.Module):
 
     ``forward(crops, **masking)``: masked-image modelling. The method's masks (``keep=`` or
     ``mask=``, ``vistrain.models.masking``) go to the trunk and to the head (MAE's decoder puts the
-    kept tokens back in place), for crops of one resolution; ``head(trunk(x, **masking)[in_feature],
-    **masking)``.
+    kept tokens back in place), for crops of one resolution; ``head(trunk(x, keep=, mask=)[in_feature],
+    **masking)``: other keys (I-JEPA's ``targets=``) go to the head alone.
 
     A head that declares ``by_resolution`` (DINO's on the token sequence: sequences of two
     resolutions do not concatenate) gets a list instead, one feature per run of equal
@@ -60,7 +60,8 @@ class SSLModel(nn.Module):
                 raise ValueError(
                     "masked crops go through a head that reads one trunk feature, one resolution"
                 )
-            return self.head(self.trunk(torch.cat(crops), **masking)[in_feature], **masking)
+            trunk_masking = {k: v for k, v in masking.items() if k in ("keep", "mask")}
+            return self.head(self.trunk(torch.cat(crops), **trunk_masking)[in_feature], **masking)
         if in_feature is None:
             if len(crops) != 1:
                 raise ValueError(f"a feature-dict head takes one tensor, got {len(crops)} crops")
