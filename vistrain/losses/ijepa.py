@@ -120,7 +120,6 @@ def ijepa_loss(predicted: torch.Tensor, features: torch.Tensor, targets: torch.T
     value (beta 1), in fp32.
     """
     features = F.layer_norm(features.float(), (features.shape[-1],))
-    t, n, k = targets.shape
-    index = targets.reshape(t * n, k, 1).expand(-1, -1, features.shape[-1])
-    wanted = features.repeat(t, 1, 1).gather(1, index)
+    width = features.shape[-1]
+    wanted = torch.cat([features.gather(1, block.unsqueeze(-1).expand(-1, -1, width)) for block in targets])
     return F.smooth_l1_loss(predicted.float(), wanted)
