@@ -78,11 +78,11 @@ def test_history_reads_the_passes_before_the_checkpoint_and_the_last_baseline():
 # the probe
 
 
-def _probe(dim=6, classes=3, seed=0, epochs=20):
+def _probe(classes=3, seed=0, epochs=20):
     cfg = load_config(
         ["config=test/simclr_tiny", f"config.SEED_VALUE={seed}", f"config.MONITOR.PROBE_EPOCHS={epochs}"]
     )
-    return OnlineProbe(dim, classes, cfg, torch.device("cpu"))
+    return OnlineProbe(classes, cfg, torch.device("cpu"))
 
 
 def _blobs(generator, n):
@@ -119,6 +119,10 @@ def test_the_probe_state_round_trips_and_trains_on_alike(one_thread):
     other.fit(bank, labels)
     assert all(torch.equal(a, b) for a, b in zip(probe.linear.parameters(), other.linear.parameters()))
     assert other.optimizer.state_dict()["state"][0]["momentum_buffer"].shape == (3, 6)
+    fresh = _probe()  # saved before its first pass: nothing to load, built at its first fit
+    assert fresh.state_dict() == {} and fresh.linear is None
+    fresh.load_state_dict({})
+    assert fresh.linear is None
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,11 +3,12 @@ by and each pass's kNN top-1 and online-probe top-1, with the "no better than be
 verdict: none of the shipped demos may be told.
 
 Each recipe runs as shipped (2 ranks, its own MONITOR.EVERY_EPOCHS, its full schedule) into a
-temporary folder and is stopped (SIGTERM: it saves and stops at the next boundary) once
-``--passes`` passes are recorded in its metrics.jsonl; the verdict is the monitor's own
-(``no_better_than_baseline`` in each record, from the second pass on).
+temporary folder and is stopped (SIGTERM: it saves and stops at the next boundary) once a pass
+after ``--until`` of its epochs is recorded in its metrics.jsonl (1: the whole run); the verdict
+is the monitor's own (``no_better_than_baseline`` in each record: from the second pass and a
+quarter of the run on).
 
-    python dev/studies/monitor_baselines.py [--passes 3] [--demos regnet_fsdp pretrain/lejepa_regnet_demo | all]
+    python dev/studies/monitor_baselines.py [--until 0.4] [--demos regnet_fsdp pretrain/lejepa_regnet_demo | all]
         [--set config.KEY=VALUE ...]
 """
 
@@ -23,6 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from vistrain.methods import load_config  # noqa: E402
 from vistrain.training.monitor_rules import BASELINE, baseline_margin  # noqa: E402
 
 
@@ -33,15 +35,16 @@ def records(run_dir: Path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_until(config: str, run_dir: Path, passes: int, extra) -> list:
-    """The monitor's records of ``config`` run into ``run_dir`` until ``passes`` passes (or its end)."""
+def run_until(config: str, run_dir: Path, epochs: float, extra) -> list:
+    """The monitor's records of ``config`` run into ``run_dir`` until a pass after ``epochs`` epochs
+    (or its end)."""
     cmd = [sys.executable, str(REPO / "tools" / "run_distributed.py"), f"config={config}",
            f"config.CHECKPOINT.DIR={run_dir}", *extra]  # fmt: skip
     with open(run_dir.parent / "out.txt", "w") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         while process.poll() is None:
             time.sleep(2)
-            if sum("rankme" in r for r in records(run_dir)) >= passes:
+            if any(r["epoch"] + 1 >= epochs for r in records(run_dir) if "rankme" in r):
                 process.send_signal(signal.SIGTERM)  # the launcher stops its ranks at a boundary
                 process.wait()
     return [r for r in records(run_dir) if "rankme" in r or BASELINE in r]
@@ -49,7 +52,7 @@ def run_until(config: str, run_dir: Path, passes: int, extra) -> list:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--until", type=float, default=0.4, help="the part of each run to watch")
     parser.add_argument("--demos", nargs="+", default=["all"])
     parser.add_argument("--set", nargs="*", default=[], help="more overrides (config.KEY=VALUE)")
     args = parser.parse_args()
@@ -58,7 +61,8 @@ def main():
         args.demos = ["regnet_fsdp"] + [f"pretrain/{name}" for name in demos]
     for config in args.demos:
         with tempfile.TemporaryDirectory() as tmp:
-            found = run_until(config, Path(tmp) / "run", args.passes, args.set)
+            epochs = args.until * load_config([f"config={config}", *args.set]).OPTIMIZER.num_epochs
+            found = run_until(config, Path(tmp) / "run", epochs, args.set)
             out = (Path(tmp) / "out.txt").read_text()
         base = [r for r in found if BASELINE in r]
         if not base:
@@ -66,7 +70,8 @@ def main():
             continue
         baseline, images = base[-1][BASELINE], base[-1]["knn_images"]
         margin = baseline_margin(baseline, images)
-        told = "TOLD" if "learns no better" in out else "not told"
+        lines = [line for line in out.splitlines() if "learns no better" in line]
+        told = f"told:\n    {lines[0]}" if lines else "not told"
         print(
             f"{config}: before training {baseline:.2f}% on {images} images, bar {baseline + margin:.2f}%; {told}"
         )

@@ -38,8 +38,6 @@ from vistrain.benchmarks import common
 from vistrain.config.errors import DataError
 from vistrain.data import mix_seed
 from vistrain.distributed import comm
-from vistrain.fsdp import unwrap
-from vistrain.training.monitor import feature_name
 
 PROBE_STREAM = 0x9B0BE  # the probe's generator: mix_seed(SEED_VALUE, PROBE_STREAM)
 BATCH = 256
@@ -60,22 +58,30 @@ def standardised(x: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
 
 
 class OnlineProbe:
-    """The probe of one run: ``Linear(D, classes)``, its SGD and its generator."""
+    """The probe of one run: ``Linear(D, classes)`` (built at the first :meth:`fit`, D the width of
+    the features it reads), its SGD and its generator."""
 
-    def __init__(self, dim: int, classes: int, cfg, device: torch.device):
+    def __init__(self, classes: int, cfg, device: torch.device):
+        self.classes, self.device = classes, device
         self.lr, self.epochs = float(cfg.MONITOR.PROBE_LR), int(cfg.MONITOR.PROBE_EPOCHS)
         self.generator = torch.Generator().manual_seed(mix_seed(cfg.SEED_VALUE, PROBE_STREAM))
-        # built on the meta device: nn.Linear's own initialisation would draw from the run's RNG
-        self.linear = nn.Linear(dim, classes, device="meta").to_empty(device=device)
+        self.linear: Optional[nn.Linear] = None
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+
+    def _build(self, dim: int) -> None:
+        # on the meta device first: nn.Linear's own initialisation would draw from the run's RNG
+        self.linear = nn.Linear(dim, self.classes, device="meta").to_empty(device=self.device)
         with torch.no_grad():
-            self.linear.weight.copy_(torch.randn(classes, dim, generator=self.generator) * 0.01)
+            self.linear.weight.copy_(torch.randn(self.classes, dim, generator=self.generator) * 0.01)
             self.linear.bias.zero_()
         self.optimizer = torch.optim.SGD(self.linear.parameters(), lr=self.lr, momentum=MOMENTUM)
 
     def fit(self, bank: torch.Tensor, labels: torch.Tensor) -> None:
         """``MONITOR.PROBE_EPOCHS`` epochs on the bank's features (N, D) float32 and labels (N,)
         int64, the same on every rank (no collective)."""
-        device = self.linear.weight.device
+        if self.linear is None:
+            self._build(bank.shape[1])
+        device = self.device
         x, y = standardised(bank.to(device).float(), bank.to(device).float()), labels.to(device)
         steps = self.epochs * math.ceil(x.shape[0] / BATCH)
         step = 0
@@ -98,7 +104,7 @@ class OnlineProbe:
         """Collective: top-1 (%) over every rank's test images, each data set index once.
         ``features`` (N_r, D) float32, ``labels`` / ``indices`` (N_r,) int64: this rank's share;
         ``bank``: the features :meth:`fit` read (their statistics standardise these)."""
-        device = self.linear.weight.device
+        device = self.device
         logits = self.linear(standardised(features.to(device).float(), bank.to(device).float()))
         hits = logits.argmax(dim=1) == labels.to(device)
         keep = common.unique_on_this_rank(indices.to(device))
@@ -107,7 +113,9 @@ class OnlineProbe:
         return 100.0 * hit / max(total, 1.0)
 
     def state_dict(self) -> dict:
-        """Equal on every rank: the weights, SGD's momentum, the generator."""
+        """Equal on every rank: the weights, SGD's momentum, the generator ({} before the first fit)."""
+        if self.linear is None:
+            return {}
         return {
             "linear": {k: v.detach().cpu().clone() for k, v in self.linear.state_dict().items()},
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),  # not the live momentum
@@ -115,16 +123,18 @@ class OnlineProbe:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if not state:
+            return
+        self._build(state["linear"]["weight"].shape[1])
         self.linear.load_state_dict(state["linear"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.generator.set_state(state["generator"])
 
 
-def build_online_probe(cfg, network: nn.Module, dataset, device: torch.device) -> Optional[OnlineProbe]:
+def build_online_probe(cfg, dataset, device: torch.device) -> Optional[OnlineProbe]:
     """The run's probe where ``MONITOR.ONLINE_PROBE`` is on and the monitor's kNN runs (its bank
-    and test features are the probe's), else None. ``network``: the watched one, as trained;
-    ``dataset``: DATA.TRAIN's (its labels give the classes; without a label on every image the
-    kNN, and so the probe, is skipped)."""
+    and test features are the probe's), else None. ``dataset``: DATA.TRAIN's (its labels give the
+    classes; without a label on every image the kNN, and so the probe, is skipped)."""
     monitor = cfg.MONITOR
     if not (monitor.ONLINE_PROBE and monitor.EVERY_EPOCHS and monitor.KNN):
         return None
@@ -132,8 +142,4 @@ def build_online_probe(cfg, network: nn.Module, dataset, device: torch.device) -
         classes = common.check_labels(dataset, "TRAIN")
     except (DataError, AttributeError):  # not all labelled, or a source that cannot tell
         return None
-    trunk = unwrap(network).trunk
-    name, pool_size = feature_name(cfg), cfg.BENCHMARK.POOL_SIZE
-    vectors = getattr(trunk, "vector_features", ("avgpool",))
-    dim = common.pooled_dims(trunk.feature_dims, [name], pool_size, vectors)[name]
-    return OnlineProbe(dim, classes, cfg, device)
+    return OnlineProbe(classes, cfg, device)

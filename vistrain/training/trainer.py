@@ -178,7 +178,7 @@ def _build(cfg, device: torch.device) -> _Run:
         loader, model, criterion, optimizer, build_schedules(cfg.OPTIMIZER, iters_per_epoch, step_batch),
         settings, layout, cfg.OPTIMIZER.num_epochs, teacher,
     )  # fmt: skip
-    run.probe = build_online_probe(cfg, run.watched(cfg.BENCHMARK.WEIGHTS_FROM), loader.dataset, device)
+    run.probe = build_online_probe(cfg, loader.dataset, device)
     return run
 
 
