@@ -35,16 +35,16 @@ def test_baseline_margin_is_two_points_or_two_standard_errors():
 @pytest.mark.parametrize(
     "knn, baseline, images, passes, progress, warns",
     [
-        (77.0, 73.0, 360, 2, 0.3, True),  # within 2 SE (4.68 points) of the untrained trunk
+        (77.0, 73.0, 360, 2, 0.4, True),  # within 2 SE (4.68 points) of the untrained trunk
         (77.7, 73.0, 360, 5, 0.5, False),  # 4.7 points above
         (70.0, 73.0, 360, 2, 1.0, True),  # below it
         (60.0, 73.0, 360, 1, 0.5, False),  # one pass: too early to tell
         (76.67, 73.33, 360, 3, 3 / 40, False),  # the quick start's third epoch of 40: too early
-        (76.67, 73.33, 360, 3, 10 / 40, True),  # the same a quarter into the run
+        (76.67, 73.33, 360, 5, 14 / 40, True),  # the same a third into the run
         (51.9, 50.0, 10_000, 2, 0.5, True),  # the 2-point floor where 2 SE is 1 point
         (52.0, 50.0, 10_000, 2, 0.5, False),
         (98.0, 97.0, 25, 3, 0.5, True),  # 2 SE = 6.8 points on 25 images
-        (95.56, 73.33, 360, 4, 0.3, False),  # the quick start's pass after epoch 12
+        (96.11, 73.33, 360, 5, 15 / 40, False),  # the quick start's pass after epoch 15
     ],
 )
 def test_no_better_than_baseline(knn, baseline, images, passes, progress, warns):

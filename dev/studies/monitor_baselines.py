@@ -1,6 +1,6 @@
-"""Prints, per demo, the monitor's kNN of the trunk before training, the margin a run must beat it
-by and each pass's kNN top-1 and online-probe top-1, with the "no better than before training"
-verdict: none of the shipped demos may be told.
+"""Prints per demo the monitor's kNN of the trunk before training, the bar a run must pass and each
+pass's kNN top-1 and online-probe top-1, with the "no better than before training" verdict and
+the warning line when it is told.
 
 Each recipe runs as shipped (2 ranks, its own MONITOR.EVERY_EPOCHS, its full schedule) into a
 temporary folder and is stopped (SIGTERM: it saves and stops at the next boundary) once a pass

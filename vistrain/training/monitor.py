@@ -34,7 +34,7 @@ and spread again by the next) prints one warning naming the knobs to try; with
 the checkpoint of that epoch was saved before the pass). A trunk that learns no better than doing
 nothing: before a fresh run's first step the kNN measures the trunk as it starts (untrained, or as
 loaded), recorded as ``knn_baseline`` at iteration 0; a kNN top-1 not above it by max(2 points,
-2 standard errors), from the second pass and a quarter of the run on, prints one warning. Rank 0 writes each pass as one
+2 standard errors), from the second pass and a third of the run on, prints one warning. Rank 0 writes each pass as one
 log line, one metrics.jsonl record (:data:`METRICS`, the verdicts), TensorBoard scalars
 ``monitor/...`` and, after the last epoch, the curves in ``monitor.png``.
 """
