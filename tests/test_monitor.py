@@ -228,10 +228,11 @@ def test_a_collapse_is_told_only_when_two_passes_in_a_row_show_it(caplog):
 
 
 def test_a_resumed_run_keeps_the_peak_rankme_of_the_passes_before_its_checkpoint(tmp_path):
-    """Passes at iterations 4 and 8 before the checkpoint at 8; one at 12 the earlier run made
-    past it (the resumed run makes it again): only the first two count, and the pass at 8 that
-    fell 10x from the peak makes the resumed run's first such pass the second in a row."""
-    passes = [(4, 30.0, 0), (8, 2.5, 1), (12, 50.0, 0)]
+    """Passes at iterations 4 and 8 before the checkpoint at 12; the one at 12 came after that
+    checkpoint (the resumed run makes it again) and one at 16 the earlier run made past it: only
+    the first two count, and the pass at 8 that fell 10x from the peak makes the resumed run's
+    first such pass the second in a row."""
+    passes = [(4, 30.0, 0), (8, 2.5, 1), (12, 50.0, 0), (16, 40.0, 0)]
     lines = [
         json.dumps({"iteration": i, "epoch": i // 4 - 1, "rankme": r, "collapse_suspect": s})
         for i, r, s in passes
@@ -240,7 +241,7 @@ def test_a_resumed_run_keeps_the_peak_rankme_of_the_passes_before_its_checkpoint
         "\n".join([json.dumps({"iteration": 1, "loss": 5.0}), *lines]) + "\n"
     )
     cfg = load_config(_tiny(tmp_path, "config.MONITOR.EVERY_EPOCHS=1"))
-    resumed = Monitor(cfg, torch.nn.Identity(), _Meter(), 9, torch.device("cpu"), start=8)
+    resumed = Monitor(cfg, torch.nn.Identity(), _Meter(), 9, torch.device("cpu"), start=12)
     assert resumed.peak_rankme == 30.0 and resumed.suspect  # the pass at 8 fell 10x from 30
     fresh = Monitor(cfg, torch.nn.Identity(), _Meter(), 9, torch.device("cpu"))
     assert fresh.peak_rankme == 0.0 and not fresh.suspect
@@ -252,7 +253,8 @@ def test_a_resumed_run_keeps_the_peak_rankme_of_the_passes_before_its_checkpoint
 
 def test_a_collapsing_run_warns_once_also_across_a_resume(tmp_path):
     """The run warns once; without its last checkpoint, rerun from the first epoch's, it warns
-    again: the pass before that checkpoint and the resumed run's pass are two in a row."""
+    again: the first epoch's pass, which came after that checkpoint and the resumed run makes
+    again, and the second's are two in a row."""
     argv = _tiny(tmp_path, *COLLAPSING, "config.CHECKPOINT.KEEP_LAST=2", config="test/vicreg_tiny")
 
     def warnings():

@@ -228,6 +228,8 @@ RULES = {
     "MONITOR.NUM_IMAGES": [at_least(2)],
     "MONITOR.RANKME_MIN": [at_least(0)],
     "MONITOR.STD_MIN": [at_least(0), below(1)],
+    "MONITOR.PROBE_LR": [above(0)],
+    "MONITOR.PROBE_EPOCHS": [at_least(1)],
     "LOGGING.WANDB.MODE": [one_of(("", "online", "offline", "disabled"))],
 }
 

@@ -423,6 +423,12 @@ _C.MONITOR.BATCHSIZE_PER_REPLICA = 0
 _C.MONITOR.RANKME_MIN = 1.5
 _C.MONITOR.STD_MIN = 0.1
 _C.MONITOR.STOP_ON_COLLAPSE = False
+# Online linear probe (vistrain/training/online_probe.py), where the kNN runs: a linear classifier
+# on the kNN bank's features (DATA.TRAIN's labelled images), warm-started and trained further at
+# every pass, scored on DATA.TEST (probe_top1); its own generator and SGD: training unchanged
+_C.MONITOR.ONLINE_PROBE = True
+_C.MONITOR.PROBE_EPOCHS = 20  # epochs over the bank at each pass (batches of 256)
+_C.MONITOR.PROBE_LR = 0.1  # its peak lr (SGD, momentum 0.9, no weight decay), cosine to 0 over each pass
 
 
 # The sections whose keys the methods declare (vistrain/methods, a layer above this one): LOSS.NAME's

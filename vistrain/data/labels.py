@@ -1,5 +1,5 @@
-"""Labels of a training batch, for whatever learns from them while the SSL loss trains (the online
-linear probe; a supervised method): one reading of ``batch["label"]``, -1 meaning "no label"."""
+"""Labels of a training batch, for whatever learns from them in the training step (a supervised
+method): one reading of ``batch["label"]``, -1 meaning "no label"."""
 
 import torch
 

@@ -30,8 +30,7 @@ def build_head(head_cfg) -> MLP:
 class SupervisedCriterion(Criterion):
     """``mean over the C*N rows of CE(logits, y)``: ``logits`` (C*N, K) from the supervised head,
     rows [c*N, (c+1)*N) crop c; y the batch's labels (``set_batch``) repeated per crop
-    (``vistrain.data.labels.crop_labels``, the online probe's reading), K = MODEL.HEAD.DIMS[-1]
-    classes. Computed in float32. With equal N per rank the mean of the per-rank losses is the
+    (``vistrain.data.labels.crop_labels``), K = MODEL.HEAD.DIMS[-1] classes. Computed in float32. With equal N per rank the mean of the per-rank losses is the
     single-process loss on the global batch and DDP's average of the gradients its gradient.
 
     An image without a label (-1) or with a label of K or more is a one-line :class:`DataError`.

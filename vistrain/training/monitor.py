@@ -23,19 +23,24 @@ with the monitor on or off. It measures
 * **feature std** (SimSiam's collapse measure, Chen & He 2021): the std over images of each
   dimension of the L2-normalised features, averaged over dimensions; about 1/sqrt(D) when the
   features spread over the sphere, 0 when every image maps to one point.
+* **probe top-1** (%): the online linear probe's (:mod:`vistrain.training.online_probe`, trained
+  further at every pass on the kNN's bank) on the kNN's DATA.TEST features.
 
-A collapse (RankMe below ``MONITOR.RANKME_MIN`` or 10x below its peak so far, or feature std below
-``MONITOR.STD_MIN / sqrt(D)``, on two passes in a row: early in a healthy run the features can be
-narrow for a pass and spread again by the next) prints one warning naming the knobs to try; with
+The verdicts (:mod:`vistrain.training.monitor_rules`): a collapse (RankMe below
+``MONITOR.RANKME_MIN`` or 10x below its peak so far, or feature std below ``MONITOR.STD_MIN /
+sqrt(D)``, on two passes in a row: early in a healthy run the features can be narrow for a pass
+and spread again by the next) prints one warning naming the knobs to try; with
 ``MONITOR.STOP_ON_COLLAPSE`` every rank stops with :class:`CollapseError` (exit 3, as a divergence;
-the checkpoint of that epoch was saved before the pass). Rank 0 writes each pass as one log line,
-one metrics.jsonl record (``knn_top1``, ``rankme``, ``feature_std``), TensorBoard scalars
+the checkpoint of that epoch was saved before the pass). A trunk that learns no better than doing
+nothing: before a fresh run's first step the kNN measures the trunk as it starts (untrained, or as
+loaded), recorded as ``knn_baseline`` at iteration 0; a kNN top-1 not above it by max(2 points,
+2 standard errors), from the second pass and a third of the run on, prints one warning. Rank 0 writes each pass as one
+log line, one metrics.jsonl record (:data:`METRICS`, the verdicts), TensorBoard scalars
 ``monitor/...`` and, after the last epoch, the curves in ``monitor.png``.
 """
 
 import contextlib
 import json
-import math
 import os
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -57,54 +62,24 @@ from vistrain.runtime.logger import logger
 from vistrain.runtime.pictures import curves_image, save_picture
 from vistrain.runtime.precision import amp_dtype
 from vistrain.training.held_out import HeldOutImages
-
-EPS = 1e-7  # RankMe's epsilon (Garrido et al. 2023)
-METRICS = ("knn_top1", "rankme", "feature_std")
-KNOBS = (
-    "lower the lr (OPTIMIZER.param_schedulers.lr.base_value), raise the loss's temperature, check the "
-    "teacher's temperature and centring (a momentum teacher), lower OPTIMIZER.weight_decay or raise the batch size"
+from vistrain.training.monitor_rules import (
+    BASELINE,
+    KNOBS,
+    VIEW_KNOBS,
+    History,
+    collapse_reasons,
+    feature_std,
+    no_better_than_baseline,
+    rankme,
 )
+
+METRICS = ("knn_top1", "probe_top1", "rankme", "feature_std")  # the per-pass series
 
 
 class CollapseError(DivergedError):
     """``MONITOR.STOP_ON_COLLAPSE``: the representation collapsed (one line, exit 3)."""
 
     kind = "collapsed"
-
-
-# --------------------------------------------------------------------------------------------
-# pure measures
-
-
-def rankme(embeddings: torch.Tensor, eps: float = EPS) -> float:
-    """RankMe of ``embeddings`` (N, D): ``exp(-sum_k p_k log p_k)``, ``p_k = s_k / ||s||_1 + eps``,
-    s the min(N, D) singular values (computed in float64). r equal non-zero singular values give r
-    (to within eps); random Gaussian (N, D) with N >> D gives close to D."""
-    s = torch.linalg.svdvals(embeddings.detach().double())
-    p = s / s.sum().clamp_min(torch.finfo(torch.float64).tiny) + eps
-    return float(torch.exp(-(p * p.log()).sum()))
-
-
-def feature_std(features: torch.Tensor) -> float:
-    """Mean over the D dimensions of the std over the N images (N, D) of the L2-normalised rows."""
-    return float(F.normalize(features.detach().double(), dim=1).std(dim=0).mean())
-
-
-def collapse_reasons(
-    values: Dict[str, float], peak_rankme: float, dim: int, rankme_min: float, std_min: float
-) -> str:
-    """What says the features collapsed ("" when nothing does): RankMe below ``rankme_min`` or
-    10x below ``peak_rankme``, feature std below ``std_min / sqrt(dim)``."""
-    reasons = []
-    if values["rankme"] < rankme_min:
-        reasons.append(f"RankMe {values['rankme']:.2f} < MONITOR.RANKME_MIN {rankme_min:g}")
-    elif values["rankme"] * 10 < peak_rankme:
-        reasons.append(f"RankMe {values['rankme']:.2f} fell 10x from its peak {peak_rankme:.2f}")
-    if values["feature_std"] < std_min / math.sqrt(dim):
-        reasons.append(
-            f"feature std {values['feature_std']:.4f} < MONITOR.STD_MIN / sqrt({dim}) = {std_min / math.sqrt(dim):.4f}"
-        )
-    return "; ".join(reasons)
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,23 +177,73 @@ class Monitor:
     whether it warned. ``network``: the student or teacher as trained; ``meter``: the run's
     TrainingMeter (it owns metrics.jsonl and TensorBoard)."""
 
-    def __init__(self, cfg, network: nn.Module, meter, num_epochs: int, device: torch.device, start: int = 0):
+    def __init__(
+        self,
+        cfg,
+        network: nn.Module,
+        meter,
+        num_epochs: int,
+        device: torch.device,
+        start: int = 0,
+        probe=None,
+    ):
         """Collective when ``start`` (the iteration a resumed run starts from) > 0 and the monitor
-        is on: the peak RankMe of the passes up to ``start`` (metrics.jsonl) and whether the last
-        of them met a collapse rule carry over."""
+        is on: the peak RankMe of the passes up to ``start`` (metrics.jsonl), whether the last
+        of them met a collapse rule, their number and the baseline kNN carry over. ``probe``: the
+        run's :class:`~vistrain.training.online_probe.OnlineProbe`, tested at every pass, or None."""
         self.cfg, self.network, self.meter = cfg, network, meter
-        self.num_epochs, self.device = num_epochs, device
+        self.num_epochs, self.device, self.start, self.probe = num_epochs, device, start, probe
         self.knn_cfg = knn_config(cfg)
         self.feature = feature_name(cfg)
-        self.peak_rankme = 0.0
-        self.suspect = False  # the last pass met a collapse rule
+        self.history = History()
         if start and cfg.MONITOR.EVERY_EPOCHS:
-            self.peak_rankme, self.suspect = _history_before(cfg, start)
+            self.history = _history_before(cfg, start)
+        self.test_images = 0  # DATA.TEST images the kNN counted
         self.warned = False
+        self.warned_baseline = False
         self.knn_note: Optional[str] = None  # why there is no kNN, once known
         self.labelled = None  # ((bank images, test images), classes): HeldOutImages, built once
         self.unlabelled: Optional[HeldOutImages] = None  # without kNN: DATA.TRAIN images, built once
         self.clock = time.perf_counter()  # the end of the last pass (or the start of training)
+
+    @property
+    def peak_rankme(self) -> float:
+        return self.history.peak_rankme
+
+    @property
+    def suspect(self) -> bool:
+        """The last pass met a collapse rule."""
+        return self.history.suspect
+
+    def measure_baseline(self) -> None:
+        """Collective, before the first step of a fresh run (``start`` 0) when the kNN is on: the
+        kNN top-1 of the trunk as it starts, logged and recorded (``knn_baseline``, iteration 0)."""
+        if self.start or not self.cfg.MONITOR.EVERY_EPOCHS or not self.cfg.MONITOR.KNN:
+            return
+        with watching(self.network):
+            if backend_of(self.network) is Backend.TORCH:
+                self._first_root_forward()
+            measured = self._knn(trunk_call(self.network), with_probe=False)
+        if measured is None:
+            return
+        self.history.baseline = (measured["knn_top1"], self.test_images)
+        logger.info(
+            f"monitor before training: knn_top1 {measured['knn_top1']:.4g} (the trunk as it starts: "
+            "a trained trunk must beat it)"
+        )
+        self.meter.write_values(
+            {"iteration": 0, "epoch": -1, BASELINE: measured["knn_top1"], "knn_images": self.test_images},
+            "monitor",
+        )
+
+    def _first_root_forward(self) -> None:
+        """FSDP2 (``fully_shard``) sets its root up in the root's first forward, which must come
+        before the trunk runs alone: one on two test images (eval mode, no gradients: no change)."""
+        if self.labelled is None:
+            self.labelled = self._labelled_images()
+        if self.labelled is not None:
+            images = next(iter(self.labelled[0][1]))[0]
+            self.network(images[:2])
 
     def after_epoch(self, epochs_done: int, iteration: int) -> None:
         """Collective: a pass when one is due after ``epochs_done`` epochs; curves after the last."""
@@ -236,12 +261,13 @@ class Monitor:
     def measure(self) -> Tuple[Dict[str, float], int]:
         """Collective (call inside :func:`watching`): ({knn_top1?, rankme, feature_std}, D)."""
         trunk = trunk_call(self.network)
-        bank = self._knn(trunk) if self.cfg.MONITOR.KNN and self.knn_note is None else None
+        measured = self._knn(trunk) if self.cfg.MONITOR.KNN and self.knn_note is None else None
         values = {}
-        if bank is None:
+        if measured is None:
             bank = self._unlabelled_features(trunk)
         else:
-            bank, values["knn_top1"] = bank
+            bank = measured.pop("bank")
+            values.update(measured)
         values.update(rankme=rankme(bank), feature_std=feature_std(bank))
         return values, bank.shape[1]
 
@@ -253,8 +279,9 @@ class Monitor:
         )  # fmt: skip
         return feats[self.feature], labels, indices
 
-    def _knn(self, trunk) -> Optional[Tuple[torch.Tensor, float]]:
-        """(the gathered bank's features (N, D), kNN top-1 %), or None (and a note) without labels."""
+    def _knn(self, trunk, with_probe: bool = True) -> Optional[Dict[str, object]]:
+        """{"bank": the gathered bank's features (N, D), "knn_top1": %, ["probe_top1": % of the
+        online probe on the same test features]}, or None (and a note) without labels."""
         bench = self.cfg.BENCHMARK
         if self.labelled is None:
             self.labelled = self._labelled_images()
@@ -269,8 +296,15 @@ class Monitor:
             bench.KNN_TEMPERATURE, bench.KNN_CHUNK_SIZE,
         )  # fmt: skip
         counts = knn_counts(hits, test_indices)
-        _, (raw,) = common.gather_unique(train_indices, train_feats)  # un-normalised, for RankMe
-        return raw, common.summarise(counts[None], ["knn"])["knn"]["top1"]  # the knn job's arithmetic
+        # un-normalised, for RankMe and the probe
+        _, (raw, raw_labels) = common.gather_unique(train_indices, train_feats, train_labels)
+        result = common.summarise(counts[None], ["knn"])["knn"]  # the knn job's arithmetic
+        self.test_images = result["num_images"]
+        measured = {"bank": raw, "knn_top1": result["top1"]}
+        if self.probe is not None and with_probe:  # its pass: fit on the bank, score the test images
+            self.probe.fit(raw, raw_labels)
+            measured["probe_top1"] = self.probe.top1(test_feats, test_labels, test_indices, raw)
+        return measured
 
     def _labelled_images(self):
         """((bank images, test images), classes) of :func:`knn_config`, or None with a note."""
@@ -308,8 +342,9 @@ class Monitor:
     # -- reporting ----------------------------------------------------------------------------
     def _report(self, values: Dict[str, float], dim: int, epochs_done: int, iteration: int, seconds) -> None:
         """``seconds``: this pass's and the training's since the previous pass (or the start)."""
-        monitor = self.cfg.MONITOR
-        self.peak_rankme = max(self.peak_rankme, values["rankme"])
+        monitor, history = self.cfg.MONITOR, self.history
+        history.peak_rankme = max(history.peak_rankme, values["rankme"])
+        history.passes += 1
         line = " ".join(f"{name} {values[name]:.4g}" for name in METRICS if name in values)
         logger.info(
             f"monitor epoch {epochs_done}: {line} ({seconds['monitor_seconds']:.1f} s; training since "
@@ -317,8 +352,16 @@ class Monitor:
         )
         reasons = collapse_reasons(values, self.peak_rankme, dim, monitor.RANKME_MIN, monitor.STD_MIN)
         record = {"iteration": iteration, "epoch": epochs_done - 1, **values, **seconds}
+        no_better = self._no_better(values, epochs_done)
+        if history.baseline is not None and "knn_top1" in values:
+            record["no_better_than_baseline"] = int(bool(no_better))
         self.meter.write_values({**record, "collapse_suspect": int(bool(reasons))}, "monitor")
-        confirmed, self.suspect = self.suspect and bool(reasons), bool(reasons)
+        if no_better and not self.warned_baseline and comm.is_main_process():
+            logger.warning(
+                f"monitor: the trunk learns no better than doing nothing: {no_better}; {VIEW_KNOBS}"
+            )
+        self.warned_baseline = self.warned_baseline or bool(no_better)
+        confirmed, history.suspect = history.suspect and bool(reasons), bool(reasons)
         if not confirmed:
             return
         what = f"the representation collapsed by epoch {epochs_done} ({reasons}, as on the pass before)"
@@ -330,6 +373,16 @@ class Monitor:
         if not self.warned and comm.is_main_process():
             logger.warning(f"monitor: {what}; {KNOBS}")
         self.warned = True
+
+    def _no_better(self, values: Dict[str, float], epochs_done: int) -> str:
+        """:func:`no_better_than_baseline` of this pass ("" without a baseline or a kNN)."""
+        if self.history.baseline is None or "knn_top1" not in values:
+            return ""
+        baseline, num_images = self.history.baseline
+        progress = epochs_done / self.num_epochs
+        return no_better_than_baseline(
+            values["knn_top1"], baseline, num_images, self.history.passes, progress
+        )
 
     def _draw(self, iteration: int) -> None:
         """Rank 0: monitor.png from every monitor record in metrics.jsonl (earlier runs of a
@@ -353,22 +406,21 @@ class Monitor:
         )
 
 
-def _monitor_records(run_dir: str) -> List[dict]:
-    """The monitor's records of ``run_dir``/metrics.jsonl, in the order written (none: [])."""
+def _monitor_records(run_dir: str, with_baseline: bool = False) -> List[dict]:
+    """The monitor's pass records of ``run_dir``/metrics.jsonl (and its baseline records, when
+    asked), in the order written (none: [])."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
+    keys = ('"rankme"', f'"{BASELINE}"') if with_baseline else ('"rankme"',)
     with open(path) as lines:
-        return [json.loads(line) for line in lines if '"rankme"' in line]
+        return [json.loads(line) for line in lines if any(key in line for key in keys)]
 
 
-def _history_before(cfg, start: int) -> Tuple[float, bool]:
-    """Collective: (the highest RankMe of the passes up to iteration ``start``, whether the last
-    of them met a collapse rule), as rank 0 reads them (the file is rank 0's), on every rank
-    (their collapse decisions agree)."""
-    history = (0.0, False)
+def _history_before(cfg, start: int) -> History:
+    """Collective: the :class:`History` up to iteration ``start``, as rank 0 reads metrics.jsonl
+    (the file is rank 0's), on every rank (their decisions agree)."""
+    history = History()
     if comm.is_main_process():
-        before = [r for r in _monitor_records(cfg.CHECKPOINT.DIR) if r["iteration"] <= start]
-        if before:
-            history = (max(r["rankme"] for r in before), bool(before[-1].get("collapse_suspect", 0)))
+        history = History.of(_monitor_records(cfg.CHECKPOINT.DIR, with_baseline=True), start)
     return comm.all_gather_object(history)[0]

@@ -1,6 +1,6 @@
 """Resuming a training run from its folder: the most advanced readable checkpoint, on any
 world size, with what a rank restores only when the world is the same (its RNG streams, its loss
-state such as the SwAV queue)."""
+state such as the SwAV queue); the online probe, equal on every rank, on any world size."""
 
 from typing import List, Optional, Tuple
 
@@ -49,6 +49,11 @@ def resume(run_dir: str, run, cfg=None) -> Tuple[int, int]:
         )
     if run.settings.scaling is not None:
         run.settings.scaling.load_state_dict(extra)
+    if run.probe is not None:  # equal on every rank: rank 0's on any world size
+        if "probe" in extra:
+            run.probe.load_state_dict(extra["probe"])
+        else:
+            logger.info(f"{path} holds no online probe: the probe starts afresh")
     logger.info(f"resumed from {path} at iteration {iteration}")
     return iteration, meta["iteration"]
 

@@ -62,6 +62,7 @@ from vistrain.runtime.sharding import build_for_run
 from vistrain.runtime.teacher import build_teacher
 from vistrain.runtime.tracking import wandb_settings
 from vistrain.training.monitor import Monitor
+from vistrain.training.online_probe import OnlineProbe, build_online_probe
 from vistrain.training.preemption import BoundaryStop
 from vistrain.training.resume import resume
 
@@ -93,6 +94,7 @@ class _Run:
     layout: EpochLayout
     num_epochs: int
     teacher: Optional[MomentumTeacher] = None  # the method's momentum teacher, if it has one
+    probe: Optional[OnlineProbe] = None  # MONITOR.ONLINE_PROBE's linear head, outside the model
 
     @property
     def total_iterations(self) -> int:
@@ -172,10 +174,12 @@ def _build(cfg, device: torch.device) -> _Run:
     note = lr_scaling_note(cfg.OPTIMIZER.param_schedulers.lr, step_batch)
     if note:
         logger.info(note)
-    return _Run(
+    run = _Run(
         loader, model, criterion, optimizer, build_schedules(cfg.OPTIMIZER, iters_per_epoch, step_batch),
         settings, layout, cfg.OPTIMIZER.num_epochs, teacher,
     )  # fmt: skip
+    run.probe = build_online_probe(cfg, loader.dataset, device)
+    return run
 
 
 def _train_epochs(cfg, run: _Run, iteration: int) -> None:
@@ -189,7 +193,10 @@ def _train_epochs(cfg, run: _Run, iteration: int) -> None:
     )  # fmt: skip
     stop = BoundaryStop(cfg, run.total_iterations)  # SIGTERM / SIGUSR1: stop and save at a boundary
     watched = run.watched(cfg.BENCHMARK.WEIGHTS_FROM)
-    monitor = Monitor(cfg, watched, meter, run.num_epochs, settings.device, start=iteration)
+    monitor = Monitor(cfg, watched, meter, run.num_epochs, settings.device, iteration, run.probe)
+    monitor.measure_baseline()  # a fresh run: the kNN of the trunk as it starts, the bar to beat
+    if iteration and iteration % iters_per_epoch == 0:  # its checkpoint came before that epoch's pass
+        monitor.after_epoch(iteration // iters_per_epoch, iteration)
     if meter.writer is not None:  # rank 0: what the loss compares, before the first step
         transforms = cfg.DATA.TRAIN.TRANSFORMS
         views = view_grid(
@@ -391,6 +398,8 @@ def _checkpoint(cfg, meter, run: _Run, iteration: int) -> int:
     extra = {"loss": run.criterion.state_dict()}  # per rank: the SwAV queue differs between ranks
     if scaling is not None:
         extra.update(scaling.state_dict())  # "grad_scaler", "skipped_steps": an exact resume
+    if run.probe is not None:
+        extra["probe"] = run.probe.state_dict()  # equal on every rank
     meta = {
         "epoch": epoch,
         "iteration_in_epoch": in_epoch,
