@@ -229,6 +229,16 @@ RULES = {
     "MONITOR.RANKME_MIN": [at_least(0)],
     "MONITOR.STD_MIN": [at_least(0), below(1)],
     "LOGGING.WANDB.MODE": [one_of(("", "online", "offline", "disabled"))],
+    "LOOK.SPLIT": [one_of(("TRAIN", "TEST"))],
+    "LOOK.MAX_IMAGES": [at_least(2)],
+    "LOOK.MAP_METHODS": [each_one_of(("pca", "tsne", "umap"))],
+    "LOOK.THUMBNAILS": [at_least(0)],
+    "LOOK.QUERIES": [at_least(1)],
+    "LOOK.NEIGHBOURS": [at_least(1)],
+    "LOOK.ATTENTION_IMAGES": [at_least(1)],
+    "LOOK.DUPLICATE_SIMILARITY": [above(-1), at_most(1)],
+    "LOOK.OUTLIER_K": [at_least(1)],
+    "LOOK.SHEET_ROWS": [at_least(1)],
 }
 
 # what DATA_PATHS entries a source reads: must exist and hold something

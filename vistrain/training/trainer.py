@@ -56,7 +56,7 @@ from vistrain.runtime.logger import (
     timed,
 )
 from vistrain.runtime.parallel import parallelize
-from vistrain.runtime.pictures import save_picture, view_grid
+from vistrain.runtime.pictures import save_picture, view_sheet
 from vistrain.runtime.run_setup import record_config, start_run
 from vistrain.runtime.sharding import build_for_run
 from vistrain.runtime.teacher import build_teacher
@@ -192,8 +192,8 @@ def _train_epochs(cfg, run: _Run, iteration: int) -> None:
     monitor = Monitor(cfg, watched, meter, run.num_epochs, settings.device, start=iteration)
     if meter.writer is not None:  # rank 0: what the loss compares, before the first step
         transforms = cfg.DATA.TRAIN.TRANSFORMS
-        views = view_grid(
-            run.loader.dataset, transforms.MEAN, transforms.STD, side=max(transforms.SIZE_CROPS)
+        views = view_sheet(
+            run.loader.dataset, transforms.MEAN, transforms.STD, side=max(112, *transforms.SIZE_CROPS)
         )
         save_picture(views, cfg.CHECKPOINT.DIR, "views.png", meter.writer, "train/views", iteration)
     saved_at = iteration

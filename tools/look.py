@@ -1,0 +1,62 @@
+#!/usr/bin/env python
+"""Pictures of what a trained trunk learned, from its run folder (docs/look.md).
+
+    python tools/look.py RUN_FOLDER [map] [neighbours] [attention] [duplicates] [--data train|test|FOLDER]
+                         [config.LOOK.KEY=VALUE ...]
+
+No picture named: all four. ``config.*`` items override the run's config (the ``LOOK`` keys:
+vistrain/config/defaults.py). Each picture goes to RUN_FOLDER/look/ (LOOK.OUTPUT_DIR) as a PNG and
+to the run's TensorBoard as ``look/<name>``. Exit codes: 0 done, 2 bad input (one line on stderr).
+"""
+
+import argparse
+import os
+import sys
+
+
+def parser() -> argparse.ArgumentParser:
+    out = argparse.ArgumentParser(prog="python tools/look.py", description=__doc__.split("\n")[0])
+    out.add_argument(
+        "run_dir", metavar="RUN_FOLDER", help="a run's CHECKPOINT.DIR (its config.yaml and checkpoints)"
+    )
+    out.add_argument(
+        "items",
+        nargs="*",
+        metavar="PICTURE|config.KEY=VALUE",
+        help="any of map, neighbours, attention, duplicates (default: all)",
+    )
+    out.add_argument(
+        "--data", default="", help="train or test (DATA.TRAIN, DATA.TEST), or a folder of images"
+    )
+    return out
+
+
+def main(argv) -> int:
+    args = parser().parse_args(argv)
+    from torch.utils.tensorboard import SummaryWriter
+
+    from vistrain.benchmarks.look import PICTURES, Look, run_config
+    from vistrain.config import OneLineExit
+    from vistrain.jobs import check_values
+
+    overrides = [item for item in args.items if item.startswith("config.")]
+    names = [item for item in args.items if not item.startswith("config.")]
+    unknown = [name for name in names if name not in PICTURES]
+    if unknown:
+        print(f"input error: no picture {unknown[0]!r}; valid: {', '.join(PICTURES)}", file=sys.stderr)
+        return 2
+
+    try:
+        cfg = run_config(args.run_dir, overrides, args.data)
+        check_values(cfg)  # every value, the data and the trunk, as a job's are checked
+        look = Look(cfg)
+        with SummaryWriter(log_dir=os.path.join(args.run_dir, "tb")) as writer:
+            look.draw(names or list(PICTURES), writer)
+    except OneLineExit as error:
+        print(error.line(), file=sys.stderr)
+        return error.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
