@@ -5,8 +5,9 @@
                          [config.LOOK.KEY=VALUE ...]
 
 No picture named: all four. ``config.*`` items override the run's config (the ``LOOK`` keys:
-vistrain/config/defaults.py). Each picture goes to RUN_FOLDER/look/ (LOOK.OUTPUT_DIR) as a PNG and
-to the run's TensorBoard as ``look/<name>``. Exit codes: 0 done, 2 bad input (one line on stderr).
+vistrain/config/defaults.py). Each picture goes to RUN_FOLDER/look/ as a PNG and to the run's
+TensorBoard (RUN_FOLDER/tb) as ``look/<name>``; with ``config.LOOK.OUTPUT_DIR=DIR`` both go to DIR
+(DIR/tb), and nothing is written in RUN_FOLDER. Exit codes: 0 done, 2 bad input (one line on stderr).
 """
 
 import argparse
@@ -50,7 +51,9 @@ def main(argv) -> int:
         cfg = run_config(args.run_dir, overrides, args.data)
         check_values(cfg)  # every value, the data and the trunk, as a job's are checked
         look = Look(cfg)
-        with SummaryWriter(log_dir=os.path.join(args.run_dir, "tb")) as writer:
+        # the run's TensorBoard; with LOOK.OUTPUT_DIR (a run folder not to write to) one of its own there
+        board = os.path.join(cfg.LOOK.OUTPUT_DIR or args.run_dir, "tb")
+        with SummaryWriter(log_dir=board) as writer:
             look.draw(names or list(PICTURES), writer)
     except OneLineExit as error:
         print(error.line(), file=sys.stderr)

@@ -448,7 +448,7 @@ _C.LOOK.ATTENTION_IMAGES = 6  # attention: images drawn (a ViT's attention per h
 _C.LOOK.DUPLICATE_SIMILARITY = 0.95
 _C.LOOK.OUTLIER_K = 5  # duplicates: an image's outlier score: its mean similarity to its K nearest
 _C.LOOK.SHEET_ROWS = 4  # duplicates: rows of the sheet for the most similar pairs, and for the outliers
-_C.LOOK.OUTPUT_DIR = ""  # "" -> CHECKPOINT.DIR/look
+_C.LOOK.OUTPUT_DIR = ""  # "" -> CHECKPOINT.DIR/look (TensorBoard: CHECKPOINT.DIR/tb); set: all there (DIR/tb)
 
 
 # The sections whose keys the methods declare (vistrain/methods, a layer above this one): LOSS.NAME's

@@ -55,12 +55,21 @@ def run_config(run_dir: str, overrides: Sequence[str] = (), data: str = ""):
         split = cfg.DATA[cfg.LOOK.SPLIT]
         split.DATA_SOURCES, split.DATA_PATHS, split.DATA_LIMIT = ["disk_folder"], [data], -1
     feature = cfg.LOOK.FEATURE or cfg.MONITOR.FEATURE or cfg.MODEL.TRUNK.OUT_FEATURES[0]
-    offered = trunk_feature_names(cfg.MODEL.TRUNK)
+    try:
+        offered = trunk_feature_names(cfg.MODEL.TRUNK)
+    except ValueError as error:  # an impossible trunk, in one line
+        raise ConfigError(str(error)) from None
     if any(part not in offered for part, _ in common.feature_parts(feature, 1)):
         raise ConfigError(
             f"LOOK.FEATURE {feature!r} is not a feature of MODEL.TRUNK; valid: {', '.join(offered)}"
         )
     cfg.LOOK.FEATURE = feature
+    cfg.JOB, cfg.BENCHMARK.EXTRACT_SPLITS = "extract_features", [cfg.LOOK.SPLIT]  # checked as that job
+    cfg.MODEL.HEAD.NAME = "identity"  # the trunk alone
+    read = cfg.DATA[cfg.LOOK.SPLIT]  # like DATA.TEST: its transform and batch size, in order
+    read.TRANSFORMS = cfg.DATA.TEST.TRANSFORMS.clone()
+    read.BATCHSIZE_PER_REPLICA = cfg.DATA.TEST.BATCHSIZE_PER_REPLICA
+    read.SHUFFLE = read.DROP_LAST = False
     cfg.BENCHMARK.FEATURES = list(dict.fromkeys([feature, *maps_drawn(cfg.MODEL)]))
     cfg.freeze()
     check_plain_values(cfg)
@@ -123,25 +132,13 @@ class Sample:
         return str(self.class_names[label]) if label < len(self.class_names) else str(label)
 
 
-def eval_data(cfg):
-    """DATA with DATA.<LOOK.SPLIT> read like DATA.TEST (its transform and batch size, in order)."""
-    data = cfg.DATA.clone()
-    data.defrost()
-    split = data[cfg.LOOK.SPLIT]
-    split.TRANSFORMS = cfg.DATA.TEST.TRANSFORMS.clone()
-    split.BATCHSIZE_PER_REPLICA = cfg.DATA.TEST.BATCHSIZE_PER_REPLICA
-    split.SHUFFLE = split.DROP_LAST = False
-    data.freeze()
-    return data
-
-
 def device_of(cfg) -> torch.device:
     return torch.device(resolve_device(cfg.MACHINE))
 
 
 def embed(cfg, trunk: nn.Module, device: torch.device) -> Sample:
     """Embed ``LOOK.MAX_IMAGES`` images of DATA.<LOOK.SPLIT>, evenly spaced (all when fewer)."""
-    data, split = eval_data(cfg), cfg.LOOK.SPLIT
+    data, split = cfg.DATA, cfg.LOOK.SPLIT
     total = count_samples(data[split])
     count = min(total, cfg.LOOK.MAX_IMAGES)
     chosen = None if count == total else torch.linspace(0, total - 1, count).round().long().unique().tolist()
