@@ -92,7 +92,7 @@ def test_the_run_draws_its_views_and_monitor(tiny_run):
     """views.png: each image beside its two 16 px views, 8 images of 8 classes, 2 to a row;
     monitor.png: one panel per monitor series (kNN top-1, RankMe, feature std)."""
     views = _not_blank(tiny_run / "views.png")
-    group = 3 * (112 + pictures.PAD) + pictures.PAD
+    group = 3 * (128 + pictures.PAD) + pictures.PAD
     assert views.shape[1] == 2 * group + 3 * pictures.PAD
     monitor = _not_blank(tiny_run / "monitor.png")
     assert monitor.shape[:2] == (320, 1200)

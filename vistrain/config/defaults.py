@@ -445,7 +445,7 @@ _C.LOOK.NEIGHBOURS = 8  # neighbours: nearest images shown per query
 _C.LOOK.ATTENTION_IMAGES = 6  # attention: images drawn (a ViT's attention per head, a CNN's norm per stage)
 # duplicates: pairs of images whose cosine similarity (features standardised over the images) is at
 # least this are near-duplicates (1.0: identical features)
-_C.LOOK.DUPLICATE_SIMILARITY = 0.95
+_C.LOOK.DUPLICATE_SIMILARITY = 0.98
 _C.LOOK.OUTLIER_K = 5  # duplicates: an image's outlier score: its mean similarity to its K nearest
 _C.LOOK.SHEET_ROWS = 4  # duplicates: rows of the sheet for the most similar pairs, and for the outliers
 _C.LOOK.OUTPUT_DIR = ""  # "" -> CHECKPOINT.DIR/look (TensorBoard: CHECKPOINT.DIR/tb); set: all there (DIR/tb)

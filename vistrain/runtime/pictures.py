@@ -8,7 +8,6 @@ axes, legends and colour maps (the monitor's curves, the embedding maps and atte
 such a picture is drawn, on its Agg renderer (no display, no global backend switched).
 """
 
-import math
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -177,11 +176,11 @@ def example_indices(labels: Sequence[int], count: int) -> List[int]:
 
 
 def view_sheet(
-    dataset, mean: Sequence[float], std: Sequence[float], count: int = 8, side: int = 112
+    dataset, mean: Sequence[float], std: Sequence[float], count: int = 8, side: int = 128
 ) -> Image.Image:
     """``count`` images of ``dataset`` (an SSLDataset), of different classes where it has labels
     (:func:`example_indices`), as pretraining's epoch 0 sees them: each image as decoded (captioned
-    with its index and class), then every augmented view of it the loss compares (captioned with
+    with its index, class and size), then every augmented view of it the loss compares (captioned with
     its side in pixels), each tile ``side`` pixels (views magnified without smoothing); as many
     images side by side as fit in about ``WIDE`` tiles."""
     groups = []
@@ -189,7 +188,8 @@ def view_sheet(
         pixels, label = dataset.image(index)
         crops = dataset.views((index, 0))
         row = [as_rgb(pixels)] + [to_pixels(crop, mean, std) for crop in crops]
-        captions = [f"#{index}" + (f" class {label}" if label >= 0 else "")]
+        height, width = pixels.shape[:2]
+        captions = [f"#{index}" + (f" class {label}" if label >= 0 else "") + f", {width}x{height}"]
         captions += [f"view {v + 1}: {crop.shape[-1]} px" for v, crop in enumerate(crops)]
         groups.append(tile([row], side, [captions]))
     per_row = max(1, WIDE // (1 + len(crops)))
@@ -255,7 +255,8 @@ LABELS = {
 def monitor_panels(records: Sequence[dict]) -> Dict[str, Dict[str, List[Tuple[float, float]]]]:
     """The monitor's records (metrics.jsonl, each with "epoch", 0-based) as panels: {panel title:
     {series: [(epochs done, value)...]}}. Every numeric key but :data:`BOOKKEEPING` is a series;
-    the ``*top1`` series share the panel "top-1 (%)", every other series has its own. A key
+    the ``*top1`` series share the panel "top-1 (%)" (named after the series when it is alone),
+    every other series has its own. A key
     ``<series>_baseline`` is drawn on ``<series>``'s panel as a level (its last value)."""
     panels: Dict[str, Dict[str, List[Tuple[float, float]]]] = {}
     for record in records:
@@ -265,6 +266,11 @@ def monitor_panels(records: Sequence[dict]) -> Dict[str, Dict[str, List[Tuple[fl
             series = key[: -len("_baseline")] if key.endswith("_baseline") else key
             title = "top-1 (%)" if series.endswith("top1") else LABELS.get(series, series)
             panels.setdefault(title, {}).setdefault(key, []).append((record["epoch"] + 1, float(value)))
+    alone = list(panels.get("top-1 (%)", {}))
+    if len(alone) == 1:  # one top-1 series: its name says which
+        panels = {
+            (f"{LABELS.get(alone[0], alone[0])} (%)" if t == "top-1 (%)" else t): v for t, v in panels.items()
+        }
     return panels
 
 
@@ -291,9 +297,3 @@ def curves_figure(records: Sequence[dict], title: str = "") -> Image.Image:
         if len(series) > 1:
             axes.legend(fontsize="small")
     return figure_image(fig)
-
-
-def grid_shape(count: int, columns: int) -> Tuple[int, int]:
-    """(rows, columns) of a grid of ``count`` panels at most ``columns`` wide."""
-    cols = max(1, min(count, columns))
-    return math.ceil(count / cols), cols

@@ -102,7 +102,6 @@ def draw(model: nn.Module, sample: Sample, layout, spatial: List[str], cfg, devi
     each map of ``spatial`` (a CNN's stem and stages, shallow to deep)."""
     rows = pick_rows(sample, cfg.LOOK.ATTENTION_IMAGES)
     images = torch.stack([sample.dataset.views((int(sample.indices[r]), 0))[0] for r in rows]).to(device)
-    side = images.shape[-1]
     if isinstance(layout, TokenLayout):
         heads = class_token_maps(model, images, layout)
         maps = [heads[:, h] for h in range(heads.shape[1])]
@@ -114,7 +113,7 @@ def draw(model: nn.Module, sample: Sample, layout, spatial: List[str], cfg, devi
         maps, what = norm_maps(model, images, spatial), "feature norm per location"
         titles = [f"{name} ({m.shape[-1]}x{m.shape[-2]})" for name, m in zip(spatial, maps)]
     # each patch or location one block of pixels, as the trunk sees it
-    up = [F.interpolate(m[:, None].cpu(), size=(side, side), mode="nearest")[:, 0].numpy() for m in maps]
+    up = [F.interpolate(m[:, None].cpu(), size=images.shape[-2:], mode="nearest")[:, 0].numpy() for m in maps]
     pixels = [sample.pixels(r) for r in rows]
     captions = [sample.label(r) or f"#{int(sample.indices[r])}" for r in rows]
     return figure(pixels, np.stack(up, axis=1), titles, captions, what), f"{what}, {len(rows)} images"

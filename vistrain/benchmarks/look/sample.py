@@ -35,10 +35,12 @@ from vistrain.runtime.precision import amp_dtype
 
 
 def run_config(run_dir: str, overrides: Sequence[str] = (), data: str = ""):
-    """The look's config of the run folder ``run_dir``. ``overrides``: ``config.A.B=V`` items;
-    ``data``: "train", "test" (LOOK.SPLIT) or a folder of images read as DATA.<LOOK.SPLIT>
-    (disk_folder: labelled by class subfolders when it has them). One-line InputError for a folder
-    that is no run folder or a LOOK value that cannot work."""
+    """The look's config of the run folder ``run_dir``: its ``config.yaml``, then ``overrides``
+    (``config.A.B=V`` items), checked as an ``extract_features`` job of the trunk alone, the run's
+    latest checkpoint (unless an override names ``MODEL.WEIGHTS_INIT``), unsharded. ``data``:
+    "train", "test" (LOOK.SPLIT) or a folder of images read as DATA.<LOOK.SPLIT> (disk_folder:
+    labelled by class subfolders when it has them). One-line InputError for a folder that is no
+    run folder or a LOOK value that cannot work."""
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path):
         raise InputError(f"{run_dir} holds no config.yaml: give the folder of a run (its CHECKPOINT.DIR)")
@@ -48,12 +50,34 @@ def run_config(run_dir: str, overrides: Sequence[str] = (), data: str = ""):
     if not any(item.startswith("config.MODEL.WEIGHTS_INIT.") for item in overrides):
         cfg.MODEL.WEIGHTS_INIT = get_defaults().MODEL.WEIGHTS_INIT.clone()  # not the run's own start
         cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE = run_dir  # its latest checkpoint
+        cfg.MODEL.WEIGHTS_INIT.SKIP_LAYERS = ["head."]  # the trunk's weights only, as the benchmarks read them
     cfg.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP = False  # one process: a plain frozen trunk
+    cfg.MODEL.HEAD.NAME = "identity"  # the trunk alone
+    _images(cfg, data)
+    cfg.LOOK.FEATURE = _feature(cfg)
+    cfg.BENCHMARK.FEATURES = list(dict.fromkeys([cfg.LOOK.FEATURE, *maps_drawn(cfg.MODEL)]))
+    cfg.JOB, cfg.BENCHMARK.EXTRACT_SPLITS = "extract_features", [cfg.LOOK.SPLIT]  # checked as that job
+    cfg.freeze()
+    check_plain_values(cfg)
+    return cfg
+
+
+def _images(cfg, data: str) -> None:
+    """DATA.<LOOK.SPLIT> (``data``: see :func:`run_config`) read like DATA.TEST: its transform and
+    batch size, in order, nothing dropped."""
     if data.lower() in ("train", "test"):
         cfg.LOOK.SPLIT = data.upper()
-    elif data:
-        split = cfg.DATA[cfg.LOOK.SPLIT]
-        split.DATA_SOURCES, split.DATA_PATHS, split.DATA_LIMIT = ["disk_folder"], [data], -1
+    read = cfg.DATA[cfg.LOOK.SPLIT]
+    if data and data.lower() not in ("train", "test"):
+        read.DATA_SOURCES, read.DATA_PATHS, read.DATA_LIMIT = ["disk_folder"], [data], -1
+    read.TRANSFORMS = cfg.DATA.TEST.TRANSFORMS.clone()
+    read.BATCHSIZE_PER_REPLICA = cfg.DATA.TEST.BATCHSIZE_PER_REPLICA
+    read.SHUFFLE = read.DROP_LAST = False
+
+
+def _feature(cfg) -> str:
+    """LOOK.FEATURE, or MONITOR.FEATURE, or the first of MODEL.TRUNK.OUT_FEATURES; ConfigError
+    (one line) when the trunk does not offer it."""
     feature = cfg.LOOK.FEATURE or cfg.MONITOR.FEATURE or cfg.MODEL.TRUNK.OUT_FEATURES[0]
     try:
         offered = trunk_feature_names(cfg.MODEL.TRUNK)
@@ -63,17 +87,7 @@ def run_config(run_dir: str, overrides: Sequence[str] = (), data: str = ""):
         raise ConfigError(
             f"LOOK.FEATURE {feature!r} is not a feature of MODEL.TRUNK; valid: {', '.join(offered)}"
         )
-    cfg.LOOK.FEATURE = feature
-    cfg.JOB, cfg.BENCHMARK.EXTRACT_SPLITS = "extract_features", [cfg.LOOK.SPLIT]  # checked as that job
-    cfg.MODEL.HEAD.NAME = "identity"  # the trunk alone
-    read = cfg.DATA[cfg.LOOK.SPLIT]  # like DATA.TEST: its transform and batch size, in order
-    read.TRANSFORMS = cfg.DATA.TEST.TRANSFORMS.clone()
-    read.BATCHSIZE_PER_REPLICA = cfg.DATA.TEST.BATCHSIZE_PER_REPLICA
-    read.SHUFFLE = read.DROP_LAST = False
-    cfg.BENCHMARK.FEATURES = list(dict.fromkeys([feature, *maps_drawn(cfg.MODEL)]))
-    cfg.freeze()
-    check_plain_values(cfg)
-    return cfg
+    return feature
 
 
 def maps_drawn(model_cfg) -> List[str]:
@@ -92,12 +106,9 @@ def spatial_maps(model_cfg) -> List[str]:
 
 def checkpoint_iteration(cfg) -> int:
     """The iteration of the checkpoint looked at (0 when it is not one of the run's)."""
-    latest = (
-        find_latest_checkpoint(cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE)
-        if os.path.isdir(cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE)
-        else None
-    )
-    match = re.search(r"checkpoint_(\d+)$", latest or cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE.rstrip("/"))
+    weights = cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE
+    latest = find_latest_checkpoint(weights) if os.path.isdir(weights) else None
+    match = re.search(r"checkpoint_(\d+)$", latest or weights.rstrip("/"))
     return int(match.group(1)) if match else 0
 
 
