@@ -50,9 +50,7 @@ def run_config(run_dir: str, overrides: Sequence[str] = (), data: str = ""):
     if not any(item.startswith("config.MODEL.WEIGHTS_INIT.") for item in overrides):
         cfg.MODEL.WEIGHTS_INIT = get_defaults().MODEL.WEIGHTS_INIT.clone()  # not the run's own start
         cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE = run_dir  # its latest checkpoint
-        cfg.MODEL.WEIGHTS_INIT.SKIP_LAYERS = [
-            "head."
-        ]  # the trunk's weights only, as the benchmarks read them
+        cfg.MODEL.WEIGHTS_INIT.SKIP_LAYERS = ["head."]  # the trunk's weights, as the benchmarks read them
     cfg.MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP = False  # one process: a plain frozen trunk
     cfg.MODEL.HEAD.NAME = "identity"  # the trunk alone
     _images(cfg, data)
