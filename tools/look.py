@@ -33,7 +33,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv) -> int:
-    args = parser().parse_args(argv)
+    args = parser().parse_intermixed_args(argv)
     from torch.utils.tensorboard import SummaryWriter
 
     from vistrain.benchmarks.look import PICTURES, Look, run_config

@@ -438,7 +438,7 @@ _C.LOOK.FEATURE = ""
 _C.LOOK.MAX_IMAGES = 2000
 # the 2-D maps drawn side by side: pca | tsne (scikit-learn) | umap (needs umap-learn)
 _C.LOOK.MAP_METHODS = ["pca", "tsne"]
-_C.LOOK.THUMBNAILS = 60  # images drawn on each map, spread over it
+_C.LOOK.THUMBNAILS = 40  # images drawn on each map, spread over it
 # neighbours: query images (the first image of each class in turn; evenly spaced without labels)
 _C.LOOK.QUERIES = 10
 _C.LOOK.NEIGHBOURS = 8  # neighbours: nearest images shown per query

@@ -340,7 +340,7 @@ class Monitor:
         # a resumed run's passes replace those its earlier run made past the checkpoint
         records = list({r["epoch"]: r for r in _monitor_records(self.cfg.CHECKPOINT.DIR)}.values())
         try:
-            image = curves_figure(records, f"monitor of {self.feature} ({self.cfg.CHECKPOINT.DIR})")
+            image = curves_figure(records, f"monitor of {self.feature}")
         except InputError as error:  # matplotlib missing: the curves are in metrics.jsonl and TensorBoard
             logger.info(f"monitor.png not drawn: {error}")
             return
