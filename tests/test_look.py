@@ -205,3 +205,17 @@ def test_bad_input_is_one_line(tiny_run, tmp_path, capsys):
     )
     assert tool.main([str(tiny_run), "config.LOOK.MAX_IMAGES=1"]) == 2
     assert "LOOK.MAX_IMAGES" in capsys.readouterr().err
+
+
+def test_any_decoded_image_is_drawn_as_rgb():
+    """16-bit and float images are scaled from their lowest to their highest value; one or two
+    bands are grey, more than three keep the first three."""
+    grey16 = np.array([[0, 1000], [3000, 4000]], dtype=np.uint16)
+    assert pictures.as_rgb(grey16)[:, :, 0].tolist() == [[0, 64], [191, 255]]
+    bands = np.random.default_rng(0).random((4, 4, 5)).astype(np.float32)
+    rgb = pictures.as_rgb(bands)
+    assert rgb.dtype == np.uint8 and rgb.shape == (4, 4, 3) and rgb.max() == 255 and rgb.min() == 0
+    two = pictures.as_rgb(np.stack([grey16, grey16[::-1]], axis=2))
+    assert np.array_equal(two[:, :, 0], two[:, :, 2]) and np.array_equal(
+        two[:, :, 0], pictures.as_rgb(grey16)[:, :, 0]
+    )

@@ -25,36 +25,33 @@ PLOTS_MISSING = 'this picture needs matplotlib: pip install "vistrain[plots]"'
 
 
 def to_pixels(image: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
-    """A normalised view (C, h, w) float32 back to uint8 (h, w, 3), undoing ``Normalize(mean, std)``
-    (C values each, one for all, or for a grey view three averaged; other lengths: the view's own
-    range). A view of other than 3 channels is shown grey, from its first channel."""
-    channels, image = image.shape[0], image.float().cpu()
-    mean_t, std_t = _per_channel(mean, channels), _per_channel(std, channels)
-    if mean_t is None or std_t is None:
-        low, high = image.amin(), image.amax()
-        mean_t, std_t = low, (high - low).clamp(min=1e-6)
-    pixels = ((image * std_t + mean_t).clamp(0, 1) * 255).round().to(torch.uint8)
-    if channels != 3:
-        pixels = pixels[:1].expand(3, -1, -1)
-    return pixels.permute(1, 2, 0).numpy()
+    """A normalised view (C, h, w) float32 back to uint8 (h, w, C), undoing ``Normalize(mean, std)``
+    (C values each, or one)."""
+    mean_t = torch.tensor(list(mean), dtype=torch.float32)[:, None, None]
+    std_t = torch.tensor(list(std), dtype=torch.float32)[:, None, None]
+    pixels = (image.float().cpu() * std_t + mean_t).clamp(0, 1) * 255
+    return pixels.round().to(torch.uint8).permute(1, 2, 0).numpy()
 
 
-def _per_channel(values: Sequence[float], channels: int) -> Optional[torch.Tensor]:
-    """(channels, 1, 1) of ``values`` fitted to ``channels`` as the views' normalisation fits them."""
-    values = [float(v) for v in values]
-    if len(values) == 3 and channels == 1:
-        values = [sum(values) / 3]
-    if len(values) == 1:
-        values = values * channels
-    return torch.tensor(values)[:, None, None] if len(values) == channels else None
+def view_pixels(dataset, index: int) -> np.ndarray:
+    """Sample ``index``'s first view (epoch 0) as uint8 (h, w, C): an SSLDataset (or a subset of
+    one) un-normalised with its transform's own MEAN and STD (those computed from the images
+    with DATA.NORMALIZE_FROM_IMAGES)."""
+    transform = getattr(dataset, "dataset", dataset).transform
+    return to_pixels(dataset.views((index, 0))[0], transform.mean, transform.std)
 
 
 def as_rgb(pixels: np.ndarray) -> np.ndarray:
-    """uint8 (H, W) grayscale or (H, W, C) -> (H, W, 3): gray repeated, a fourth channel dropped."""
+    """An image or view for display as uint8 (H, W, 3): other dtypes (16-bit, floats) scaled from
+    their lowest to their highest value; one or two bands: the first as grey; more: the first three."""
+    if pixels.dtype != np.uint8:
+        values = pixels.astype(np.float64)
+        low, high = np.nanmin(values), np.nanmax(values)
+        pixels = np.round(np.nan_to_num((values - low) / max(high - low, 1e-12)) * 255).astype(np.uint8)
     if pixels.ndim == 2:
         pixels = pixels[:, :, None]
-    if pixels.shape[2] == 1:
-        pixels = np.repeat(pixels, 3, axis=2)
+    if pixels.shape[2] < 3:
+        pixels = np.repeat(pixels[:, :, :1], 3, axis=2)
     return np.ascontiguousarray(pixels[:, :, :3])
 
 
@@ -175,19 +172,18 @@ def example_indices(labels: Sequence[int], count: int) -> List[int]:
     return [index for turn in rounds for index in turn][:count]
 
 
-def view_sheet(
-    dataset, mean: Sequence[float], std: Sequence[float], count: int = 8, side: int = 128
-) -> Image.Image:
+def view_sheet(dataset, count: int = 8, side: int = 128) -> Image.Image:
     """``count`` images of ``dataset`` (an SSLDataset), of different classes where it has labels
     (:func:`example_indices`), as pretraining's epoch 0 sees them: each image as decoded (captioned
-    with its index, class and size), then every augmented view of it the loss compares (captioned with
-    its side in pixels), each tile ``side`` pixels (views magnified without smoothing); as many
-    images side by side as fit in about ``WIDE`` tiles."""
-    groups = []
+    with its index, class and size), then every augmented view of it the loss compares (captioned
+    with its side in pixels; un-normalised with the transform's MEAN and STD), each tile ``side``
+    pixels (views magnified without smoothing); as many images side by side as fit in about
+    ``WIDE`` tiles."""
+    groups, mean, std = [], dataset.transform.mean, dataset.transform.std
     for index in example_indices(dataset.targets, count):
         pixels, label = dataset.image(index)
         crops = dataset.views((index, 0))
-        row = [as_rgb(pixels)] + [to_pixels(crop, mean, std) for crop in crops]
+        row = [pixels] + [to_pixels(crop, mean, std) for crop in crops]
         height, width = pixels.shape[:2]
         captions = [f"#{index}" + (f" class {label}" if label >= 0 else "") + f", {width}x{height}"]
         captions += [f"view {v + 1}: {crop.shape[-1]} px" for v, crop in enumerate(crops)]

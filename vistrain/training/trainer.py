@@ -192,9 +192,7 @@ def _train_epochs(cfg, run: _Run, iteration: int) -> None:
     monitor = Monitor(cfg, watched, meter, run.num_epochs, settings.device, start=iteration)
     if meter.writer is not None:  # rank 0: what the loss compares, before the first step
         transforms = cfg.DATA.TRAIN.TRANSFORMS
-        views = view_sheet(
-            run.loader.dataset, transforms.MEAN, transforms.STD, side=max(128, *transforms.SIZE_CROPS)
-        )
+        views = view_sheet(run.loader.dataset, side=max(128, *transforms.SIZE_CROPS))
         save_picture(views, cfg.CHECKPOINT.DIR, "views.png", meter.writer, "train/views", iteration)
     saved_at = iteration
     start_epoch, skip = divmod(iteration, iters_per_epoch)

@@ -30,7 +30,7 @@ from vistrain.distributed.launch import resolve_device
 from vistrain.methods import build_meta_model, load_config
 from vistrain.models.trunks import TokenLayout, token_layout, trunk_feature_names
 from vistrain.runtime.logger import logger
-from vistrain.runtime.pictures import to_pixels
+from vistrain.runtime.pictures import as_rgb, view_pixels
 from vistrain.runtime.precision import amp_dtype
 
 
@@ -122,7 +122,6 @@ class Sample:
     indices: torch.Tensor  # (N,) int64
     paths: List[str]
     dataset: object
-    transforms: object  # MEAN and STD of the eval transform
     class_names: Sequence[str]
     total: int  # images of the split (N of them embedded)
 
@@ -131,9 +130,8 @@ class Sample:
         return bool((self.labels >= 0).all())
 
     def pixels(self, row: int) -> np.ndarray:
-        """Row ``row``'s image as the trunk saw it: uint8 (h, w, 3)."""
-        view = self.dataset.views((int(self.indices[row]), 0))[0]
-        return to_pixels(view, self.transforms.MEAN, self.transforms.STD)
+        """Row ``row``'s image as the trunk saw it, for display: uint8 (h, w, 3)."""
+        return as_rgb(view_pixels(self.dataset, int(self.indices[row])))
 
     def label(self, row: int) -> str:
         """Row ``row``'s class name ("" without a label)."""
@@ -173,7 +171,6 @@ def embed(cfg, trunk: nn.Module, device: torch.device) -> Sample:
         indices=rows,
         paths=[dataset.describe(i) for i in rows.tolist()],
         dataset=dataset,
-        transforms=data[split].TRANSFORMS,
         class_names=class_names(dataset) or [str(c) for c in range(int(labels.max()) + 1)],
         total=total,
     )
