@@ -89,18 +89,11 @@ def norm_maps(model: nn.Module, images: torch.Tensor, names: List[str]) -> List[
     return [out[name].float().norm(dim=1) for name in names]
 
 
-def pick_rows(sample: Sample, count: int) -> List[int]:
-    """``count`` rows of the sample: one per class in turn (labelled), else evenly spaced."""
-    if sample.labelled:
-        return pictures.example_indices(sample.labels.tolist(), count)
-    return np.linspace(0, len(sample.paths) - 1, min(count, len(sample.paths))).round().astype(int).tolist()
-
-
 def draw(model: nn.Module, sample: Sample, layout, spatial: List[str], cfg, device) -> Tuple[object, str]:
     """(the picture, a one-line description) of ``LOOK.ATTENTION_IMAGES`` images of ``sample``:
     class-token attention per head for a ViT (``layout`` a TokenLayout), else the feature norm of
     each map of ``spatial`` (a CNN's stem and stages, shallow to deep)."""
-    rows = pick_rows(sample, cfg.LOOK.ATTENTION_IMAGES)
+    rows = sample.examples(cfg.LOOK.ATTENTION_IMAGES)
     images = torch.stack([sample.dataset.views((int(sample.indices[r]), 0))[0] for r in rows]).to(device)
     if isinstance(layout, TokenLayout):
         heads = class_token_maps(model, images, layout)

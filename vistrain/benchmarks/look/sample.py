@@ -30,7 +30,7 @@ from vistrain.distributed.launch import resolve_device
 from vistrain.methods import build_meta_model, load_config
 from vistrain.models.trunks import TokenLayout, token_layout, trunk_feature_names
 from vistrain.runtime.logger import logger
-from vistrain.runtime.pictures import as_rgb, view_pixels
+from vistrain.runtime.pictures import as_rgb, example_indices, view_pixels
 from vistrain.runtime.precision import amp_dtype
 
 
@@ -128,6 +128,12 @@ class Sample:
     @property
     def labelled(self) -> bool:
         return bool((self.labels >= 0).all())
+
+    def examples(self, count: int) -> List[int]:
+        """``count`` rows: the first image of each class in turn (labelled), else evenly spaced."""
+        if self.labelled:
+            return example_indices(self.labels.tolist(), count)
+        return np.linspace(0, len(self.paths) - 1, min(count, len(self.paths))).round().astype(int).tolist()
 
     def pixels(self, row: int) -> np.ndarray:
         """Row ``row``'s image as the trunk saw it, for display: uint8 (h, w, 3)."""

@@ -13,7 +13,6 @@ import csv
 import os
 from typing import List, Tuple
 
-import numpy as np
 from PIL import Image
 
 from vistrain.benchmarks.look import similarity
@@ -23,13 +22,6 @@ from vistrain.runtime import pictures
 SIDE = 96  # pixels of a tile
 PAIRS_PER_ROW = 4
 MAX_PAIRS = 100_000  # rows of duplicates.csv at most (the most similar pairs)
-
-
-def query_rows(sample: Sample, count: int) -> List[int]:
-    """``count`` query rows: the first image of each class in turn, else evenly spaced."""
-    if sample.labelled:
-        return pictures.example_indices(sample.labels.tolist(), count)
-    return np.linspace(0, len(sample.paths) - 1, min(count, len(sample.paths))).round().astype(int).tolist()
 
 
 def caption(sample: Sample, row: int, similarity_value=None) -> str:
@@ -42,7 +34,7 @@ def neighbours(sample: Sample, cfg) -> Tuple[object, str]:
     """(the sheet, a one-line description): each query image, then its ``LOOK.NEIGHBOURS`` most
     similar images among the sample, captioned with their class and similarity."""
     unit = similarity.unit_rows(sample.features)
-    queries = query_rows(sample, cfg.LOOK.QUERIES)
+    queries = sample.examples(cfg.LOOK.QUERIES)
     near, sims = similarity.nearest(unit, queries, cfg.LOOK.NEIGHBOURS)
     rows, captions = [], []
     for q, found, values in zip(queries, near.tolist(), sims.tolist()):
@@ -59,7 +51,8 @@ def neighbours(sample: Sample, cfg) -> Tuple[object, str]:
 
 def duplicates(sample: Sample, cfg, out_dir: str) -> Tuple[object, str]:
     """(the sheet, a one-line description); writes ``duplicates.csv`` and ``outliers.csv`` to
-    ``out_dir``. The sheet: the ``LOOK.SHEET_ROWS`` x 4 most similar pairs, then as many outliers."""
+    ``out_dir``. The sheet: the ``LOOK.SHEET_ROWS`` x 4 most similar pairs, then as many rows of
+    outliers."""
     look = cfg.LOOK
     unit = similarity.unit_rows(sample.features)
     pairs, sims = similarity.similar_pairs(unit, look.DUPLICATE_SIMILARITY, MAX_PAIRS)
@@ -67,35 +60,37 @@ def duplicates(sample: Sample, cfg, out_dir: str) -> Tuple[object, str]:
     order = scores.argsort().tolist()
     write_pairs(os.path.join(out_dir, "duplicates.csv"), sample, pairs.tolist(), sims.tolist())
     write_outliers(os.path.join(out_dir, "outliers.csv"), sample, order, scores.tolist())
-    shown = PAIRS_PER_ROW * look.SHEET_ROWS
     heading = f"{len(pairs)} pairs at similarity >= {look.DUPLICATE_SIMILARITY:g}"
-    if len(pairs):
-        drawn = [
-            pictures.tile(
-                [[sample.pixels(a), sample.pixels(b)]], SIDE, [[caption(sample, a), caption(sample, b, v)]]
-            )
-            for (a, b), v in zip(pairs[:shown].tolist(), sims[:shown].tolist())
-        ]
-        top = pictures.titled(pictures.arrange(drawn, PAIRS_PER_ROW), heading + ", the most similar first")
-    else:
-        top = pictures.titled(Image.new("RGB", (2 * PAIRS_PER_ROW * SIDE, 1), pictures.BACKGROUND), heading)
-    outliers = order[: 2 * PAIRS_PER_ROW * look.SHEET_ROWS]
+    shown = PAIRS_PER_ROW * look.SHEET_ROWS
+    top = _pairs_sheet(sample, pairs[:shown].tolist(), sims[:shown].tolist(), heading)
+    outliers = order[: 2 * shown]
+    per_row = 2 * PAIRS_PER_ROW
     tiles = [sample.pixels(r) for r in outliers]
     captions = [caption(sample, r, scores[r].item()) for r in outliers]
-    per_row = 2 * PAIRS_PER_ROW
     bottom = pictures.tile(
         [tiles[i : i + per_row] for i in range(0, len(tiles), per_row)],
         SIDE,
         [captions[i : i + per_row] for i in range(0, len(captions), per_row)],
         f"outliers: the lowest mean similarity to their {look.OUTLIER_K} nearest images",
     )
-    sheets = [top, bottom]
     title = (
         f"near-duplicates and outliers among {len(sample.paths)} images of DATA.{look.SPLIT} ({look.FEATURE})"
     )
-    return pictures.titled(
-        pictures.stack(sheets), title
-    ), f"{len(pairs)} near-duplicate pairs; outliers ranked"
+    sheet = pictures.titled(pictures.stack([top, bottom]), title)
+    return sheet, f"{len(pairs)} near-duplicate pairs; outliers ranked"
+
+
+def _pairs_sheet(sample: Sample, pairs: List[List[int]], sims: List[float], heading: str):
+    """Each pair side by side, the second captioned with the similarity, ``PAIRS_PER_ROW`` pairs a row."""
+    if not pairs:
+        return pictures.titled(Image.new("RGB", (2 * PAIRS_PER_ROW * SIDE, 1), pictures.BACKGROUND), heading)
+    drawn = [
+        pictures.tile(
+            [[sample.pixels(a), sample.pixels(b)]], SIDE, [[caption(sample, a), caption(sample, b, v)]]
+        )
+        for (a, b), v in zip(pairs, sims)
+    ]
+    return pictures.titled(pictures.arrange(drawn, PAIRS_PER_ROW), heading + ", the most similar first")
 
 
 def write_pairs(path: str, sample: Sample, pairs: List[List[int]], sims: List[float]) -> None:
