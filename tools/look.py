@@ -6,12 +6,11 @@
 
 No picture named: all four. ``config.*`` items override the run's config (the ``LOOK`` keys:
 vistrain/config/defaults.py). Each picture goes to RUN_FOLDER/look/ as a PNG and to the run's
-TensorBoard (RUN_FOLDER/tb) as ``look/<name>``; with ``config.LOOK.OUTPUT_DIR=DIR`` both go to DIR
-(DIR/tb), and nothing is written in RUN_FOLDER. Exit codes: 0 done, 2 bad input (one line on stderr).
+TensorBoard (RUN_FOLDER/tb; its W&B run too with LOGGING.WANDB) as ``look/<name>``; with
+``config.LOOK.OUTPUT_DIR=DIR`` all go to DIR (DIR/tb), and nothing is written in RUN_FOLDER. Exit codes: 0 done, 2 bad input (one line on stderr).
 """
 
 import argparse
-import os
 import sys
 
 
@@ -34,11 +33,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv) -> int:
     args = parser().parse_intermixed_args(argv)
-    from torch.utils.tensorboard import SummaryWriter
-
     from vistrain.benchmarks.look import PICTURES, Look, run_config
     from vistrain.config import OneLineExit
     from vistrain.jobs import check_values
+    from vistrain.runtime.logger import RunWriter
+    from vistrain.runtime.tracking import wandb_settings
 
     overrides = [item for item in args.items if item.startswith("config.")]
     names = [item for item in args.items if not item.startswith("config.")]
@@ -51,9 +50,9 @@ def main(argv) -> int:
         cfg = run_config(args.run_dir, overrides, args.data)
         check_values(cfg)  # every value, the data and the trunk, as a job's are checked
         look = Look(cfg)
-        # the run's TensorBoard; with LOOK.OUTPUT_DIR (a run folder not to write to) one of its own there
-        board = os.path.join(cfg.LOOK.OUTPUT_DIR or args.run_dir, "tb")
-        with SummaryWriter(log_dir=board) as writer:
+        # the run's TensorBoard (and W&B run, with LOGGING.WANDB); with LOOK.OUTPUT_DIR (a run folder
+        # not to write to) their own there
+        with RunWriter(cfg.LOOK.OUTPUT_DIR or args.run_dir, wandb_settings(cfg)) as writer:
             look.draw(names or list(PICTURES), writer)
     except OneLineExit as error:
         print(error.line(), file=sys.stderr)
