@@ -1,5 +1,6 @@
 """Prints what tools/look.py costs and finds on a run folder: seconds (wall and CPU) to embed and
-to draw each picture at several sample caps, and the near-duplicate pairs at several thresholds.
+to draw each picture at several sample caps, the near-duplicate pairs at several thresholds, and
+the labels of the least typical images (the top of outliers.csv) beside the sample's.
 
     python dev/studies/look_costs.py RUN_FOLDER [--caps 500 1000 2000] [config.KEY=VALUE ...]
 
@@ -10,6 +11,7 @@ import argparse
 import os
 import tempfile
 import time
+from collections import Counter
 
 import torch
 
@@ -49,6 +51,16 @@ def main() -> None:
             unit = similarity.unit_rows(seen.sample.features)
             counts = [len(similarity.similar_pairs(unit, t, 10**9)[0]) for t in THRESHOLDS]
             print("  pairs at similarity >= " + ", ".join(f"{t:g}: {c}" for t, c in zip(THRESHOLDS, counts)))
+            order = similarity.outlier_scores(unit, cfg.LOOK.OUTLIER_K).argsort()
+            for top in (32, 100):
+                print(f"  labels of the {top} least typical: {_counts(seen.sample, order[:top])}")
+            print(f"  labels of the sample: {_counts(seen.sample, order)}")
+
+
+def _counts(sample, rows) -> str:
+    """ "name: count" of each label among ``rows``, most frequent first."""
+    names = Counter(sample.label(int(r)) or "unlabelled" for r in rows)
+    return ", ".join(f"{name}: {count}" for name, count in names.most_common())
 
 
 if __name__ == "__main__":
