@@ -387,6 +387,32 @@ def test_extract_features_merged_file_is_the_same_on_any_world_size(tmp_path):
     ranks = [torch.load(tmp_path / "2" / "features" / f"test_rank{r}.pt", weights_only=True) for r in (0, 1)]
     assert [len(r["index"]) for r in ranks] == [11, 11]  # 21 images: one padded repeat
     assert (tmp_path / "2" / "features" / "train.pt").exists()
+    _same_embedding_files(tmp_path / "1" / "features", tmp_path / "2" / "features", two)
+
+
+def _same_embedding_files(one, two, record):
+    """The .npy, paths.txt and parquet files of 1 and 2 ranks agree (1e-5) and hold the .pt's rows."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    paths = (two / "test_paths.txt").read_text().splitlines()
+    assert paths == record["path"] == [f"synthetic[{i}]" for i in range(21)]
+    assert (one / "test_paths.txt").read_text() == (two / "test_paths.txt").read_text()
+    for name in ("labels", "indices"):
+        assert np.array_equal(np.load(one / f"test_{name}.npy"), np.load(two / f"test_{name}.npy"))
+    assert np.load(two / "test_labels.npy").tolist() == record["label"].tolist()
+    for name, rows in record["features"].items():
+        np.testing.assert_allclose(
+            np.load(one / f"test_{name}.npy"), np.load(two / f"test_{name}.npy"), rtol=1e-5, atol=1e-6
+        )
+        assert np.array_equal(np.load(two / f"test_{name}.npy"), rows.numpy())
+        table = pq.read_table(two / f"test_{name}.parquet").to_pydict()
+        assert (
+            table["path"] == paths
+            and table["index"] == list(range(21))
+            and table["label"] == record["label"].tolist()
+        )
+        np.testing.assert_array_equal(np.array(table["embedding"], dtype=np.float32), rows.numpy())
 
 
 def test_extracted_features_are_averaged_over_the_configured_views(tmp_path):

@@ -5,8 +5,10 @@
 
 Engines (``JOB``): ``linear_eval`` (one linear head per trunk feature), ``knn`` (weighted
 k-nearest neighbours), ``finetune`` (the trunk and a linear head trained end to end) and
-``extract_features`` (features, labels and indices to disk). The first three may see a stratified
-fraction of the labels only (``DATA.TRAIN.LABEL_FRACTION``, :mod:`.label_fraction`).
+``extract_features`` (features, labels, indices and paths to disk). The first three may see a stratified
+fraction of the labels only (``DATA.TRAIN.LABEL_FRACTION``, :mod:`.label_fraction`). Pictures of
+what a trained trunk learned (maps, neighbours, attention, near-duplicates) are :mod:`.look`'s, drawn
+by ``tools/look.py`` on a run folder.
 """
 
 from vistrain.benchmarks.extract_features import extract_features

@@ -231,6 +231,16 @@ RULES = {
     "MONITOR.PROBE_LR": [above(0)],
     "MONITOR.PROBE_EPOCHS": [at_least(1)],
     "LOGGING.WANDB.MODE": [one_of(("", "online", "offline", "disabled"))],
+    "LOOK.SPLIT": [one_of(("TRAIN", "TEST"))],
+    "LOOK.MAX_IMAGES": [at_least(2)],
+    "LOOK.MAP_METHODS": [each_one_of(("pca", "tsne", "umap"))],
+    "LOOK.THUMBNAILS": [at_least(0)],
+    "LOOK.QUERIES": [at_least(1)],
+    "LOOK.NEIGHBOURS": [at_least(1)],
+    "LOOK.ATTENTION_IMAGES": [at_least(1)],
+    "LOOK.DUPLICATE_SIMILARITY": [above(-1), at_most(1)],
+    "LOOK.OUTLIER_K": [at_least(1)],
+    "LOOK.SHEET_ROWS": [at_least(1)],
 }
 
 # what DATA_PATHS entries a source reads: must exist and hold something

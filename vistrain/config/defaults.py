@@ -431,6 +431,32 @@ _C.MONITOR.PROBE_EPOCHS = 20  # epochs over the bank at each pass (batches of 25
 _C.MONITOR.PROBE_LR = 0.1  # its peak lr (SGD, momentum 0.9, no weight decay), cosine to 0 over each pass
 
 
+# ---------------------------------------------------------------------------------------------
+# Looking at a trained trunk: python tools/look.py RUN_FOLDER [map neighbours attention duplicates]
+# (vistrain/benchmarks/look/). The run's own config and latest checkpoint; images of DATA.<SPLIT>
+# read with DATA.TEST's transform, one process. Pictures and CSVs go to OUTPUT_DIR.
+_C.LOOK = CN()
+_C.LOOK.SPLIT = "TRAIN"  # the DATA split looked at: TRAIN | TEST
+# the trunk feature embedded ("": MONITOR.FEATURE, else the first of MODEL.TRUNK.OUT_FEATURES)
+_C.LOOK.FEATURE = ""
+# images embedded, evenly spaced over the split (all of them when fewer): the map's t-SNE and the
+# duplicate search compare every pair, N^2 (2,000 images: a few seconds on a CPU)
+_C.LOOK.MAX_IMAGES = 2000
+# the 2-D maps drawn side by side: pca | tsne (scikit-learn) | umap (needs umap-learn)
+_C.LOOK.MAP_METHODS = ["pca", "tsne"]
+_C.LOOK.THUMBNAILS = 40  # images drawn on each map, spread over it
+# neighbours: query images (the first image of each class in turn; evenly spaced without labels)
+_C.LOOK.QUERIES = 10
+_C.LOOK.NEIGHBOURS = 8  # neighbours: nearest images shown per query
+_C.LOOK.ATTENTION_IMAGES = 6  # attention: images drawn (a ViT's attention per head, a CNN's norm per stage)
+# duplicates: pairs of images whose cosine similarity (features standardised over the images) is at
+# least this are near-duplicates (1.0: identical features)
+_C.LOOK.DUPLICATE_SIMILARITY = 0.98
+_C.LOOK.OUTLIER_K = 5  # duplicates: an image's outlier score: its mean similarity to its K nearest
+_C.LOOK.SHEET_ROWS = 4  # duplicates: rows of the sheet for the most similar pairs, and for the outliers
+_C.LOOK.OUTPUT_DIR = ""  # "" -> CHECKPOINT.DIR/look (TensorBoard: CHECKPOINT.DIR/tb); set: all there (DIR/tb)
+
+
 # The sections whose keys the methods declare (vistrain/methods, a layer above this one): LOSS.NAME's
 # default and a LOSS.<name> section per method, MODEL.HEAD.NAME's default and the MODEL.HEAD keys of
 # the methods' heads

@@ -219,6 +219,19 @@ class SSLDataset(Dataset):
         which = bisect.bisect_right(self.offsets, index) - 1
         return self.sources[which], index - self.offsets[which]
 
+    def describe(self, index: int) -> str:
+        """Where sample ``index`` comes from: its file's path, or ``<source>[i]`` for a source
+        without files (no image is read)."""
+        source, local = self._locate(index)
+        describe = getattr(source, "describe", None)
+        return describe(local) if describe else f"{getattr(source, 'name', 'source')}[{local}]"
+
+    def image(self, index: int) -> Tuple[np.ndarray, int]:
+        """Sample ``index`` as its source decodes it, before any transform: (uint8 (H, W, 3) RGB or
+        (H, W) grayscale, label)."""
+        source, local = self._locate(index)
+        return source.load(local)
+
     def _load_readable(self, index: int) -> Tuple[np.ndarray, int, int, int]:
         """(pixels, label, index actually used, images skipped before it)."""
         for skipped in range(min(self.length, MAX_CONSECUTIVE_BAD)):

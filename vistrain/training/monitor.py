@@ -59,7 +59,7 @@ from vistrain.data import build_loader
 from vistrain.distributed import comm
 from vistrain.fsdp import Backend, backend_of, unwrap
 from vistrain.runtime.logger import logger
-from vistrain.runtime.pictures import curves_image, save_picture
+from vistrain.runtime.pictures import curves_figure, save_picture
 from vistrain.runtime.precision import amp_dtype
 from vistrain.training.held_out import HeldOutImages
 from vistrain.training.monitor_rules import (
@@ -386,23 +386,19 @@ class Monitor:
 
     def _draw(self, iteration: int) -> None:
         """Rank 0: monitor.png from every monitor record in metrics.jsonl (earlier runs of a
-        resumed run included)."""
+        resumed run included): every numeric series they hold, with real axes (matplotlib; without
+        it one note and no picture)."""
         if self.meter.writer is None:
             return
         # a resumed run's passes replace those its earlier run made past the checkpoint
         records = list({r["epoch"]: r for r in _monitor_records(self.cfg.CHECKPOINT.DIR)}.values())
-        curves: Dict[str, List[Tuple[float, float]]] = {}
-        for name in METRICS:
-            points = [(r["epoch"] + 1, r[name]) for r in records if name in r]
-            if points:
-                curves[name] = points
+        try:
+            image = curves_figure(records, f"monitor of {self.feature}")
+        except InputError as error:  # matplotlib missing: the curves are in metrics.jsonl and TensorBoard
+            logger.info(f"monitor.png not drawn: {error}")
+            return
         save_picture(
-            curves_image(curves),
-            self.cfg.CHECKPOINT.DIR,
-            "monitor.png",
-            self.meter.writer,
-            "monitor/curves",
-            iteration,
+            image, self.cfg.CHECKPOINT.DIR, "monitor.png", self.meter.writer, "monitor/curves", iteration
         )
 
 

@@ -56,7 +56,7 @@ from vistrain.runtime.logger import (
     timed,
 )
 from vistrain.runtime.parallel import parallelize
-from vistrain.runtime.pictures import save_picture, view_grid
+from vistrain.runtime.pictures import save_picture, view_sheet
 from vistrain.runtime.run_setup import record_config, start_run
 from vistrain.runtime.sharding import build_for_run
 from vistrain.runtime.teacher import build_teacher
@@ -199,9 +199,7 @@ def _train_epochs(cfg, run: _Run, iteration: int) -> None:
         monitor.after_epoch(iteration // iters_per_epoch, iteration)
     if meter.writer is not None:  # rank 0: what the loss compares, before the first step
         transforms = cfg.DATA.TRAIN.TRANSFORMS
-        views = view_grid(
-            run.loader.dataset, transforms.MEAN, transforms.STD, side=max(transforms.SIZE_CROPS)
-        )
+        views = view_sheet(run.loader.dataset, side=max(128, *transforms.SIZE_CROPS))
         save_picture(views, cfg.CHECKPOINT.DIR, "views.png", meter.writer, "train/views", iteration)
     saved_at = iteration
     start_epoch, skip = divmod(iteration, iters_per_epoch)
