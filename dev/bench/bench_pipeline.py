@@ -320,7 +320,8 @@ def report(data: dict, name: str, result: dict) -> None:
 def decode_table(data: dict, recipes: List[str], repeats: int = 3) -> None:
     """ms of CPU per image: PIL against torchvision.io (what vistrain uses for JPEGs), and how many
     images each recipe's bound lets a reduced decode (PIL's draft) read at 1/2 to 1/8 size."""
-    from vistrain.data.folders import read_image, read_pixels
+    from vistrain.data.folders import read_image
+    from vistrain.data.pixels import read_pixels
 
     def cpu_ms(fn) -> float:
         times = []
