@@ -239,7 +239,15 @@ def figure_image(fig) -> Image.Image:
     return Image.fromarray(np.asarray(fig.canvas.buffer_rgba())[:, :, :3].copy())
 
 
-BOOKKEEPING = ("iteration", "epoch", "monitor_seconds", "train_seconds", "collapse_suspect")
+BOOKKEEPING = (
+    "iteration",
+    "epoch",
+    "monitor_seconds",
+    "train_seconds",
+    "collapse_suspect",
+    "no_better_than_baseline",
+    "knn_images",
+)  # flags and counts, not curves
 LABELS = {
     "knn_top1": "online kNN top-1",
     "probe_top1": "online linear probe top-1",
