@@ -1,14 +1,18 @@
-"""Prints CUDA parity, mixed precision, offload, peak memory and speed of the engine against DDP.
+"""Prints CUDA parity, mixed precision, offload, peak memory and speed of the engine against DDP, and the views made on the GPU against the CPU's.
 
 One prepared CUDA check for a lent GPU machine: parity, mixed precision, offload, memory, speed.
 
     python dev/gpu/gpu_check.py [--out DIR]      # writes DIR/gpu_check.json and prints a summary
+    python dev/gpu/gpu_check.py --only views     # just the views (DATA.TRAIN.VIEWS_ON_DEVICE)
 
-On each visible GPU count (one H200 in this project's device sessions: world size 1 with NCCL)
+On each visible GPU count (one GPU in this project's device sessions: world size 1 with NCCL)
 it trains torchvision's RegNetY-400MF for a few steps under DDP and under our engine and records:
 fp32 parity (losses, weights), bf16 and fp16 (model.grad_scaler()) runs against fp32, the
-move_params_to_cpu path, peak CUDA memory of each, and median step times. CPU-only machines:
-exits with a message (the CPU paths are covered by the test suite).
+move_params_to_cpu path, peak CUDA memory of each, and median step times. Then DINO's views
+(2 x 224 + 6 x 96) of JPEG photographs, made by the loader on one CPU core and by
+VIEWS_ON_DEVICE on the GPU from the same draws: ms per batch of each side, their ratio, and the
+largest difference between the two paths' views. CPU-only machines: exits with a message (the
+CPU paths are covered by the test suite).
 """
 
 import argparse
@@ -116,15 +120,93 @@ def worker(rank, world):
     return summary
 
 
+def _views_loaders(folder: str, batch: int):
+    """DINO's views of the JPEGs in ``folder``: the CPU path's loader and the device path's, in this process."""
+    from vistrain.data import build_loader
+    from vistrain.methods import get_defaults
+
+    cfg = get_defaults().DATA
+    cfg.NUM_DATALOADER_WORKERS = 0  # the loader's work in this process, on one thread: per core
+    split = cfg.TRAIN
+    split.DATA_SOURCES, split.DATA_PATHS, split.FOLDER_LABELS = ["disk_folder"], [folder], "none"
+    split.BATCHSIZE_PER_REPLICA = batch
+    t = split.TRANSFORMS
+    t.NUM_CROPS, t.SIZE_CROPS, t.CROP_SCALES = [2, 6], [224, 96], [[0.4, 1.0], [0.05, 0.4]]
+    t.SOLARIZE_PROB = 0.025
+    cpu = build_loader(cfg, "TRAIN", seed=0, device=torch.device("cpu"))
+    split.VIEWS_ON_DEVICE = True
+    return cpu, build_loader(cfg, "TRAIN", seed=0, device=torch.device("cuda", 0))
+
+
+def views_check(images: int = 192, batch: int = 64) -> dict:
+    """ms per batch of the CPU path (decode, draws, views on one core) and of the device path (the
+    worker's half on one core: decode, draws, packing; the views on the GPU, channels_last), the
+    CPU path's views over the GPU's, and max |difference| between the two paths' views."""
+    import tempfile
+
+    import numpy as np
+    from PIL import Image
+
+    from vistrain.data import set_epoch
+    from vistrain.data.device_views import collate_packed, make_views
+
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as folder:
+        for i in range(images):  # smooth random photographs of 200-600 px a side
+            h, w = rng.integers(200, 601, 2)
+            y, x = np.mgrid[0:h, 0:w]
+            pixels = np.stack(
+                [np.sin(x / rng.uniform(5, 40) + y / rng.uniform(5, 40) + c) for c in range(3)], -1
+            )
+            pixels = np.clip(pixels * 100 + 128 + rng.normal(0, 8, (h, w, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(os.path.join(folder, f"{i}.jpg"), quality=90)
+        cpu, device = _views_loaders(folder, batch)
+        set_epoch(cpu, 0)
+        set_epoch(device, 0)
+        start = time.perf_counter()
+        cpu_batches = list(cpu)
+        cpu_ms = (time.perf_counter() - start) / len(cpu_batches) * 1e3
+        dataset = device.dataset
+        keys = [list(b) for b in device.batch_sampler]
+        start = time.perf_counter()
+        packed = [collate_packed([dataset[k] for k in ks]) for ks in keys]  # the worker's half
+        worker_ms = (time.perf_counter() - start) / len(packed) * 1e3
+        for p in packed:
+            p["packed"]["buffers"] = {k: v.pin_memory() for k, v in p["packed"]["buffers"].items()}
+        made = [make_views(packed[0], dataset.transform, device.device)]  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        made = [make_views(p, dataset.transform, device.device) for p in packed]
+        made = [[c.contiguous(memory_format=torch.channels_last) for c in m["crops"]] for m in made]
+        torch.cuda.synchronize()
+        gpu_ms = (time.perf_counter() - start) / len(made) * 1e3
+    diff = max(
+        (g.float().cpu() - c).abs().max().item()
+        for m, b in zip(made, cpu_batches)
+        for g, c in zip(m, b["crops"])
+    )
+    return {"cpu_path_ms_per_batch": cpu_ms, "worker_half_ms_per_batch": worker_ms, "gpu_views_ms_per_batch": gpu_ms,
+            "cpu_views_over_gpu": (cpu_ms - worker_ms) / gpu_ms, "max_abs_diff": diff, "batch": batch}  # fmt: skip
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--only", choices=["engine", "views"], default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check here (the CPU paths are covered by the tests)")
         return
+    if args.only == "views":
+        views = views_check()
+        print("views", views)
+        print("PASS" if views["max_abs_diff"] < 1e-3 else "FAIL")
+        return
     world = torch.cuda.device_count()
     summary = run_on_ranks(worker, world, backend="nccl")[0]
+    if args.only is None:
+        summary["views"] = views_check()
     summary["_device"] = {
         "name": torch.cuda.get_device_name(0),
         "world_size": world,
@@ -140,7 +222,8 @@ def main():
     mixed_ok = all(
         summary[k]["finite"] and summary[k]["first_loss_rel_diff"] < 2e-2 for k in ("fsdp_bf16", "fsdp_fp16")
     )
-    print("PASS" if fp32_ok and mixed_ok else "FAIL")
+    views_ok = "views" not in summary or summary["views"]["max_abs_diff"] < 1e-3
+    print("PASS" if fp32_ok and mixed_ok and views_ok else "FAIL")
 
 
 if __name__ == "__main__":

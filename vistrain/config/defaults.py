@@ -93,6 +93,9 @@ def _split_defaults(batch_size, shuffle):
     split.HF_IMAGE_COLUMN = "image"  # hf_dataset: the column of the images (Image, or arrays)
     split.HF_LABEL_COLUMN = "label"  # hf_dataset: the column of integer labels ("": unlabelled, -1)
     split.HF_SPLIT = ""  # hf_dataset: the split to read ("": the only one there is)
+    # True: the loader's workers decode and draw the random numbers, the views are made on the run's
+    # device (the GPU) from the decoded images moved there; the same views as False (vistrain/data/device_views.py)
+    split.VIEWS_ON_DEVICE = False
     split.TRANSFORMS = CN()  # see vistrain/data/transforms.py
     split.TRANSFORMS.NAME = (
         "multicrop" if shuffle else "eval"

@@ -19,8 +19,12 @@ def collate_multicrop(samples: List[dict], transform: Callable) -> Dict[str, obj
     """
     if not samples:
         raise ValueError("collate_multicrop got an empty batch")
+    return {"crops": transform([s["prepared"] for s in samples]), **collate_fields(samples)}
+
+
+def collate_fields(samples: List[dict]) -> Dict[str, object]:
+    """What a batch holds besides its views: ``"label"``, ``"index"``, ``"num_skipped"`` (above)."""
     return {
-        "crops": transform([s["prepared"] for s in samples]),
         "label": torch.tensor([s["label"] for s in samples], dtype=torch.long),
         "index": torch.tensor([s["index"] for s in samples], dtype=torch.long),
         "num_skipped": sum(s.get("skipped", 0) for s in samples),

@@ -48,6 +48,7 @@ from vistrain.data.collate import collate_multicrop
 from vistrain.data.demo_digits import demo_split_size, ensure_demo_digits_on_every_node
 from vistrain.data.folders import (
     CorruptImageError,
+    draft_fits,
     pick_split_folder,
     read_filelist,
     scan_disk_folder,
@@ -66,12 +67,19 @@ class FileSource:
     """Image files with integer labels: ``load(i) -> (pixels, label)``, pixels a uint8 array
     (H, W, 3) RGB (``mode`` "RGB") or (H, W) grayscale ("L"), or for deeper images and arrays
     their own (``vistrain.data.pixels.read_pixels``). With ``keep_decoded`` each image is
-    decoded once per process and kept in memory (small data sets: the demo digits are 1.5 MB)."""
+    decoded once per process and kept in memory (small data sets: the demo digits are 1.5 MB).
+    ``fits``: the views' bound for decoding JPEGs at reduced size (``folders.draft_scale``)."""
 
     def __init__(
-        self, paths: List[str], labels: List[int], name: str, mode: str = "RGB", keep_decoded: bool = False
+        self,
+        paths: List[str],
+        labels: List[int],
+        name: str,
+        mode: str = "RGB",
+        keep_decoded: bool = False,
+        fits: Optional[Callable[[int, int], bool]] = None,
     ):
-        self.paths, self.labels, self.name, self.mode = paths, labels, name, mode
+        self.paths, self.labels, self.name, self.mode, self.fits = paths, labels, name, mode, fits
         self._decoded: Optional[Dict[int, np.ndarray]] = {} if keep_decoded else None
 
     def __len__(self) -> int:
@@ -83,7 +91,7 @@ class FileSource:
     def load(self, i: int) -> Tuple[np.ndarray, int]:
         pixels = None if self._decoded is None else self._decoded.get(i)
         if pixels is None:
-            pixels = read_pixels(self.paths[i], self.mode)
+            pixels = read_pixels(self.paths[i], self.mode, self.fits)
             if self._decoded is not None:
                 self._decoded[i] = pixels
         return pixels, self.labels[i]
@@ -124,14 +132,14 @@ def _disk_folder(split_cfg, path: str, cache_dir: str, split_seed: int = 0) -> F
         raise ConfigError("disk_folder needs a folder in DATA_PATHS")
     root = pick_split_folder(os.path.expanduser(path), split_cfg.SPLIT)
     paths, labels = scan_disk_folder(root, split_cfg.FOLDER_LABELS)
-    return FileSource(paths, labels, "disk_folder")
+    return FileSource(paths, labels, "disk_folder", fits=draft_fits(split_cfg.TRANSFORMS))
 
 
 def _disk_filelist(split_cfg, path: str, cache_dir: str, split_seed: int = 0) -> FileSource:
     if not path:
         raise ConfigError("disk_filelist needs a text file in DATA_PATHS")
     paths, labels = read_filelist(os.path.expanduser(path))
-    return FileSource(paths, labels, "disk_filelist")
+    return FileSource(paths, labels, "disk_filelist", fits=draft_fits(split_cfg.TRANSFORMS))
 
 
 def _synthetic(split_cfg, path: str, cache_dir: str, split_seed: int = 0) -> SyntheticSource:
@@ -302,6 +310,10 @@ class IndexSubset(Dataset):
     def targets(self) -> List[int]:
         labels = self.dataset.targets
         return [labels[i] for i in self.indices]
+
+    @property
+    def transform(self) -> Callable:
+        return self.dataset.transform
 
     def __getitem__(self, key: Union[int, Tuple[int, int]]) -> dict:
         index, epoch = key if isinstance(key, tuple) else (key, 0)

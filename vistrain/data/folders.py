@@ -10,14 +10,25 @@
   ``subfolders``.
 
 Linked folders are followed, but every real folder is read once (a symlink loop is walked once).
+
+8-bit decoding (:func:`decode_8bit`, for ``vistrain/data/pixels.py``): a JPEG is decoded by
+``torchvision.io.decode_jpeg`` (libjpeg-turbo: PIL's pixels, faster on a core:
+``dev/bench/bench_pipeline.py``), or at 1/2, 1/4 or 1/8 of its size by PIL's ``draft`` (the JPEG's
+own DCT scaling) where the views still get at least as many source pixels as they have (the bound
+``fits`` comes from the views, :func:`draft_fits`); other images by PIL (:func:`read_image`).
 """
 
+import io
 import logging
+import math
 import os
-from typing import Iterator, List, Set, Tuple
+from typing import Callable, Iterator, List, Optional, Set, Tuple, Union
 
+import numpy as np
+import torch
 from PIL import Image, UnidentifiedImageError
 from torchvision.datasets.folder import IMG_EXTENSIONS
+from torchvision.io import ImageReadMode, decode_jpeg
 
 from vistrain.config.errors import ConfigError, DataError
 from vistrain.config.words import plural
@@ -33,17 +44,123 @@ class CorruptImageError(DataError):
     """An image file cannot be read (missing, truncated, not an image); the message names the file."""
 
 
-def read_image(path: str, mode: str = "RGB") -> Image.Image:
-    """Decode ``path`` fully into a PIL image of ``mode`` (truncated files fail here, not later)."""
+JPEG_START = b"\xff\xd8\xff"  # the first bytes of every JPEG file
+DRAFT_SCALES = (8, 4, 2)  # the reductions a JPEG decoder can make in the DCT domain
+CROP_RATIO = (3 / 4, 4 / 3)  # the aspect range of the random resized crop (``views.crop_boxes``)
+Fits = Callable[[int, int], bool]  # (height, width) of a decoded image -> do the views get enough pixels
+Name = Union[str, Callable[[], str]]  # what an error calls the image
+
+
+def read_image(path: str, mode: str = "RGB", fits: Optional[Fits] = None) -> Image.Image:
+    """Decode ``path`` fully into a PIL image of ``mode`` (truncated files fail here, not later); a
+    JPEG at reduced size where ``fits`` allows (:func:`draft_scale`)."""
     try:
         with open(path, "rb") as handle:
-            return Image.open(handle).convert(mode)  # convert() forces the full decode
+            return _pil_decode(handle, path, mode, fits)
     except FileNotFoundError:
         raise CorruptImageError(f"image file not found: {path}") from None
-    except UnidentifiedImageError:  # its message names a file handle, not the file
-        raise CorruptImageError(f"cannot read image {path}: not an image format PIL knows") from None
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+
+
+def read_8bit(path: str, mode: str = "RGB", fits: Optional[Fits] = None) -> np.ndarray:
+    """Decode the file ``path`` as :func:`decode_8bit` does."""
+    try:
+        with open(path, "rb") as handle:
+            data = bytearray(handle.read())
+    except FileNotFoundError:
+        raise CorruptImageError(f"image file not found: {path}") from None
+    except OSError as err:
         raise CorruptImageError(f"cannot read image {path}: {err}") from None
+    return decode_8bit(data, mode, fits, path)
+
+
+def decode_8bit(
+    data: bytearray, mode: str = "RGB", fits: Optional[Fits] = None, name: Name = ""
+) -> np.ndarray:
+    """An image file's bytes -> uint8 (H, W, 3) RGB (``mode`` "RGB") or (H, W) grayscale ("L"): a
+    JPEG by torchvision.io (the array may then be a view of channel-first memory), or at reduced
+    size where ``fits`` allows; other files by PIL. Unreadable data raises CorruptImageError naming
+    ``name`` (the file; a callable is called only then)."""
+    if data[:3] == JPEG_START and mode in ("RGB", "L") and _full_size_jpeg(data, mode, fits):
+        try:
+            pixels = decode_jpeg(torch.frombuffer(data, dtype=torch.uint8), mode=_READ_MODES[mode])
+        except RuntimeError as err:  # its message starts with the C++ file and line
+            raise CorruptImageError(
+                f"cannot read image {_named(name)}: {str(err).rsplit(', ', 1)[-1]}"
+            ) from None
+        return pixels.permute(1, 2, 0).squeeze(2).numpy()
+    return np.array(_pil_decode(io.BytesIO(data), name, mode, fits))
+
+
+def _named(name: Name) -> str:
+    return name() if callable(name) else name
+
+
+_READ_MODES = {"RGB": ImageReadMode.RGB, "L": ImageReadMode.GRAY}
+
+
+def _full_size_jpeg(data: bytearray, mode: str, fits: Optional[Fits]) -> bool:
+    """Whether torchvision.io decodes this JPEG: an 8-bit RGB or grayscale one (CMYK and others go
+    to PIL's conversions) that is not to be decoded at reduced size."""
+    try:
+        with Image.open(io.BytesIO(data)) as header:  # reads the header only
+            kind, (width, height) = header.mode, header.size
+    except Exception:  # PIL names what is wrong with the file
+        return False
+    if kind != mode and not (kind == "L" and mode == "RGB"):
+        return False
+    return fits is None or draft_scale(width, height, fits) == 1
+
+
+def draft_scale(width: int, height: int, fits: Fits) -> int:
+    """The largest s of 8, 4, 2 with ``fits(height // s, width // s)``, else 1. PIL's ``draft`` with
+    that size decodes a JPEG at ceil(side / s), at least the sizes ``fits`` accepted."""
+    for scale in DRAFT_SCALES:
+        if height // scale > 0 and width // scale > 0 and fits(height // scale, width // scale):
+            return scale
+    return 1
+
+
+def draft_fits(cfg) -> Optional[Callable[[int, int], bool]]:
+    """The bound for decoding an image at reduced size (:func:`draft_scale`) from the views of
+    ``DATA.<split>.TRANSFORMS`` (``vistrain/data/transforms.py``): ``fits(H, W)``
+    is True when every view of an H x W image still gets at least as many source pixels as it
+    has, along each side. None when an affine or elastic step comes first (decode at full size).
+
+    multicrop: a crop of scale range [lo, hi] has area A >= lo H W and aspect w / h in [3/4, 4/3],
+    so both sides are at least sqrt(3/4 A) >= sqrt(3/4 lo H W); when none of its attempts fits,
+    it is the whole image cut to that aspect, sides >= min(H, W). So, for every resolution i:
+    sqrt(3/4 lo_i H W) >= SIZE_CROPS[i] and min(H, W) >= SIZE_CROPS[i]. eval: min(H, W) >= RESIZE
+    (the resize of the shorter side to RESIZE then only shrinks).
+    """
+    if cfg.NAME == "eval":
+        return lambda height, width: min(height, width) >= cfg.RESIZE
+    affine = cfg.AFFINE_DEGREES > 0 or cfg.AFFINE_TRANSLATE > 0 or cfg.AFFINE_SHEAR > 0
+    if affine or list(cfg.AFFINE_SCALE) != [1.0, 1.0] or (cfg.ELASTIC_PROB > 0 and cfg.ELASTIC_ALPHA > 0):
+        return None
+    needs = [(float(scale[0]), int(size)) for size, scale in zip(cfg.SIZE_CROPS, cfg.CROP_SCALES)]
+    smallest = min(CROP_RATIO)  # the narrowest aspect RandomResizedCrop draws
+
+    def fits(height: int, width: int) -> bool:
+        return all(
+            math.sqrt(smallest * lo * height * width) >= size and min(height, width) >= size
+            for lo, size in needs
+        )
+
+    return fits
+
+
+def _pil_decode(handle, path: Name, mode: str, fits: Optional[Fits]) -> Image.Image:
+    try:
+        image = Image.open(handle)
+        if fits is not None and image.format == "JPEG":
+            scale = draft_scale(*image.size, fits)
+            if scale > 1:
+                image.draft(None, (image.size[0] // scale, image.size[1] // scale))
+        return image.convert(mode)  # convert() forces the full decode
+    except UnidentifiedImageError:  # its message names a file handle, not the file
+        raise CorruptImageError(f"cannot read image {_named(path)}: not an image format PIL knows") from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        raise CorruptImageError(f"cannot read image {_named(path)}: {err}") from None
 
 
 def is_image(name: str) -> bool:

@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from vistrain.data.datasets import IndexSubset, SSLDataset, build_dataset, build_sources
+from vistrain.data.device_views import DeviceViewsLoader
 from vistrain.data.pixels import channel_stats
 from vistrain.data.sampler import DistributedSampler
 from vistrain.data.shards import ShardSampler, shard_sizes
@@ -42,7 +43,8 @@ def build_loader(
         indices: use only these samples of the split (e.g. a held-out part), see ``IndexSubset``.
 
     Returns:
-        A DataLoader yielding ``collate_multicrop`` dicts (``dataset.collate``). ``len(loader)`` is the number of
+        A DataLoader yielding ``collate_multicrop`` dicts (``dataset.collate``; with
+        ``VIEWS_ON_DEVICE`` the crops are made, and are, on ``device``). ``len(loader)`` is the number of
         iterations of a full epoch on this rank (equal on all ranks). Call
         ``loader.sampler.set_epoch(epoch, start_iteration)`` (or ``vistrain.data.set_epoch``)
         before iterating each epoch; after ``start_iteration=k`` the pass yields
@@ -76,17 +78,18 @@ def build_loader(
         workers = auto_workers(
             _cores(), _ranks_per_node(), torch.get_num_threads(), torch.device(device).type == "cuda"
         )
-    return DataLoader(
-        dataset,
+    settings = dict(
         batch_size=batch_size,
         sampler=sampler,
         drop_last=split_cfg.DROP_LAST,  # the sampler already holds whole batches only; kept for clarity
         num_workers=workers,
-        collate_fn=dataset.collate,  # the views of a batch are made together
         pin_memory=bool(data_cfg.PIN_MEMORY) and torch.device(device).type == "cuda",
         persistent_workers=workers > 0,
         worker_init_fn=leave_stop_signals_to_the_rank if workers > 0 else None,
     )
+    if split_cfg.VIEWS_ON_DEVICE:  # workers decode and draw; the views are made on ``device``
+        return DeviceViewsLoader(dataset, dataset.transform, device, **settings)
+    return DataLoader(dataset, collate_fn=dataset.collate, **settings)  # the views of a batch made together
 
 
 MAX_AUTO_WORKERS = 8

@@ -36,7 +36,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from vistrain.config.errors import ConfigError, DataError
-from vistrain.data.folders import CorruptImageError, read_image
+from vistrain.data.folders import JPEG_START, CorruptImageError, Fits, decode_8bit, read_8bit, read_image
 
 NATIVE_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")  # PIL modes read as they are (one band)
 LUMA = (19595, 38470, 7471)  # PIL's RGB -> L weights, in 1/65536
@@ -44,23 +44,28 @@ NPY_MAGIC = b"\x93NUMPY"
 TIFF_MAGIC = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")  # little / big endian, classic / BigTIFF
 
 
-def read_pixels(path: str, mode: str = "RGB") -> np.ndarray:
+def read_pixels(path: str, mode: str = "RGB", fits: Optional[Fits] = None) -> np.ndarray:
     """The image at ``path`` as an array (H, W) or (H, W, C) of its own dtype (see the module
-    docstring); 8-bit images PIL reads as PIL converts them to ``mode`` (uint8). Unreadable files
-    raise CorruptImageError naming the file."""
+    docstring); 8-bit images PIL reads as PIL converts them to ``mode`` (uint8), JPEGs by
+    ``folders.read_8bit`` (torchvision.io, or at reduced size where the views' bound ``fits``
+    allows). Unreadable files raise CorruptImageError naming the file."""
     suffix = os.path.splitext(path)[1].lower()
     if suffix == ".npy":
         return _npy(path, path)
     if suffix in (".png", ".tif", ".tiff"):
         return _deep(path, path, mode)
-    return np.array(read_image(path, mode))
+    return read_8bit(path, mode, fits)
 
 
-def decode_pixels(data: bytes, name: Union[str, Callable[[], str]], mode: str = "RGB") -> np.ndarray:
+def decode_pixels(
+    data: bytes, name: Union[str, Callable[[], str]], mode: str = "RGB", fits: Optional[Fits] = None
+) -> np.ndarray:
     """:func:`read_pixels` of a file's bytes, the format found from them. ``name``: the file's, for
     messages, or a function giving it (called only when a message is written)."""
     if callable(name):
         name = _LazyName(name)
+    if data.startswith(JPEG_START):
+        return decode_8bit(bytearray(data), mode, fits, name)
     if data.startswith(NPY_MAGIC):
         return _npy(io.BytesIO(data), name)
     return _deep(data, name, mode)

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from vistrain.config.errors import ConfigError, DataError
-from vistrain.data.folders import UNLABELLED, CorruptImageError, is_image
+from vistrain.data.folders import UNLABELLED, CorruptImageError, Fits, draft_fits, is_image
 from vistrain.data.pixels import decode_pixels
 from vistrain.data.sampler import DistributedSampler, mix_seed, samples_per_rank
 
@@ -173,13 +173,16 @@ def read_index(shard: str, pattern: str) -> dict:
 class ShardSource:
     """The samples of tar shards: ``load(i) -> (pixels, label)``, pixels a uint8 array (H, W, 3) RGB
     (``mode`` "RGB") or (H, W) grayscale ("L"), the image member's bytes decoded as a file of a
-    folder is (``vistrain.data.pixels.decode_pixels``: deeper images and arrays as they are).
+    folder is (``vistrain.data.pixels.decode_pixels``: deeper images and arrays as they are; ``fits``:
+    the views' bound for decoding JPEGs at reduced size).
 
     Per sample it keeps the image's byte offset and size (int64 arrays) and the label (a list);
     keys are read back from a shard's index only to name a bad sample."""
 
-    def __init__(self, pattern: str, name: str = "webdataset", mode: str = "RGB"):
-        self.pattern, self.name, self.mode = pattern, name, mode
+    def __init__(
+        self, pattern: str, name: str = "webdataset", mode: str = "RGB", fits: Optional[Fits] = None
+    ):
+        self.pattern, self.name, self.mode, self.fits = pattern, name, mode, fits
         self.shards = expand_pattern(pattern)
         indexes = [read_index(shard, pattern) for shard in self.shards]
         self.shard_sizes = [len(index["keys"]) for index in indexes]
@@ -220,7 +223,7 @@ class ShardSource:
 
     def load(self, i: int) -> Tuple[np.ndarray, int]:
         # as a file of a folder is decoded (16-bit, multi-band TIFF and .npy members too)
-        pixels = decode_pixels(self.read_bytes(i), lambda: self.describe(i), self.mode)
+        pixels = decode_pixels(self.read_bytes(i), lambda: self.describe(i), self.mode, self.fits)
         return pixels, self.labels[i]
 
     def _file(self, shard: int) -> int:
@@ -240,7 +243,7 @@ def webdataset_source(split_cfg, path: str, cache_dir: str = "", split_seed: int
         raise ConfigError(
             "webdataset needs a brace pattern of tar shards in DATA_PATHS, e.g. /data/shards/train-{000000..000099}.tar"
         )
-    return ShardSource(path)
+    return ShardSource(path, fits=draft_fits(split_cfg.TRANSFORMS))
 
 
 def shard_sizes(dataset) -> Optional[List[int]]:

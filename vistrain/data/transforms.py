@@ -163,7 +163,18 @@ def _stack(pixels: Sequence[torch.Tensor]) -> torch.Tensor:
         pixels = [p.expand(channels, -1, -1) for p in pixels]
     if all(p.dtype == torch.uint8 for p in pixels):
         return torch.stack(pixels).float().div_(255)
-    return torch.stack([p.float().div_(255) if p.dtype == torch.uint8 else p for p in pixels])
+    return torch.stack([_to_float(p) for p in pixels])
+
+
+def _to_float(pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 -> float32 in [0, 1] (/ 255); float pixels (already in [0, 1]) as they are."""
+    return pixels.float().div_(255) if pixels.dtype == torch.uint8 else pixels
+
+
+# Views made on a CPU are coloured this many values (views x channels x side^2) at a time: a chunk
+# of about 1 MB of float32 stays in the core's cache through the dozens of passes the colour steps
+# make (a 224 px RGB view alone is 0.6 MB); other devices take the batch at once.
+CPU_COLOUR_CHUNK = 1 << 18
 
 
 class MultiCropTransform:
@@ -231,31 +242,35 @@ class MultiCropTransform:
         for which, (count, size, scale) in enumerate(self.crops):
             # view-major rows: row v N + n is view v of sample n
             u = torch.stack([p["draws"][which][0] for p in prepared], 1).flatten(0, 1)
-            batch = self._colour(self._geometry(prepared, which, u, size, scale), u)
+            batch = self.colour(self.geometry(prepared, which, u, size, scale), u)
             batch = V.normalize(batch, self.mean, self.std)
             views += batch.unflatten(0, (count, len(prepared))).unbind(0)
         return views
 
-    def _geometry(self, prepared, which: int, u: torch.Tensor, size: int, scale) -> torch.Tensor:
-        """(count N, C, size, size) crops in [0, 1]: images of one size are cropped together."""
-        n = len(prepared)
+    def geometry(self, prepared, which: int, u: torch.Tensor, size: int, scale) -> torch.Tensor:
+        """The crops of resolution ``which`` of N prepared samples, whose draws are ``u`` (count N,
+        NUM_DRAWS) view-major: float (count N, C, size, size) in [0, 1], C the most channels any
+        image has. The boxes of all views are drawn at once; images of one size are cropped together."""
+        n, device = len(prepared), u.device
         count = u.shape[0] // n
         groups: Dict[tuple, List[int]] = {}
         for i, p in enumerate(prepared):
             groups.setdefault(tuple(p["pixels"].shape[1:]), []).append(i)
         channels = max(p["pixels"].shape[0] for p in prepared)
-        out = None
+        sides = torch.tensor([p["pixels"].shape[1:] for p in prepared], device=device).repeat(count, 1)
+        boxes = V.crop_boxes(
+            _column(u, "area"), _column(u, "ratio"), _column(u, "place"), sides[:, 0], sides[:, 1], scale
+        )  # of every view at once; the affine and elastic steps keep the image's size
+        out = torch.empty(count * n, channels, size, size, device=device)
         for members in groups.values():
-            images = _stack([prepared[i]["pixels"] for i in members]).expand(-1, channels, -1, -1)
-            rows = (torch.arange(count)[:, None] * n + torch.tensor(members)).flatten()
+            images = [prepared[i]["pixels"].expand(channels, -1, -1) for i in members]
+            rows = (
+                torch.arange(count, device=device)[:, None] * n + torch.tensor(members, device=device)
+            ).flatten()
             noise = None
             if self.elastic is not None:
                 noise = self._noise([prepared[i]["draws"][which][1] for i in members], u[rows])
-            crops = self._crop(images, u[rows], noise, size, scale)
-            if len(groups) == 1:
-                return crops
-            out = crops.new_empty(count * n, *crops.shape[1:]) if out is None else out
-            out[rows] = crops
+            self._crop(images, u[rows], boxes[rows], noise, size, out, rows.tolist())
         return out
 
     def _noise(self, fields: Sequence[torch.Tensor], u: torch.Tensor) -> torch.Tensor:
@@ -263,17 +278,30 @@ class MultiCropTransform:
         ``u`` (view-major: row v n + j is view v of image j)."""
         n = len(fields)
         chosen = (_column(u, "elastic") < self.elastic[0]).view(-1, n)  # (views, images)
-        first = torch.tensor([0] + [len(f) for f in fields]).cumsum(0)[:-1]  # image j's first field
+        first = torch.tensor([0] + [len(f) for f in fields], device=u.device).cumsum(0)[
+            :-1
+        ]  # image j's first
         index = first + chosen.long().cumsum(0) - 1  # view v of image j: its field
         return torch.cat(list(fields))[index[chosen]]
 
-    def _crop(self, images: torch.Tensor, u: torch.Tensor, noise, size: int, scale) -> torch.Tensor:
-        """Affine, elastic, random resized crop of (n, C, H, W) images -> (count n, C, size, size);
-        row v n + j of ``u`` is view v of image j; ``noise``: the fields of its distorted rows, in order."""
-        n, _, height, width = images.shape
-        source = torch.arange(u.shape[0]) % n
+    def _crop(
+        self,
+        images,
+        u: torch.Tensor,
+        boxes: torch.Tensor,
+        noise,
+        size: int,
+        out: torch.Tensor,
+        rows: List[int],
+    ) -> None:
+        """Affine, elastic, resized crop ``boxes`` (row v n + j: view v of image j, as ``u``) of n
+        same-size images (C, H, W) (uint8, or float in [0, 1]) into ``out[rows]`` (float (C, size, size) in [0, 1] each);
+        ``noise``: the fields of the distorted rows, in order."""
+        n, (height, width) = len(images), images[0].shape[1:]
+        source = torch.arange(u.shape[0], device=u.device) % n
         if self.affine is not None or self.elastic is not None:
-            images, source = images[source], torch.arange(u.shape[0])  # a copy per view
+            images = torch.stack([_to_float(p) for p in images])[source]  # a copy per view
+            source = torch.arange(u.shape[0], device=u.device)
         if self.affine is not None:
             images = V.warp_affine(images, V.affine_inverse(*self.affine_params(u, height, width)))
         if self.elastic is not None:
@@ -281,12 +309,7 @@ class MultiCropTransform:
             chosen = (_column(u, "elastic") < prob).nonzero().squeeze(1)
             if chosen.numel():
                 images[chosen] = V.elastic(images[chosen], noise, alpha, sigma)
-        m = u.shape[0]
-        boxes = V.crop_boxes(
-            _column(u, "area"), _column(u, "ratio"), _column(u, "place"),
-            torch.full((m,), height), torch.full((m,), width), scale,
-        )  # fmt: skip
-        return V.resized_crops(images, source, boxes, size)
+        V.resized_crops(images, source, boxes, size, out, rows)
 
     def affine_params(self, u: torch.Tensor, height: int, width: int) -> Tuple[torch.Tensor, ...]:
         """(angle, tx, ty, zoom, shear), each (M,), of the views whose draws are ``u`` (M,
@@ -303,12 +326,21 @@ class MultiCropTransform:
         ``ColorJitter.get_params`` for strength s: a uniformly random order of brightness, contrast,
         saturation, hue; factors U(max(0, 1 - 0.8 s), 1 + 0.8 s) for the first three, U(+-0.2 s) for hue."""
         jitter = 0.8 * self.strength
-        lows = torch.tensor([max(0.0, 1 - jitter)] * 3 + [-0.25 * jitter])
-        highs = torch.tensor([1 + jitter] * 3 + [0.25 * jitter])
+        lows = u.new_tensor([max(0.0, 1 - jitter)] * 3 + [-0.25 * jitter])
+        highs = u.new_tensor([1 + jitter] * 3 + [0.25 * jitter])
         return _column(u, "order").argsort(1), lows + (highs - lows) * _column(u, "factors")
 
-    def _colour(self, batch: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """Flips, quarter turns, colour jitter, grayscale, blur, solarisation, each with its probability."""
+    def colour(self, batch: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """Flips, quarter turns, colour jitter, grayscale, blur, solarisation, each with its
+        probability, in place on ``batch`` (M, C, s, s), in chunks on a CPU (``CPU_COLOUR_CHUNK``)."""
+        step = len(batch)
+        if batch.device.type == "cpu":
+            step = max(1, CPU_COLOUR_CHUNK // batch[0].numel())
+        for start in range(0, len(batch), step):  # each view's steps depend on it alone
+            self._colour_chunk(batch[start : start + step], u[start : start + step])
+        return batch
+
+    def _colour_chunk(self, batch: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         hflip, vflip, rotate = self.flips
         if hflip > 0:
             V.apply_where(batch, _column(u, "hflip") < hflip, lambda x: x.flip(-1))
@@ -319,7 +351,7 @@ class MultiCropTransform:
             V.turn(batch, torch.where(coin < rotate, 1 + (3 * turns).long(), 0))
         if self.strength > 0:
             order, factors = self.jitter_params(u)
-            batch = V.color_jitter(batch, _column(u, "jitter") < 0.8, order, factors)
+            V.color_jitter(batch, _column(u, "jitter") < 0.8, order, factors)
             if batch.shape[1] == 3:
                 V.apply_where(batch, _column(u, "gray") < 0.2, lambda x: V.grayscale(x).expand(-1, 3, -1, -1))
         prob, low, high = self.blur

@@ -5,7 +5,9 @@ number of channels (bands: geometry, brightness, contrast and blur only); every 
 parameter is a tensor with one entry per view (M,), so one call does the work that torchvision's
 transforms do one PIL image at a time. Each function follows the torchvision (or PIL) op named in
 its docstring; they differ only in floating point (no rounding to 8 bits between steps) and where
-a docstring says so.
+a docstring says so. The colour operations work in place (they return their input, changed): on a
+CPU a fresh tensor costs more than the arithmetic (its pages are mapped and zeroed when first
+written). Every tensor an operation makes is on its input's device.
 """
 
 import math
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 _LUMA = (0.299, 0.587, 0.114)  # ITU-R 601-2, as PIL's convert("L") (torchvision's tensor op: 0.2989 R)
+_TINY = torch.finfo(torch.float32).tiny
 
 
 def _at(values: torch.Tensor) -> torch.Tensor:
@@ -26,10 +29,23 @@ def apply_where(
     images: torch.Tensor, mask: torch.Tensor, op: Callable, *factors: torch.Tensor
 ) -> torch.Tensor:
     """``op(images[i], factors[i]...)`` for the views where ``mask`` (M,) bool is True, in place;
-    the others are left as they are (``RandomApply``)."""
-    chosen = mask.nonzero().squeeze(1)
-    if chosen.numel():
-        images[chosen] = op(images[chosen], *(f[chosen] for f in factors))
+    the others are left as they are (``RandomApply``). ``op`` may change its input."""
+    return apply_to(images, mask.nonzero().squeeze(1).tolist(), op, *factors)
+
+
+def apply_to(
+    images: torch.Tensor, chosen: Sequence[int], op: Callable, *factors: torch.Tensor
+) -> torch.Tensor:
+    """``op(images[i], factors[i]...)`` for the views ``chosen`` (ascending indices), in place."""
+    if chosen and chosen[-1] - chosen[0] + 1 == len(chosen):  # a run of views: no gather and scatter
+        run = slice(chosen[0], chosen[-1] + 1)
+        part = images[run]
+        out = op(part, *(f[run] for f in factors))
+        if out is not part:
+            part.copy_(out)
+    elif chosen:
+        index = torch.tensor(chosen, device=images.device)
+        images[index] = op(images[index], *(f[index] for f in factors))
     return images
 
 
@@ -70,33 +86,30 @@ def crop_boxes(
     return torch.stack([top, left, h, w], 1).long()
 
 
-def _resize_weights(start: torch.Tensor, length: torch.Tensor, size: int, limit: int) -> torch.Tensor:
-    """(M, size, limit) R with R[m] x = the pixels start[m] .. start[m] + length[m] - 1 of a line x
-    (of ``limit`` pixels) resized to ``size`` by PIL's bilinear filter with antialiasing (also
-    torch's ``antialias=True``): output pixel o, centred at c = (o + 1/2) length / size in the span,
-    averages the span's pixels x with weights max(0, 1 - |x + 1/2 - c| / f), f = max(length / size, 1)
-    (a triangle widened when shrinking), normalised to sum 1 within the span."""
-    scale = length.double() / size
-    support = scale.clamp(min=1.0).view(-1, 1, 1)
-    taps = 2 * math.ceil(support.max().item()) + 1
-    centre = ((torch.arange(size, dtype=torch.float64) + 0.5) * scale.view(-1, 1)).unsqueeze(-1)
-    first = torch.trunc(centre - support + 0.5).clamp(min=0)
-    x = first + torch.arange(taps, dtype=torch.float64)  # (M, size, taps) in the span
-    weights = (1 - (x + 0.5 - centre).abs() / support).clamp(min=0) * (x < length.view(-1, 1, 1))
-    weights = weights / weights.sum(-1, keepdim=True)
-    index = start.view(-1, 1, 1) + torch.minimum(x.long(), length.view(-1, 1, 1) - 1)
-    out = torch.zeros(len(start), size, limit)
-    return out.scatter_add_(2, index, weights.float())
-
-
-def resized_crops(images: torch.Tensor, source: torch.Tensor, boxes: torch.Tensor, size: int) -> torch.Tensor:
-    """Crop ``boxes`` (M, 4) (top, left, height, width) of ``images[source]`` ((N, C, H, W), source
-    (M,) long) and resize each to (size, size): (M, C, size, size). As ``RandomResizedCrop``'s
-    (PIL's) bilinear resize with antialiasing: rows then columns, R_y X R_x^T per view."""
-    top, left, height, width = boxes.unbind(1)
-    rows = _resize_weights(top, height, size, images.shape[-2]).unsqueeze(1)
-    columns = _resize_weights(left, width, size, images.shape[-1]).unsqueeze(1)
-    return rows @ images[source] @ columns.transpose(-1, -2)
+def resized_crops(
+    images,
+    source: torch.Tensor,
+    boxes: torch.Tensor,
+    size: int,
+    out: torch.Tensor = None,
+    rows: Sequence[int] = (),
+) -> torch.Tensor:
+    """Crop ``boxes`` (M, 4) (top, left, height, width) of ``images[source]`` (images: (N, C, H, W),
+    or N tensors (C, H_n, W_n); source (M,) long) and resize each to (size, size): float32 (M, C,
+    size, size), or written to ``out[rows[m]]`` when given. As ``RandomResizedCrop``'s (PIL's)
+    bilinear resize with antialiasing (torch's ``antialias=True``): output pixel o, centred at
+    c = (o + 1/2) length / size in the crop, averages the crop's pixels x with weights
+    max(0, 1 - |x + 1/2 - c| / f), f = max(length / size, 1), normalised to sum 1, along rows then
+    columns. uint8 images are read as value / 255 (only the cropped pixels are converted)."""
+    if out is None:
+        out = torch.empty(len(boxes), images[0].shape[0], size, size, device=images[0].device)
+        rows = range(len(boxes))
+    for row, n, (top, left, height, width) in zip(rows, source.tolist(), boxes.tolist()):
+        crop = images[n][:, top : top + height, left : left + width].unsqueeze(0)
+        if crop.dtype == torch.uint8:
+            crop = crop.float().div_(255)
+        out[row] = F.interpolate(crop, (size, size), mode="bilinear", antialias=True)[0]
+    return out
 
 
 def affine_inverse(
@@ -115,9 +128,9 @@ def affine_inverse(
     return torch.stack([m00, m01, m02, m10, m11, m12], 1).view(-1, 2, 3).float()
 
 
-def _pixel_centres(size: int) -> torch.Tensor:
+def _pixel_centres(size: int, device: torch.device) -> torch.Tensor:
     """(size,) centres of the pixels in grid_sample units (-1, 1), align_corners=False."""
-    return torch.linspace((1 - size) / size, (size - 1) / size, size)
+    return torch.linspace((1 - size) / size, (size - 1) / size, size, device=device)
 
 
 def warp_affine(images: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
@@ -125,7 +138,7 @@ def warp_affine(images: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     bilinear, uncovered pixels 0 (black)."""
     _, _, h, w = images.shape
     half = inverse.new_tensor([w / 2, h / 2])
-    xs, ys = _pixel_centres(w) * half[0], _pixel_centres(h) * half[1]  # pixels from the centre
+    xs, ys = _pixel_centres(w, images.device) * half[0], _pixel_centres(h, images.device) * half[1]
     m = (inverse / half.view(1, 2, 1)).unsqueeze(-1).unsqueeze(-1)  # input coordinates in grid units
     grid_x = m[:, 0, 0] * xs + m[:, 0, 1] * ys.view(h, 1) + m[:, 0, 2]
     grid_y = m[:, 1, 0] * xs + m[:, 1, 1] * ys.view(h, 1) + m[:, 1, 2]
@@ -135,38 +148,41 @@ def warp_affine(images: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
 
 def _gaussian_kernels(sigma: torch.Tensor, radius: int) -> torch.Tensor:
     """(M, 2 radius + 1) normalised Gaussian weights exp(-x^2 / 2 sigma^2), x = -radius..radius."""
-    x = torch.arange(-radius, radius + 1, dtype=torch.float32)
+    x = torch.arange(-radius, radius + 1, dtype=torch.float32, device=sigma.device)
     weights = torch.exp(-0.5 * (x / sigma.float().view(-1, 1)) ** 2)
     return weights / weights.sum(1, keepdim=True)
 
 
 def _blur_lines(images: torch.Tensor, kernels: torch.Tensor, dim: int, mode: str) -> torch.Tensor:
     """Convolve each view (M, C, H, W) along ``dim`` (-1: x, -2: y) with its kernel (M, K), K odd,
-    ``mode`` padding (``F.pad``'s): K shifted multiply-adds over the whole batch."""
+    ``mode`` padding (``F.pad``'s), in place: K shifted multiply-adds over the whole batch."""
     radius, length = kernels.shape[1] // 2, images.shape[dim]
     padded = F.pad(images, [radius, radius, 0, 0] if dim == -1 else [0, 0, radius, radius], mode=mode)
-    out = torch.zeros_like(images)
-    for tap in range(kernels.shape[1]):
-        out.addcmul_(_at(kernels[:, tap]), padded.narrow(dim, tap, length))
-    return out
+    taps = [_at(k) for k in kernels.unbind(1)]
+    torch.mul(padded.narrow(dim, 0, length), taps[0], out=images)
+    for tap in range(1, len(taps)):
+        images.addcmul_(taps[tap], padded.narrow(dim, tap, length))
+    return images
 
 
 def _separable_blur(images: torch.Tensor, kernels: torch.Tensor, mode: str) -> torch.Tensor:
-    """Convolve each view (M, C, H, W) with its kernel (M, K) along x then y, ``mode`` padding."""
+    """Convolve each view (M, C, H, W) with its kernel (M, K) along x then y, ``mode`` padding, in place."""
     return _blur_lines(_blur_lines(images, kernels, -1, mode), kernels, -2, mode)
 
 
-def _blur_matrix(size: int, sigma: float) -> torch.Tensor:
+def _blur_matrix(size: int, sigma: float, device: torch.device) -> torch.Tensor:
     """(size, size) A with A x = x convolved with a Gaussian of ``sigma`` (kernel 8 sigma + 1, odd,
     as torchvision's), reflected at the ends: a separable 2-D blur is A X A^T."""
     radius = int(8 * sigma + 1) // 2
     if radius >= size:
         raise ValueError(f"an elastic sigma of {sigma} needs images larger than {size} pixels")
-    weights = _gaussian_kernels(torch.tensor([sigma]), radius)[0]
-    source = torch.arange(size).view(-1, 1) + torch.arange(-radius, radius + 1)
+    weights = _gaussian_kernels(torch.tensor([sigma], device=device), radius)[0]
+    source = torch.arange(size, device=device).view(-1, 1) + torch.arange(-radius, radius + 1, device=device)
     source = torch.where(source < 0, -source, source)
     source = torch.where(source >= size, 2 * (size - 1) - source, source)  # reflect, edge not repeated
-    return torch.zeros(size, size).scatter_add_(1, source, weights.expand_as(source).contiguous())
+    return torch.zeros(size, size, device=device).scatter_add_(
+        1, source, weights.expand_as(source).contiguous()
+    )
 
 
 def elastic(images: torch.Tensor, noise: torch.Tensor, alpha: float, sigma: float) -> torch.Tensor:
@@ -175,9 +191,10 @@ def elastic(images: torch.Tensor, noise: torch.Tensor, alpha: float, sigma: floa
     Gaussian of ``sigma`` pixels (kernel 8 sigma + 1, reflected at the edges) and scaled by alpha / W
     (x) and alpha / H (y) grid units; bilinear, uncovered pixels 0."""
     _, _, h, w = images.shape
-    field = _blur_matrix(h, sigma) @ (noise * 2 - 1) @ _blur_matrix(w, sigma).T
+    field = _blur_matrix(h, sigma, images.device) @ (noise * 2 - 1) @ _blur_matrix(w, sigma, images.device).T
     field = field * field.new_tensor([alpha / w, alpha / h]).view(1, 2, 1, 1)
-    identity = torch.stack(torch.meshgrid(_pixel_centres(w), _pixel_centres(h), indexing="xy"), -1)
+    centres = _pixel_centres(w, images.device), _pixel_centres(h, images.device)
+    identity = torch.stack(torch.meshgrid(*centres, indexing="xy"), -1)
     grid = identity + field.permute(0, 2, 3, 1)  # (M, H, W, 2): x, y
     return F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
 
@@ -192,54 +209,65 @@ def turn(images: torch.Tensor, quarter_turns: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------- colour
 def grayscale(images: torch.Tensor) -> torch.Tensor:
-    """(M, 3, H, W) RGB -> (M, 1, H, W) luma 0.299 R + 0.587 G + 0.114 B; one channel is kept;
-    other channel counts give the mean of their channels."""
+    """(M, 3, H, W) RGB -> (M, 1, H, W) luma 0.299 R + 0.587 G + 0.114 B (a new tensor); one
+    channel is kept; other channel counts give the mean of their channels."""
     if images.shape[1] == 1:
         return images
     if images.shape[1] != 3:
         return images.mean(1, keepdim=True)
     r, g, b = images.unbind(1)
-    return (_LUMA[0] * r + _LUMA[1] * g + _LUMA[2] * b).unsqueeze(1)
+    return torch.mul(r, _LUMA[0]).add_(g, alpha=_LUMA[1]).add_(b, alpha=_LUMA[2]).unsqueeze(1)
 
 
 def _blend(images: torch.Tensor, other: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """factor x images + (1 - factor) x other, clipped to [0, 1] (PIL's ``Image.blend`` with
-    ``ImageEnhance``'s factor)."""
-    return (_at(factor) * images + (1 - _at(factor)) * other).clamp_(0, 1)
+    """factor x images + (1 - factor) x other, clipped to [0, 1], in place on ``images`` (PIL's
+    ``Image.blend`` with ``ImageEnhance``'s factor); ``other`` (M, 1, H, W) or (M, 1, 1, 1) is spent."""
+    return images.mul_(_at(factor)).add_(other.mul_(1 - _at(factor))).clamp_(0, 1)
 
 
 def brightness(images: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """``adjust_brightness``: each view times its factor (M,), clipped."""
-    return (images * _at(factor)).clamp_(0, 1)
+    """``adjust_brightness``: each view times its factor (M,), clipped (in place)."""
+    return images.mul_(_at(factor)).clamp_(0, 1)
 
 
 def contrast(images: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """``adjust_contrast``: blend each view with the mean of its grayscale image."""
-    return _blend(images, grayscale(images).mean((1, 2, 3), keepdim=True), factor)
+    """``adjust_contrast``: blend each view with the mean of its grayscale image (in place; the mean
+    of the luma is the luma of the channel means)."""
+    means = images.mean((2, 3))  # (M, C)
+    if images.shape[1] == 3:
+        means = (means * means.new_tensor(_LUMA)).sum(1, keepdim=True)
+    else:  # one channel, or the mean of the channels (``grayscale``)
+        means = means.mean(1, keepdim=True)
+    return _blend(images, means.view(-1, 1, 1, 1), factor)
 
 
 def saturation(images: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """``adjust_saturation``: blend each RGB view with its grayscale image (a no-op on other than 3 channels)."""
+    """``adjust_saturation``: blend each RGB view with its grayscale image, in place (a no-op on
+    other than 3 channels)."""
     return images if images.shape[1] != 3 else _blend(images, grayscale(images), factor)
 
 
 def hue(images: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """``adjust_hue``: rotate the hue of each RGB view by ``shift`` (M,) turns in [-0.5, 0.5]
-    (HSV round trip, as torchvision's tensor op); a no-op on other than 3 channels."""
+    (HSV round trip, as torchvision's tensor op), in place; a no-op on other than 3 channels.
+    Written with arithmetic only (a CPU's ``where`` and ``remainder`` cost ten times a multiply)."""
     if images.shape[1] != 3:
         return images
-    value = images.amax(1)
-    chroma = value - images.amin(1)
-    sat = chroma / torch.where(value > 0, value, torch.ones_like(value))
-    safe = torch.where(chroma > 0, chroma, torch.ones_like(chroma))
-    r, g, b = ((value.unsqueeze(1) - images) / safe.unsqueeze(1)).unbind(1)  # distances to the max
-    red, green = value == images[:, 0], value == images[:, 1]
-    sector = torch.where(red, b - g, torch.where(green, 2 + r - b, 4 + g - r))
-    h = torch.remainder(sector / 6 + shift.view(-1, 1, 1), 1.0)
+    value = images.amax(1, keepdim=True)
+    chroma = value - images.amin(1, keepdim=True)  # V S
+    # the distances to the max over the chroma, in [0, 1]; 0 for the max (and for grays)
+    r, g, b = images.neg().add_(value).div_(chroma.clamp(min=_TINY)).unbind(1)
+    is_r = r.ceil().neg_().add_(1)  # 1 where red is the max, else 0
+    is_g = g.ceil().neg_().add_(1).mul_(1 - is_r)  # green is, and red is not
+    is_b = 1 - is_r - is_g
+    sector = (b - g).mul_(is_r).add_((2 + r - b).mul_(is_g)).add_((4 + g - r).mul_(is_b))  # 6 x hue
+    turns = sector.div_(6).add_(shift.view(-1, 1, 1))
+    turns = turns.sub_(turns.floor()).mul_(6).unsqueeze(1)  # 6 x the new hue, in [0, 6)
     # HSV -> RGB: channel n is V - V S clip(min(k, 4 - k), 0, 1) with k = (n + 6 h) mod 6, n = 5, 3, 1
-    k = torch.remainder(torch.tensor([5.0, 3.0, 1.0]).view(1, 3, 1, 1) + 6 * h.unsqueeze(1), 6)
-    ramp = torch.minimum(k, 4 - k).clamp_(0, 1)
-    return (value.unsqueeze(1) * (1 - sat.unsqueeze(1) * ramp)).clamp_(0, 1)
+    k = torch.add(turns, images.new_tensor([5.0, 3.0, 1.0]).view(1, 3, 1, 1), out=images)
+    k = k.sub_(k.div(6).floor_().mul_(6))
+    ramp = torch.minimum(k, 4 - k, out=k).clamp_(0, 1)
+    return torch.addcmul(value, ramp, chroma, value=-1, out=images).clamp_(0, 1)
 
 
 JITTER_OPS = (brightness, contrast, saturation, hue)  # ColorJitter's fn_idx 0..3
@@ -248,19 +276,16 @@ JITTER_OPS = (brightness, contrast, saturation, hue)  # ColorJitter's fn_idx 0..
 def color_jitter(
     images: torch.Tensor, chosen: torch.Tensor, order: torch.Tensor, factors: torch.Tensor
 ) -> torch.Tensor:
-    """``ColorJitter`` of the ``chosen`` (M,) bool views: each view's four ops in its own ``order``
-    (M, 4), a permutation of 0..3 (brightness, contrast, saturation, hue), with its ``factors``
-    (M, 4) in that op order. The other views get factor 1 (brightness, contrast and saturation
-    leave a view exactly as it is then) or no hue step. Views of other than 3 channels get
-    brightness and contrast only (saturation and hue are RGB's)."""
+    """``ColorJitter`` of the ``chosen`` (M,) bool views, in place: each view's four ops in its own
+    ``order`` (M, 4), a permutation of 0..3 (brightness, contrast, saturation, hue), with its
+    ``factors`` (M, 4) in that op order. The other views are left as they are. Views of other than
+    3 channels get brightness and contrast only (saturation and hue are RGB's)."""
     ops = JITTER_OPS if images.shape[1] == 3 else JITTER_OPS[:2]
-    for slot in range(len(JITTER_OPS)):
+    slots = order.masked_fill(~chosen.view(-1, 1), -1).T.tolist()  # slots[s][m]: view m's op s, -1: none
+    for ops_in_slot in slots:
         for op_index, op in enumerate(ops):
-            now = chosen & (order[:, slot] == op_index)
-            if op is hue:
-                apply_where(images, now, hue, factors[:, op_index])
-            else:
-                images = op(images, torch.where(now, factors[:, op_index], 1.0))
+            members = [m for m, o in enumerate(ops_in_slot) if o == op_index]
+            apply_to(images, members, op, factors[:, op_index])
     return images
 
 
@@ -273,14 +298,14 @@ def _box_kernels(sigma: torch.Tensor, passes: int) -> torch.Tensor:
     whole = torch.floor((torch.sqrt(12 * var + 1) - 1) / 2)
     part = (2 * whole + 1) * (whole * (whole + 1) - 3 * var) / (6 * (var - (whole + 1) ** 2))
     reach = int(whole.max().item()) + 1
-    offsets = torch.arange(-reach, reach + 1, dtype=torch.float64).abs()
+    offsets = torch.arange(-reach, reach + 1, dtype=torch.float64, device=sigma.device).abs()
     box = torch.where(offsets <= whole, 1.0, torch.where(offsets == whole + 1, part, 0.0))
     return (box / box.sum(1, keepdim=True)).float()
 
 
 def gaussian_blur(images: torch.Tensor, sigma: torch.Tensor, passes: int = 3) -> torch.Tensor:
     """Each view (M, C, H, W) blurred as by PIL's ``GaussianBlur(sigma)`` with its ``sigma`` (M,):
-    ``passes`` box blurs along x and y, each repeating the edge pixels of its input."""
+    ``passes`` box blurs along x and y, each repeating the edge pixels of its input (in place)."""
     box = _box_kernels(sigma, passes)
     for _ in range(passes):
         images = _separable_blur(images, box, "replicate")
@@ -293,7 +318,13 @@ def solarize(images: torch.Tensor) -> torch.Tensor:
 
 
 def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
-    """(M, C, H, W) in [0, 1] -> (M, K, H, W) (x - mean) / std per channel, K = len(mean): a
-    one-channel view given K values becomes K channels (grey views for an RGB trunk)."""
-    mean_t, std_t = (torch.tensor(list(v), dtype=images.dtype).view(1, -1, 1, 1) for v in (mean, std))
-    return (images - mean_t) / std_t
+    """(M, C, H, W) in [0, 1] -> (M, K, H, W) (x - mean) / std per channel, K = len(mean), in
+    place when C = K: a one-channel view given K values becomes K channels (grey views for an RGB
+    trunk)."""
+    if images.shape[1] == len(mean):
+        mean_t, std_t = (images.new_tensor(list(v)).view(1, -1, 1, 1) for v in (mean, std))
+        return images.sub_(mean_t).div_(std_t)
+    out = images.new_empty(len(images), len(mean), *images.shape[2:])
+    for channel, (m, s) in enumerate(zip(mean, std)):
+        torch.sub(images[:, 0], m, out=out[:, channel]).div_(s)
+    return out
