@@ -9,7 +9,12 @@ initialisation, data order, views), through the normal launcher on 2 CPU ranks:
 1. ``config=benchmark/finetune_elpv`` from the SSL trunk (``PARAMS_FILE`` = the pretraining);
 2. the same fine-tune from a random trunk (no ``PARAMS_FILE``: supervised from scratch, the same
    trunk, epochs, lr grid and augmentations: the control);
-3. with ``--linear``, ``config=benchmark/linear_eval_elpv`` on the SSL trunk with the same labels.
+3. with ``--linear``, ``config=benchmark/linear_eval_elpv`` on the SSL trunk with the same labels;
+4. with ``--controls``, the controls that learn from the same labelled cells: the pixel RBF-SVM
+   (64 px, standardised, C among 1 / 10 / 100 by 3-fold cross-validation on the subset, C = 1
+   where a class has fewer than 3 labelled cells) and ``benchmark/linear_eval_elpv`` on a random
+   trunk. ``--scratch KEY=VALUE ...`` gives the from-scratch fine-tune its own knobs (its lr grid
+   and epochs), so that it is chosen to learn rather than borrowed from the SSL trunk's.
 
 ``--fraction`` is ``DATA.TRAIN.LABEL_FRACTION`` (1.0: every label; the subset seed then changes
 nothing but the fine-tune's seed). Prints one row per label seed (4 and 2 classes, each run's lr
@@ -22,6 +27,8 @@ run whose ``metrics.json`` is there is read, not run again.
 
     OMP_NUM_THREADS=1 python dev/studies/elpv_fractions.py --fraction 0.1 --label-seeds 0 1 2 3 4 --linear
     OMP_NUM_THREADS=1 python dev/studies/elpv_fractions.py --fraction 1.0 --label-seeds 0 1
+    OMP_NUM_THREADS=1 python dev/studies/elpv_fractions.py --fraction 0.1 --linear --controls \
+        --scratch config.BENCHMARK.FINETUNE.LRS=[0.1,0.3] config.OPTIMIZER.num_epochs=60
     python dev/studies/elpv_fractions.py --pretrain-seed 11 --fraction 0.1 --label-seeds 21 22 --out /tmp/held_out
 """
 
@@ -35,6 +42,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "dev" / "recipes"))
 
 from demo_pretrain_then_eval import run  # noqa: E402
+from elpv_baselines import load_pixels, scores  # noqa: E402
 from elpv_seeds import overrides  # noqa: E402
 
 PRETRAIN, FINETUNE, LINEAR = (
@@ -60,7 +68,7 @@ def split(args) -> list:
     return [f"config.SEED_VALUE={args.pretrain_seed}", f"config.DATA.SPLIT_SEED={args.pretrain_seed}"]
 
 
-def evaluate(args, config: str, name: str, seed: int, weights: str) -> dict:
+def evaluate(args, config: str, name: str, seed: int, weights: str, extra=()) -> dict:
     """One evaluation run (read if done); returns its metrics.json's ``picked`` entry and epochs."""
     folder = args.out / f"f{args.fraction:g}_s{seed}_{name}"
     if not (folder / "metrics.json").exists():
@@ -73,10 +81,32 @@ def evaluate(args, config: str, name: str, seed: int, weights: str) -> dict:
             f"config.DATA.TRAIN.LABEL_SUBSET_SEED={seed}",
             f"config.MODEL.WEIGHTS_INIT.PARAMS_FILE={weights}",
             *args.eval,
+            *extra,
         ]
         run(f"{name}, label seed {seed}", argv, {}, folder.parent / f"{folder.name}.log")
     metrics = json.loads((folder / "metrics.json").read_text())
     return {**metrics["picked"], "epochs": metrics.get("epochs")}
+
+
+def pixel_svm(args, seed: int) -> dict:
+    """The pixel RBF-SVM on the label seed's subset of the split's training cells (the cells the
+    evaluations use: ``label_subset`` over the ``elpv`` source's TRAIN positions), scored on every
+    test cell; C by 3-fold cross-validation where every class has 3 labelled cells, else C = 1."""
+    import numpy as np
+
+    from vistrain.benchmarks.label_fraction import label_subset
+    from vistrain.data.elpv import DEFECTIVE_FROM, package_folder, read_labels, stratified_split
+
+    paths, classes, types = read_labels(package_folder())
+    train, test = stratified_split(list(zip(classes.tolist(), types.tolist())), args.pretrain_seed)
+    kept = [train[p] for p in label_subset(range(len(train)), classes[train], args.fraction, seed)]
+    pixels = load_pixels(paths, 64)
+    out = {}
+    for key, labels in (("top1", classes), ("top1_2class", (classes >= DEFECTIVE_FROM).astype(np.int64))):
+        tune = np.bincount(labels[kept]).min() >= 3
+        result = scores(pixels[kept], labels[kept], pixels[test], labels[test], tune, {}, ["pixel RBF-SVM"])
+        out[key], out["majority" + key[4:]] = result["pixel RBF-SVM"], result["majority"]
+    return out
 
 
 def mean_se(values) -> str:
@@ -96,20 +126,32 @@ def main() -> int:
     parser.add_argument("--label-seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--fraction", type=float, default=0.1)
     parser.add_argument("--linear", action="store_true", help="also the linear probe on the SSL trunk")
+    parser.add_argument("--controls", action="store_true", help="the pixel SVM and the random-trunk probe")
+    parser.add_argument(
+        "--scratch", nargs="*", default=[], help="KEY=VALUE overrides of the scratch fine-tune"
+    )
     parser.add_argument("--out", default="./checkpoints/elpv_fractions")
     parser.add_argument("--pretrain", nargs="*", default=[], help="KEY=VALUE overrides of the pretraining")
     parser.add_argument("--eval", nargs="*", default=[], help="KEY=VALUE overrides of every evaluation")
     args = parser.parse_args()
     args.out = Path(args.out).resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    args.pretrain, args.eval = overrides(args.pretrain), overrides(args.eval)
+    args.pretrain, args.eval, args.scratch = (
+        overrides(args.pretrain),
+        overrides(args.eval),
+        overrides(args.scratch),
+    )
     trunk = str(pretrained(args))
     rows = []
     for seed in args.label_seeds:
         row = {"ssl": evaluate(args, FINETUNE, "ssl", seed, trunk)}
-        row["scratch"] = evaluate(args, FINETUNE, "scratch", seed, "")
+        scratch = "scratch_own" if args.scratch else "scratch"  # its own knobs: its own folder
+        row["scratch"] = evaluate(args, FINETUNE, scratch, seed, "", args.scratch)
         if args.linear:
             row["linear"] = evaluate(args, LINEAR, "linear", seed, trunk)
+        if args.controls:
+            row["random probe"] = evaluate(args, LINEAR, "random_linear", seed, "")
+            row["pixel SVM"] = pixel_svm(args, seed)
         rows.append((seed, row))
     print_table(args, rows)
     (args.out / f"summary_f{args.fraction:g}.json").write_text(json.dumps(rows, indent=1))
@@ -132,6 +174,11 @@ def print_table(args, rows) -> None:
     )
     diffs = [row["ssl"]["top1"] - row["scratch"]["top1"] for _, row in rows]
     print(f"| mean ± s.e. | {cells} | {mean_se(diffs)} | |")
+    if "pixel SVM" in runs:
+        svm = rows[0][1]["pixel SVM"]
+        print(
+            f"majority class of the test cells: {svm['majority']:.2f} (4 classes), {svm['majority_2class']:.2f} (2)"
+        )
     if len(diffs) > 1:
         se = statistics.stdev(diffs) / len(diffs) ** 0.5
         verdict = "above" if statistics.fmean(diffs) > 2 * se else "not above"
