@@ -171,6 +171,14 @@ def _to_float(pixels: torch.Tensor) -> torch.Tensor:
     return pixels.float().div_(255) if pixels.dtype == torch.uint8 else pixels
 
 
+def _resizable(pixels: torch.Tensor) -> torch.Tensor:
+    """(C, H, W) as it is, or, 8-bit RGB on a CPU, with its channels last in memory (a copy unless
+    they are): torch's uint8 resize runs on such pixels without converting each crop."""
+    if pixels.dtype != torch.uint8 or pixels.device.type != "cpu" or pixels.shape[0] != 3:
+        return pixels
+    return pixels.permute(1, 2, 0).contiguous().permute(2, 0, 1)
+
+
 # Views made on a CPU are coloured this many values (views x channels x side^2) at a time: a chunk
 # of about 1 MB of float32 stays in the core's cache through the dozens of passes the colour steps
 # make (a 224 px RGB view alone is 0.6 MB); other devices take the batch at once.
@@ -263,7 +271,7 @@ class MultiCropTransform:
         )  # of every view at once; the affine and elastic steps keep the image's size
         out = torch.empty(count * n, channels, size, size, device=device)
         for members in groups.values():
-            images = [prepared[i]["pixels"].expand(channels, -1, -1) for i in members]
+            images = [_resizable(prepared[i]["pixels"].expand(channels, -1, -1)) for i in members]
             rows = (
                 torch.arange(count, device=device)[:, None] * n + torch.tensor(members, device=device)
             ).flatten()
@@ -336,9 +344,19 @@ class MultiCropTransform:
         step = len(batch)
         if batch.device.type == "cpu":
             step = max(1, CPU_COLOUR_CHUNK // batch[0].numel())
+        grouped = step > 1 and self.strength > 0
+        if grouped:  # views of one jitter order side by side: each op runs on slices, not gathered copies
+            jittered = _column(u, "jitter") < 0.8
+            key = torch.where(
+                jittered, (self.jitter_params(u)[0] * u.new_tensor([64, 16, 4, 1])).sum(1), 256.0
+            )
+            perm = torch.argsort(key, stable=True)
+            views, u = batch.index_select(0, perm), u.index_select(0, perm)
+        else:
+            views = batch
         for start in range(0, len(batch), step):  # each view's steps depend on it alone
-            self._colour_chunk(batch[start : start + step], u[start : start + step])
-        return batch
+            self._colour_chunk(views[start : start + step], u[start : start + step])
+        return batch.index_copy_(0, perm, views) if grouped else batch
 
     def _colour_chunk(self, batch: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         hflip, vflip, rotate = self.flips
