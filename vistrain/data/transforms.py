@@ -15,8 +15,10 @@ chain
     -> RandomSolarize(128, p=SOLARIZE_PROB)
     -> ToTensor -> Normalize(MEAN, STD)   (a grayscale source's one channel becomes three here)
 
-with the same parameter distributions, in float32: PIL rounds to 8 bits after each step (its
-affine step truncates: its digit views are about 0.3 grey levels darker), these ops do not;
+with the same parameter distributions, in float32 after the crop: an 8-bit image's crops are
+resized in 8 bits, as PIL's (whole grey levels, within one of PIL's), and PIL rounds to 8 bits
+after each later step too (its affine step truncates: its digit views are about 0.3 grey levels
+darker), these ops do not;
 ``tests/test_views.py`` checks each op against torchvision's or PIL's and the views' statistics
 against the PIL chain's. The affine step is left
 out when AFFINE_DEGREES, AFFINE_TRANSLATE and AFFINE_SHEAR are 0 and AFFINE_SCALE is [1, 1]; every
@@ -171,14 +173,6 @@ def _to_float(pixels: torch.Tensor) -> torch.Tensor:
     return pixels.float().div_(255) if pixels.dtype == torch.uint8 else pixels
 
 
-def _resizable(pixels: torch.Tensor) -> torch.Tensor:
-    """(C, H, W) as it is, or, 8-bit RGB on a CPU, with its channels last in memory (a copy unless
-    they are): torch's uint8 resize runs on such pixels without converting each crop."""
-    if pixels.dtype != torch.uint8 or pixels.device.type != "cpu" or pixels.shape[0] != 3:
-        return pixels
-    return pixels.permute(1, 2, 0).contiguous().permute(2, 0, 1)
-
-
 # Views made on a CPU are coloured this many values (views x channels x side^2) at a time: a chunk
 # of about 1 MB of float32 stays in the core's cache through the dozens of passes the colour steps
 # make (a 224 px RGB view alone is 0.6 MB); other devices take the batch at once.
@@ -271,7 +265,7 @@ class MultiCropTransform:
         )  # of every view at once; the affine and elastic steps keep the image's size
         out = torch.empty(count * n, channels, size, size, device=device)
         for members in groups.values():
-            images = [_resizable(prepared[i]["pixels"].expand(channels, -1, -1)) for i in members]
+            images = [V.resizable(prepared[i]["pixels"].expand(channels, -1, -1)) for i in members]
             rows = (
                 torch.arange(count, device=device)[:, None] * n + torch.tensor(members, device=device)
             ).flatten()

@@ -4,8 +4,8 @@ Images are float32 in [0, 1] of shape (M, C, H, W), C = 1 (grayscale), 3 (RGB) o
 number of channels (bands: geometry, brightness, contrast and blur only); every random
 parameter is a tensor with one entry per view (M,), so one call does the work that torchvision's
 transforms do one PIL image at a time. Each function follows the torchvision (or PIL) op named in
-its docstring; they differ only in floating point (no rounding to 8 bits between steps) and where
-a docstring says so. The colour operations work in place (they return their input, changed): on a
+its docstring; they differ only in floating point (8-bit images are resized in 8 bits, as PIL does;
+no rounding to 8 bits between the later steps) and where a docstring says so. The colour operations work in place (they return their input, changed): on a
 CPU a fresh tensor costs more than the arithmetic (its pages are mapped and zeroed when first
 written). Every tensor an operation makes is on its input's device.
 """
@@ -84,6 +84,14 @@ def crop_boxes(
     top = torch.where(found, torch.floor(u_place[:, 0] * (h_img - h + 1)), torch.div(h_img - h, 2).floor())
     left = torch.where(found, torch.floor(u_place[:, 1] * (w_img - w + 1)), torch.div(w_img - w, 2).floor())
     return torch.stack([top, left, h, w], 1).long()
+
+
+def resizable(pixels: torch.Tensor) -> torch.Tensor:
+    """(C, H, W) as it is, or, 8-bit RGB on a CPU, with its channels last in memory (a copy unless
+    they are): torch's uint8 resize runs on such pixels without converting each crop."""
+    if pixels.dtype != torch.uint8 or pixels.device.type != "cpu" or pixels.shape[0] != 3:
+        return pixels
+    return pixels.permute(1, 2, 0).contiguous().permute(2, 0, 1)
 
 
 def resized_crops(
