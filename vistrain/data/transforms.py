@@ -334,7 +334,8 @@ class MultiCropTransform:
 
     def colour(self, batch: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Flips, quarter turns, colour jitter, grayscale, blur, solarisation, each with its
-        probability, in place on ``batch`` (M, C, s, s), in chunks on a CPU (``CPU_COLOUR_CHUNK``)."""
+        probability, in place on ``batch`` (M, C, s, s), in chunks on a CPU (``CPU_COLOUR_CHUNK``);
+        chunks of several views take them sorted by jitter order (the same views, made faster)."""
         step = len(batch)
         if batch.device.type == "cpu":
             step = max(1, CPU_COLOUR_CHUNK // batch[0].numel())
