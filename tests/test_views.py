@@ -39,6 +39,22 @@ def test_resized_crops_are_antialiased_bilinear(size):
     assert (ours - torch.from_numpy(np.array(pil)).float()).abs().max() <= 1.0
 
 
+def test_8_bit_crops_are_resized_in_8_bits_as_pil():
+    pixels = (_rand(3, 40, 30, seed=2) * 255).round().to(torch.uint8)
+    boxes = torch.tensor([[5, 3, 11, 17], [0, 0, 40, 30], [13, 1, 27, 29]])
+    for size in (7, 24):
+        ours = V.resized_crops([pixels], torch.tensor([0, 0, 0]), boxes, size) * 255
+        assert torch.equal(ours, ours.round())  # whole levels, as PIL's
+        for m, (top, left, h, w) in enumerate(boxes.tolist()):
+            image = Image.fromarray(pixels.permute(1, 2, 0).numpy()).crop((left, top, left + w, top + h))
+            pil = torch.from_numpy(np.array(image.resize((size, size), Image.BILINEAR))).permute(2, 0, 1)
+            assert (ours[m] - pil.float()).abs().max() <= 1.0
+            # other devices resize in float and round: the same to one level
+            crop = pixels[None, :, top : top + h, left : left + w].float()
+            rounded = F.interpolate(crop, (size, size), mode="bilinear", antialias=True).round()
+            assert (ours[m] - rounded[0]).abs().max() <= 1.0
+
+
 def test_affine_and_elastic_match_torchvision():
     images = _rand(4, 3, 20, 26)
     angle, tx, ty = (

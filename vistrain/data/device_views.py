@@ -4,7 +4,8 @@ batch of prepared samples moves to the device as one buffer per dtype (uint8 pix
 draws), and the transform makes the views there, in the rank's process, before the batch is yielded.
 
 The views are the CPU path's: the same code on the same draws, so a function of (seed, epoch,
-index) on any device; only floating point differs between devices. Nothing changes for the trainer:
+index) on any device; only floating point differs between devices (and the 8-bit resize of the
+crops, which other devices than a CPU compute in float and round: a grey level apart at a few pixels). Nothing changes for the trainer:
 the loader yields ``{"crops": [...], "label", "index", "num_skipped"}`` with the crops already on
 the device (``MODEL.CHANNELS_LAST`` is applied by the trainer, as to any batch).
 """

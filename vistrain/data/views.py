@@ -4,8 +4,8 @@ Images are float32 in [0, 1] of shape (M, C, H, W), C = 1 (grayscale), 3 (RGB) o
 number of channels (bands: geometry, brightness, contrast and blur only); every random
 parameter is a tensor with one entry per view (M,), so one call does the work that torchvision's
 transforms do one PIL image at a time. Each function follows the torchvision (or PIL) op named in
-its docstring; they differ only in floating point (no rounding to 8 bits between steps) and where
-a docstring says so. The colour operations work in place (they return their input, changed): on a
+its docstring; they differ only in floating point (8-bit images are resized in 8 bits, as PIL does;
+no rounding to 8 bits between the later steps) and where a docstring says so. The colour operations work in place (they return their input, changed): on a
 CPU a fresh tensor costs more than the arithmetic (its pages are mapped and zeroed when first
 written). Every tensor an operation makes is on its input's device.
 """
@@ -86,6 +86,14 @@ def crop_boxes(
     return torch.stack([top, left, h, w], 1).long()
 
 
+def resizable(pixels: torch.Tensor) -> torch.Tensor:
+    """(C, H, W) as it is, or, 8-bit RGB on a CPU, with its channels last in memory (a copy unless
+    they are): torch's uint8 resize runs on such pixels without converting each crop."""
+    if pixels.dtype != torch.uint8 or pixels.device.type != "cpu" or pixels.shape[0] != 3:
+        return pixels
+    return pixels.permute(1, 2, 0).contiguous().permute(2, 0, 1)
+
+
 def resized_crops(
     images,
     source: torch.Tensor,
@@ -100,15 +108,22 @@ def resized_crops(
     bilinear resize with antialiasing (torch's ``antialias=True``): output pixel o, centred at
     c = (o + 1/2) length / size in the crop, averages the crop's pixels x with weights
     max(0, 1 - |x + 1/2 - c| / f), f = max(length / size, 1), normalised to sum 1, along rows then
-    columns. uint8 images are read as value / 255 (only the cropped pixels are converted)."""
+    columns. uint8 images are resized in 8 bits, as PIL resizes them (each crop rounded to whole
+    levels: torch's fixed-point uint8 kernel on a CPU, float rounded to the nearest level on other
+    devices, whose kernels have no uint8), then read as value / 255."""
     if out is None:
         out = torch.empty(len(boxes), images[0].shape[0], size, size, device=images[0].device)
         rows = range(len(boxes))
     for row, n, (top, left, height, width) in zip(rows, source.tolist(), boxes.tolist()):
         crop = images[n][:, top : top + height, left : left + width].unsqueeze(0)
-        if crop.dtype == torch.uint8:
-            crop = crop.float().div_(255)
-        out[row] = F.interpolate(crop, (size, size), mode="bilinear", antialias=True)[0]
+        if crop.dtype != torch.uint8:
+            out[row] = F.interpolate(crop, (size, size), mode="bilinear", antialias=True)[0]
+        elif crop.device.type == "cpu":
+            resized = F.interpolate(crop, (size, size), mode="bilinear", antialias=True)[0]
+            torch.div(resized, 255, out=out[row])
+        else:
+            resized = F.interpolate(crop.float(), (size, size), mode="bilinear", antialias=True)[0]
+            torch.div(resized.round_().clamp_(0, 255), 255, out=out[row])
     return out
 
 
@@ -163,11 +178,6 @@ def _blur_lines(images: torch.Tensor, kernels: torch.Tensor, dim: int, mode: str
     for tap in range(1, len(taps)):
         images.addcmul_(taps[tap], padded.narrow(dim, tap, length))
     return images
-
-
-def _separable_blur(images: torch.Tensor, kernels: torch.Tensor, mode: str) -> torch.Tensor:
-    """Convolve each view (M, C, H, W) with its kernel (M, K) along x then y, ``mode`` padding, in place."""
-    return _blur_lines(_blur_lines(images, kernels, -1, mode), kernels, -2, mode)
 
 
 def _blur_matrix(size: int, sigma: float, device: torch.device) -> torch.Tensor:
@@ -250,24 +260,32 @@ def saturation(images: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
 def hue(images: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """``adjust_hue``: rotate the hue of each RGB view by ``shift`` (M,) turns in [-0.5, 0.5]
     (HSV round trip, as torchvision's tensor op), in place; a no-op on other than 3 channels.
-    Written with arithmetic only (a CPU's ``where`` and ``remainder`` cost ten times a multiply)."""
+    With V = max, L = min, C = V - L of a pixel's channels: 6 hue = (g - b) / C where red is the
+    max (red first, then green, as torchvision), 2 + (b - r) / C where green is, 4 + (r - g) / C
+    where blue is; the new hue h' = hue + shift mod 1 gives channel n (c_n = 0, 2, 4 for r, g, b)
+    L + C clip(2 - min(|y|, 6 - |y|), 0, 1) = L + C clip(||y| - 3| - 1, 0, 1), y = 6 h' - c_n.
+    Written on channel planes with arithmetic only (a CPU's ``where``, comparisons and ``remainder`` cost ten times a multiply)."""
     if images.shape[1] != 3:
         return images
-    value = images.amax(1, keepdim=True)
-    chroma = value - images.amin(1, keepdim=True)  # V S
-    # the distances to the max over the chroma, in [0, 1]; 0 for the max (and for grays)
-    r, g, b = images.neg().add_(value).div_(chroma.clamp(min=_TINY)).unbind(1)
-    is_r = r.ceil().neg_().add_(1)  # 1 where red is the max, else 0
-    is_g = g.ceil().neg_().add_(1).mul_(1 - is_r)  # green is, and red is not
-    is_b = 1 - is_r - is_g
-    sector = (b - g).mul_(is_r).add_((2 + r - b).mul_(is_g)).add_((4 + g - r).mul_(is_b))  # 6 x hue
-    turns = sector.div_(6).add_(shift.view(-1, 1, 1))
-    turns = turns.sub_(turns.floor()).mul_(6).unsqueeze(1)  # 6 x the new hue, in [0, 6)
-    # HSV -> RGB: channel n is V - V S clip(min(k, 4 - k), 0, 1) with k = (n + 6 h) mod 6, n = 5, 3, 1
-    k = torch.add(turns, images.new_tensor([5.0, 3.0, 1.0]).view(1, 3, 1, 1), out=images)
-    k = k.sub_(k.div(6).floor_().mul_(6))
-    ramp = torch.minimum(k, 4 - k, out=k).clamp_(0, 1)
-    return torch.addcmul(value, ramp, chroma, value=-1, out=images).clamp_(0, 1)
+    r, g, b = images.unbind(1)
+    value, low = torch.maximum(r, g), torch.minimum(r, g)
+    value, low = torch.maximum(value, b, out=value), torch.minimum(low, b, out=low)
+    chroma = torch.sub(value, low)
+    # 1.0 where the channel is the max (red first, then green, as torchvision picks), else 0.0
+    is_r = torch.sub(value, r).ceil_().neg_().add_(1)
+    is_g = torch.sub(value, g).ceil_().neg_().add_(1).sub_(is_r).clamp_(min=0)
+    # 6 hue C = (4 C + r - g) + is_r (2 g - b - r - 4 C) + is_g (g + b - 2 r - 2 C)
+    sector = torch.sub(r, g).add_(chroma, alpha=4)
+    term = torch.add(g, g).sub_(b).sub_(r).sub_(chroma, alpha=4).mul_(is_r)
+    sector.add_(term)
+    term = torch.add(g, b).sub_(r, alpha=2).sub_(chroma, alpha=2).mul_(is_g)
+    sector.add_(term).div_(chroma.clamp(min=_TINY))
+    turns = sector.add_(6 * shift.view(-1, 1, 1))  # 6 h', before mod 6
+    turns.sub_(torch.mul(turns, 1 / 6, out=term).floor_(), alpha=6)
+    for n, channel in enumerate((r, g, b)):  # the input planes are no longer read
+        ramp = torch.sub(turns, 2 * n, out=term).abs_().sub_(3).abs_().sub_(1).clamp_(0, 1)
+        torch.addcmul(low, ramp, chroma, out=channel)
+    return images
 
 
 JITTER_OPS = (brightness, contrast, saturation, hue)  # ColorJitter's fn_idx 0..3
@@ -294,22 +312,42 @@ def _box_kernels(sigma: torch.Tensor, passes: int) -> torch.Tensor:
     2011): ``passes`` of it have variance sigma^2. Its radius l + a weighs the 2 l + 1 pixels around
     each one by 1 and the next two by a (0 <= a < 1), over 2 l + 1 + 2 a, with s2 = sigma^2 / passes,
     l = floor((sqrt(12 s2 + 1) - 1) / 2), a = (2 l + 1) (l (l + 1) - 3 s2) / (6 (s2 - (l + 1)^2))."""
-    var = sigma.double().view(-1, 1) ** 2 / passes
-    whole = torch.floor((torch.sqrt(12 * var + 1) - 1) / 2)
-    part = (2 * whole + 1) * (whole * (whole + 1) - 3 * var) / (6 * (var - (whole + 1) ** 2))
-    reach = int(whole.max().item()) + 1
-    offsets = torch.arange(-reach, reach + 1, dtype=torch.float64, device=sigma.device).abs()
-    box = torch.where(offsets <= whole, 1.0, torch.where(offsets == whole + 1, part, 0.0))
+    shapes = []  # (l, a) per view, in Python's doubles: a few numbers, no tensor ops to dispatch
+    for s in sigma.double().tolist():
+        var = s * s / passes
+        whole = math.floor((math.sqrt(12 * var + 1) - 1) / 2)
+        shapes.append(
+            (whole, (2 * whole + 1) * (whole * (whole + 1) - 3 * var) / (6 * (var - (whole + 1) ** 2)))
+        )
+    reach = max(whole for whole, _ in shapes) + 1
+    box = [
+        [1.0 if abs(x) <= whole else part if abs(x) == whole + 1 else 0.0 for x in range(-reach, reach + 1)]
+        for whole, part in shapes
+    ]
+    box = torch.tensor(box, dtype=torch.float64, device=sigma.device)
     return (box / box.sum(1, keepdim=True)).float()
+
+
+def _box_blur_matrices(box: torch.Tensor, size: int, passes: int) -> torch.Tensor:
+    """(M, size, size) A = B^passes, B x = x convolved with the view's ``box`` (M, K) (``_box_kernels``),
+    the edge pixels of x repeated (as each of PIL's passes does): made by blurring the identity."""
+    eye = torch.zeros(len(box), 1, size, size, device=box.device)
+    eye.diagonal(dim1=-2, dim2=-1).fill_(1)
+    for _ in range(passes):
+        eye = _blur_lines(eye, box, -2, "replicate")
+    return eye.squeeze(1)
 
 
 def gaussian_blur(images: torch.Tensor, sigma: torch.Tensor, passes: int = 3) -> torch.Tensor:
     """Each view (M, C, H, W) blurred as by PIL's ``GaussianBlur(sigma)`` with its ``sigma`` (M,):
-    ``passes`` box blurs along x and y, each repeating the edge pixels of its input (in place)."""
+    ``passes`` box blurs along x and y, each repeating the edge pixels of its input, as the matrix
+    product A_H X A_W^T (``_box_blur_matrices``; a core's matrix product beats 6 passes of taps
+    over the view: a new tensor)."""
+    m, c, h, w = images.shape
     box = _box_kernels(sigma, passes)
-    for _ in range(passes):
-        images = _separable_blur(images, box, "replicate")
-    return images
+    rows = _box_blur_matrices(box, h, passes)
+    cols = rows if w == h else _box_blur_matrices(box, w, passes)
+    return torch.matmul(rows.unsqueeze(1), images).view(m, c * h, w).bmm(cols.mT).view(m, c, h, w)
 
 
 def solarize(images: torch.Tensor) -> torch.Tensor:
