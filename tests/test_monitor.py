@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vistrain import cli
-from vistrain.benchmarks.common import one_view_batches
+from vistrain.benchmarks.common import one_view_batches, trunk_features
 from vistrain.benchmarks.knn import knn
 from vistrain.checkpoint import find_latest_checkpoint
 from vistrain.data import build_loader
@@ -23,10 +23,12 @@ from vistrain.training import held_out
 from vistrain.training.monitor import (
     Monitor,
     collapse_reasons,
+    feature_name,
     feature_std,
     is_due,
     knn_config,
     rankme,
+    trunk_call,
     watching,
 )
 from vistrain.training.trainer import train
@@ -106,6 +108,25 @@ def test_collapse_rules():
     )
     assert [e for e in range(1, 8) if is_due(e, 7, 3)] == [3, 6, 7]
     assert not any(is_due(e, 7, 0) for e in range(1, 8))
+
+
+def test_a_vit_sequence_is_watched_as_its_mean_patch_token():
+    """The tiny DINOv2 ViT (OUT_FEATURES [sequence], a class token): the monitor watches and asks the
+    knn job for "avgpool"; its feature path turns the trunk's (N, 1 + 16, 16) sequence into the
+    (N, 16) mean patch token, the trunk's own "avgpool" (not a pooling of the sequence to 4 numbers)."""
+    cfg = load_config(_tiny("unused", config="test/dinov2_tiny"))
+    assert feature_name(cfg) == "avgpool" and knn_config(cfg).BENCHMARK.FEATURES == ["avgpool"]
+    torch.manual_seed(0)
+    model = build_model(cfg.MODEL).eval()
+    images = torch.randn(5, 3, 16, 16)
+    with torch.no_grad():
+        sequence = model.trunk(images)["sequence"]
+        features = trunk_features(trunk_call(model), images, [feature_name(cfg)], cfg.BENCHMARK.POOL_SIZE)
+        model.trunk.out_features = ["avgpool"]
+        own = model.trunk(images)["avgpool"]
+    assert sequence.shape == (5, 17, 16) and features["avgpool"].shape == (5, 16)
+    torch.testing.assert_close(features["avgpool"], own, rtol=0, atol=0)
+    assert not torch.allclose(own, sequence.mean(1))  # the class token is left out
 
 
 # --------------------------------------------------------------------------------------------

@@ -71,6 +71,7 @@ from vistrain.training.monitor_rules import (
     feature_std,
     no_better_than_baseline,
     rankme,
+    sequence_summary,
 )
 
 METRICS = ("knn_top1", "probe_top1", "rankme", "feature_std")  # the per-pass series
@@ -87,8 +88,10 @@ class CollapseError(DivergedError):
 
 
 def feature_name(cfg) -> str:
-    """The trunk feature watched: MONITOR.FEATURE, or the first of MODEL.TRUNK.OUT_FEATURES."""
-    return cfg.MONITOR.FEATURE or cfg.MODEL.TRUNK.OUT_FEATURES[0]
+    """The trunk feature watched: MONITOR.FEATURE, or the first of MODEL.TRUNK.OUT_FEATURES; a
+    ViT's "sequence" is watched as its mean patch token, "avgpool" (:func:`sequence_summary`)."""
+    name = cfg.MONITOR.FEATURE or cfg.MODEL.TRUNK.OUT_FEATURES[0]
+    return "avgpool" if name == "sequence" else name
 
 
 def knn_config(cfg):
@@ -121,15 +124,27 @@ def is_due(epochs_done: int, num_epochs: int, every: int) -> bool:
 
 
 def trunk_call(network: nn.Module) -> Callable[[torch.Tensor], Dict[str, torch.Tensor]]:
-    """images (N, 3, H, W) -> the trunk's feature dict, for a network as the trainer holds it (an
-    SSL model, under DDP or sharded); under ``no_grad`` a sharded one gathers each unit for its
-    forward and frees it after, as the kNN job's frozen trunk does."""
+    """images (N, 3, H, W) -> the trunk's feature dict (with a ViT's "sequence", its "avgpool"), for
+    a network as the trainer holds it (an SSL model, under DDP or sharded); under ``no_grad`` a
+    sharded one gathers each unit for its forward and frees it after, as the kNN job's frozen
+    trunk does."""
     backend, model = backend_of(network), unwrap(network)
     if backend is Backend.BUILTIN:  # the root's own weights gathered around the trunk alone
-        return lambda images: network.run_as_forward(network.module.trunk, (images,), {})
-    if backend is Backend.TORCH:
-        return lambda images: _torch_root_gathered(model, images)
-    return model.trunk
+        call = lambda images: network.run_as_forward(network.module.trunk, (images,), {})
+    elif backend is Backend.TORCH:
+        call = lambda images: _torch_root_gathered(model, images)
+    else:
+        call = model.trunk
+    return lambda images: sequence_summary(call(images), prefix_tokens(model.trunk))
+
+
+def prefix_tokens(trunk: nn.Module) -> int:
+    """The class and register tokens before a ViT's patches in its "sequence" (the built-in ViT's
+    and a maskable timm one's ``num_prefix``, else timm's ``num_prefix_tokens``; 0 for a CNN)."""
+    prefix = getattr(trunk, "num_prefix", None)
+    if prefix is None:
+        prefix = getattr(getattr(trunk, "timm", None), "num_prefix_tokens", 0)
+    return int(prefix)
 
 
 def _torch_root_gathered(model: nn.Module, images: torch.Tensor) -> Dict[str, torch.Tensor]:

@@ -41,6 +41,16 @@ def rankme(embeddings: torch.Tensor, eps: float = EPS) -> float:
     return float(torch.exp(-(p * p.log()).sum()))
 
 
+def sequence_summary(features: Dict[str, torch.Tensor], num_prefix: int) -> Dict[str, torch.Tensor]:
+    """``features`` with "avgpool" (N, D), the mean of the patch tokens, added from a ViT's
+    "sequence" (N, prefix + L, D) where the trunk gave only the sequence: what the trunk's own
+    "avgpool" is (both after its final LayerNorm) and the ViT evaluation reads, so the monitor's
+    kNN equals the knn job's on "avgpool". ``num_prefix``: the class and register tokens first."""
+    if "sequence" not in features or "avgpool" in features:
+        return features
+    return {**features, "avgpool": features["sequence"][:, num_prefix:].mean(1)}
+
+
 def feature_std(features: torch.Tensor) -> float:
     """Mean over the D dimensions of the std over the N images (N, D) of the L2-normalised rows."""
     return float(F.normalize(features.detach().double(), dim=1).std(dim=0).mean())
