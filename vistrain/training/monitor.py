@@ -34,7 +34,8 @@ and spread again by the next) prints one warning naming the knobs to try; with
 the checkpoint of that epoch was saved before the pass). A trunk that learns no better than doing
 nothing: before a fresh run's first step the kNN measures the trunk as it starts (untrained, or as
 loaded), recorded as ``knn_baseline`` at iteration 0; a kNN top-1 not above it by max(2 points,
-2 standard errors), from the second pass and a third of the run on, prints one warning. Rank 0 writes each pass as one
+2 standard errors) on two passes in a row, from the second pass and half of the run on, prints one
+warning. Rank 0 writes each pass as one
 log line, one metrics.jsonl record (:data:`METRICS`, the verdicts), TensorBoard scalars
 ``monitor/...`` and, after the last epoch, the curves in ``monitor.png``.
 """
@@ -70,6 +71,7 @@ from vistrain.training.monitor_rules import (
     collapse_reasons,
     feature_std,
     no_better_than_baseline,
+    prefix_tokens,
     rankme,
     sequence_summary,
 )
@@ -138,15 +140,6 @@ def trunk_call(network: nn.Module) -> Callable[[torch.Tensor], Dict[str, torch.T
     return lambda images: sequence_summary(call(images), prefix_tokens(model.trunk))
 
 
-def prefix_tokens(trunk: nn.Module) -> int:
-    """The class and register tokens before a ViT's patches in its "sequence" (the built-in ViT's
-    and a maskable timm one's ``num_prefix``, else timm's ``num_prefix_tokens``; 0 for a CNN)."""
-    prefix = getattr(trunk, "num_prefix", None)
-    if prefix is None:
-        prefix = getattr(getattr(trunk, "timm", None), "num_prefix_tokens", 0)
-    return int(prefix)
-
-
 def _torch_root_gathered(model: nn.Module, images: torch.Tensor) -> Dict[str, torch.Tensor]:
     model.unshard()  # fully_shard's root: its own weights; the trunk's units gather themselves
     try:
@@ -204,8 +197,9 @@ class Monitor:
     ):
         """Collective when ``start`` (the iteration a resumed run starts from) > 0 and the monitor
         is on: the peak RankMe of the passes up to ``start`` (metrics.jsonl), whether the last
-        of them met a collapse rule, their number and the baseline kNN carry over. ``probe``: the
-        run's :class:`~vistrain.training.online_probe.OnlineProbe`, tested at every pass, or None."""
+        of them met a collapse rule or the baseline rule, their number and the baseline kNN carry
+        over. ``probe``: the run's :class:`~vistrain.training.online_probe.OnlineProbe`, tested at
+        every pass, or None."""
         self.cfg, self.network, self.meter = cfg, network, meter
         self.num_epochs, self.device, self.start, self.probe = num_epochs, device, start, probe
         self.knn_cfg = knn_config(cfg)
@@ -371,11 +365,13 @@ class Monitor:
         if history.baseline is not None and "knn_top1" in values:
             record["no_better_than_baseline"] = int(bool(no_better))
         self.meter.write_values({**record, "collapse_suspect": int(bool(reasons))}, "monitor")
-        if no_better and not self.warned_baseline and comm.is_main_process():
+        told, history.no_better = history.no_better and bool(no_better), bool(no_better)
+        if told and not self.warned_baseline and comm.is_main_process():
             logger.warning(
-                f"monitor: the trunk learns no better than doing nothing: {no_better}; {VIEW_KNOBS}"
+                f"monitor: the trunk learns no better than doing nothing: {no_better}, as on the pass "
+                f"before; {VIEW_KNOBS}"
             )
-        self.warned_baseline = self.warned_baseline or bool(no_better)
+        self.warned_baseline = self.warned_baseline or told
         confirmed, history.suspect = history.suspect and bool(reasons), bool(reasons)
         if not confirmed:
             return
