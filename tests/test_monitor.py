@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vistrain import cli
-from vistrain.benchmarks.common import one_view_batches, trunk_features
+from vistrain.benchmarks.common import one_view_batches
 from vistrain.benchmarks.knn import knn
 from vistrain.checkpoint import find_latest_checkpoint
 from vistrain.data import build_loader
@@ -110,23 +110,27 @@ def test_collapse_rules():
     assert not any(is_due(e, 7, 0) for e in range(1, 8))
 
 
-def test_a_vit_sequence_is_watched_as_its_mean_patch_token():
-    """The tiny DINOv2 ViT (OUT_FEATURES [sequence], a class token): the monitor watches and asks the
-    knn job for "avgpool"; its feature path turns the trunk's (N, 1 + 16, 16) sequence into the
-    (N, 16) mean patch token, the trunk's own "avgpool" (not a pooling of the sequence to 4 numbers)."""
-    cfg = load_config(_tiny("unused", config="test/dinov2_tiny"))
-    assert feature_name(cfg) == "avgpool" and knn_config(cfg).BENCHMARK.FEATURES == ["avgpool"]
-    torch.manual_seed(0)
-    model = build_model(cfg.MODEL).eval()
+def test_a_vit_sequence_is_watched_as_its_class_token_or_mean_patch_token():
+    """The tiny DINOv2 ViT (OUT_FEATURES [sequence]): the monitor watches, and asks the knn job for,
+    "cls" (without a class token "avgpool"); its feature path turns the trunk's (N, 1 + 16, 16)
+    sequence into the (N, 16) feature the trunk itself gives (not a pooling of it to 4 numbers)."""
     images = torch.randn(5, 3, 16, 16)
-    with torch.no_grad():
-        sequence = model.trunk(images)["sequence"]
-        features = trunk_features(trunk_call(model), images, [feature_name(cfg)], cfg.BENCHMARK.POOL_SIZE)
-        model.trunk.out_features = ["avgpool"]
-        own = model.trunk(images)["avgpool"]
-    assert sequence.shape == (5, 17, 16) and features["avgpool"].shape == (5, 16)
-    torch.testing.assert_close(features["avgpool"], own, rtol=0, atol=0)
-    assert not torch.allclose(own, sequence.mean(1))  # the class token is left out
+    labelled = [(images, torch.zeros(5, dtype=torch.long), torch.arange(5))]
+    for class_token, name in ((True, "cls"), (False, "avgpool")):
+        cfg = load_config(
+            _tiny("unused", f"config.MODEL.TRUNK.VIT.CLASS_TOKEN={class_token}", config="test/dinov2_tiny")
+        )
+        assert feature_name(cfg) == name and [name] == knn_config(cfg).BENCHMARK.FEATURES
+        torch.manual_seed(0)
+        model = build_model(cfg.MODEL).eval()
+        monitor = Monitor(cfg, model, _Meter(), 2, torch.device("cpu"))
+        with torch.no_grad():
+            sequence = model.trunk(images)["sequence"]
+            features = monitor._extract(trunk_call(model), labelled)[0]
+            model.trunk.out_features = [name]
+            own = model.trunk(images)[name]
+        assert sequence.shape == (5, 16 + class_token, 16) and features.shape == (5, 16)
+        torch.testing.assert_close(features, own, rtol=0, atol=0)
 
 
 # --------------------------------------------------------------------------------------------

@@ -59,6 +59,7 @@ from vistrain.config.errors import DivergedError
 from vistrain.data import build_loader
 from vistrain.distributed import comm
 from vistrain.fsdp import Backend, backend_of, unwrap
+from vistrain.models.trunks import trunk_feature_names
 from vistrain.runtime.logger import logger
 from vistrain.runtime.pictures import curves_figure, save_picture
 from vistrain.runtime.precision import amp_dtype
@@ -91,9 +92,12 @@ class CollapseError(DivergedError):
 
 def feature_name(cfg) -> str:
     """The trunk feature watched: MONITOR.FEATURE, or the first of MODEL.TRUNK.OUT_FEATURES; a
-    ViT's "sequence" is watched as its mean patch token, "avgpool" (:func:`sequence_summary`)."""
+    ViT's "sequence" is watched as its class token "cls" (DINO's and DINOv2's image feature), or
+    without one as its mean patch token "avgpool" (:func:`sequence_summary`)."""
     name = cfg.MONITOR.FEATURE or cfg.MODEL.TRUNK.OUT_FEATURES[0]
-    return "avgpool" if name == "sequence" else name
+    if name != "sequence":
+        return name
+    return "cls" if "cls" in trunk_feature_names(cfg.MODEL.TRUNK) else "avgpool"
 
 
 def knn_config(cfg):
@@ -126,18 +130,15 @@ def is_due(epochs_done: int, num_epochs: int, every: int) -> bool:
 
 
 def trunk_call(network: nn.Module) -> Callable[[torch.Tensor], Dict[str, torch.Tensor]]:
-    """images (N, 3, H, W) -> the trunk's feature dict (with a ViT's "sequence", its "avgpool"), for
-    a network as the trainer holds it (an SSL model, under DDP or sharded); under ``no_grad`` a
-    sharded one gathers each unit for its forward and frees it after, as the kNN job's frozen
-    trunk does."""
+    """images (N, 3, H, W) -> the trunk's feature dict, for a network as the trainer holds it (an
+    SSL model, under DDP or sharded); under ``no_grad`` a sharded one gathers each unit for its
+    forward and frees it after, as the kNN job's frozen trunk does."""
     backend, model = backend_of(network), unwrap(network)
     if backend is Backend.BUILTIN:  # the root's own weights gathered around the trunk alone
-        call = lambda images: network.run_as_forward(network.module.trunk, (images,), {})
-    elif backend is Backend.TORCH:
-        call = lambda images: _torch_root_gathered(model, images)
-    else:
-        call = model.trunk
-    return lambda images: sequence_summary(call(images), prefix_tokens(model.trunk))
+        return lambda images: network.run_as_forward(network.module.trunk, (images,), {})
+    if backend is Backend.TORCH:
+        return lambda images: _torch_root_gathered(model, images)
+    return model.trunk
 
 
 def _torch_root_gathered(model: nn.Module, images: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -281,9 +282,12 @@ class Monitor:
         return values, bank.shape[1]
 
     def _extract(self, trunk, images: HeldOutImages):
-        bench = self.cfg.BENCHMARK
+        """(features (N, D) of the watched feature, labels (N,), indices (N,)) of ``images``."""
+        model = self.network.module if backend_of(self.network) is Backend.BUILTIN else unwrap(self.network)
+        bench, prefix = self.cfg.BENCHMARK, prefix_tokens(model.trunk)
+        summarised = lambda x: sequence_summary(trunk(x), self.feature, prefix)
         feats, labels, indices = common.extract_batches(
-            trunk, images, [self.feature], bench.POOL_SIZE, amp_dtype(self.cfg.MODEL), self.device,
+            summarised, images, [self.feature], bench.POOL_SIZE, amp_dtype(self.cfg.MODEL), self.device,
             bench.FEATURE_VIEWS,
         )  # fmt: skip
         return feats[self.feature], labels, indices

@@ -42,14 +42,18 @@ def rankme(embeddings: torch.Tensor, eps: float = EPS) -> float:
     return float(torch.exp(-(p * p.log()).sum()))
 
 
-def sequence_summary(features: Dict[str, torch.Tensor], num_prefix: int) -> Dict[str, torch.Tensor]:
-    """``features`` with "avgpool" (N, D), the mean of the patch tokens, added from a ViT's
-    "sequence" (N, prefix + L, D) where the trunk gave only the sequence: what the trunk's own
-    "avgpool" is (both after its final LayerNorm) and the ViT evaluation reads, so the monitor's
-    kNN equals the knn job's on "avgpool". ``num_prefix``: the class and register tokens first."""
-    if "sequence" not in features or "avgpool" in features:
+def sequence_summary(
+    features: Dict[str, torch.Tensor], name: str, num_prefix: int
+) -> Dict[str, torch.Tensor]:
+    """``features`` with ``name`` added from a ViT's "sequence" (N, prefix + L, D) where the trunk
+    gave only the sequence: "cls" (N, D) its first token, "avgpool" (N, D) the mean of its L patch
+    tokens (after its ``num_prefix`` class and register tokens); as the trunk's own features (all
+    read after its final LayerNorm), so the monitor's kNN equals the knn job's on ``name``."""
+    if name in features or "sequence" not in features or name not in ("cls", "avgpool"):
         return features
-    return {**features, "avgpool": features["sequence"][:, num_prefix:].mean(1)}
+    sequence = features["sequence"]
+    summary = sequence[:, 0] if name == "cls" else sequence[:, num_prefix:].mean(1)
+    return {**features, name: summary}
 
 
 def prefix_tokens(trunk: torch.nn.Module) -> int:
