@@ -23,10 +23,12 @@ from vistrain.training import held_out
 from vistrain.training.monitor import (
     Monitor,
     collapse_reasons,
+    feature_name,
     feature_std,
     is_due,
     knn_config,
     rankme,
+    trunk_call,
     watching,
 )
 from vistrain.training.trainer import train
@@ -106,6 +108,29 @@ def test_collapse_rules():
     )
     assert [e for e in range(1, 8) if is_due(e, 7, 3)] == [3, 6, 7]
     assert not any(is_due(e, 7, 0) for e in range(1, 8))
+
+
+def test_a_vit_sequence_is_watched_as_its_class_token_or_mean_patch_token():
+    """The tiny DINOv2 ViT (OUT_FEATURES [sequence]): the monitor watches, and asks the knn job for,
+    "cls" (without a class token "avgpool"); its feature path turns the trunk's (N, 1 + 16, 16)
+    sequence into the (N, 16) feature the trunk itself gives (not a pooling of it to 4 numbers)."""
+    images = torch.randn(5, 3, 16, 16)
+    labelled = [(images, torch.zeros(5, dtype=torch.long), torch.arange(5))]
+    for class_token, name in ((True, "cls"), (False, "avgpool")):
+        cfg = load_config(
+            _tiny("unused", f"config.MODEL.TRUNK.VIT.CLASS_TOKEN={class_token}", config="test/dinov2_tiny")
+        )
+        assert feature_name(cfg) == name and [name] == knn_config(cfg).BENCHMARK.FEATURES
+        torch.manual_seed(0)
+        model = build_model(cfg.MODEL).eval()
+        monitor = Monitor(cfg, model, _Meter(), 2, torch.device("cpu"))
+        with torch.no_grad():
+            sequence = model.trunk(images)["sequence"]
+            features = monitor._extract(trunk_call(model), labelled)[0]
+            model.trunk.out_features = [name]
+            own = model.trunk(images)[name]
+        assert sequence.shape == (5, 16 + class_token, 16) and features.shape == (5, 16)
+        torch.testing.assert_close(features, own, rtol=0, atol=0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,6 +250,27 @@ def test_a_collapse_is_told_only_when_two_passes_in_a_row_show_it(caplog):
     monitor._report(narrow, 64, 5, 5, seconds)
     monitor._report(narrow, 64, 6, 6, seconds)
     assert monitor.warned and "collapsed by epoch 6" in caplog.text
+
+
+# the demos' kNN top-1 (%) at their passes (epoch: top-1) against their untrained trunk's 73.33%
+# on 360 images (bar 77.99%): SimSiam's rises late; BYOL's as it was stays at the bar
+SIMSIAM = {4: 68.61, 8: 68.61, 12: 69.17, 16: 75.56, 20: 80.56, 24: 83.89, 28: 85.56, 36: 88.89, 40: 88.06}
+BYOL_AS_IT_WAS = {14: 71.67, 16: 73.61, 18: 76.39, 20: 77.50, 22: 75.83, 24: 73.61, 40: 76.39}
+
+
+@pytest.mark.parametrize("series, told", [(SIMSIAM, None), (BYOL_AS_IT_WAS, 22)])
+def test_no_better_than_before_training_is_told_on_two_passes_in_a_row(caplog, series, told):
+    """From half the run on, two passes in a row under the bar: a kNN that rises late (the SimSiam
+    demo's, under the bar up to epoch 16 of 40) is not told; one that stays at the untrained
+    trunk's (the BYOL demo's before its recipe changed) is, once, at the second such pass."""
+    cfg = load_config(["config=test/vicreg_tiny"])
+    monitor = Monitor(cfg, torch.nn.Identity(), _Meter(), 40, torch.device("cpu"))
+    monitor.history.baseline = (73.33, 360)
+    seconds = {"monitor_seconds": 0.0, "train_seconds": 0.0}
+    for epoch, top1 in series.items():
+        monitor._report({"knn_top1": top1, "rankme": 12.0, "feature_std": 0.1}, 64, epoch, epoch, seconds)
+        assert monitor.warned_baseline == (told is not None and epoch >= told)
+    assert caplog.text.count("learns no better than doing nothing") == (told is not None)
 
 
 def test_a_resumed_run_keeps_the_peak_rankme_of_the_passes_before_its_checkpoint(tmp_path):

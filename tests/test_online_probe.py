@@ -35,12 +35,15 @@ def test_baseline_margin_is_two_points_or_two_standard_errors():
 @pytest.mark.parametrize(
     "knn, baseline, images, passes, progress, warns",
     [
-        (77.0, 73.0, 360, 2, 0.4, True),  # within 2 SE (4.68 points) of the untrained trunk
+        (77.0, 73.0, 360, 2, 0.5, True),  # within 2 SE (4.68 points) of the untrained trunk
         (77.7, 73.0, 360, 5, 0.5, False),  # 4.7 points above
         (70.0, 73.0, 360, 2, 1.0, True),  # below it
         (60.0, 73.0, 360, 1, 0.5, False),  # one pass: too early to tell
         (76.67, 73.33, 360, 3, 3 / 40, False),  # the quick start's third epoch of 40: too early
-        (76.67, 73.33, 360, 5, 14 / 40, True),  # the same a third into the run
+        (76.67, 73.33, 360, 5, 20 / 40, True),  # the same half way through the run
+        (75.56, 73.33, 360, 4, 16 / 40, False),  # the SimSiam demo's epoch 16 of 40: too early
+        (80.56, 73.33, 360, 5, 20 / 40, False),  # ... its epoch 20: above (88.9% after 36)
+        (76.39, 73.33, 360, 20, 40 / 40, True),  # the BYOL demo's end as it was: +3.06 < 2 SE
         (51.9, 50.0, 10_000, 2, 0.5, True),  # the 2-point floor where 2 SE is 1 point
         (52.0, 50.0, 10_000, 2, 0.5, False),
         (98.0, 97.0, 25, 3, 0.5, True),  # 2 SE = 6.8 points on 25 images
@@ -70,6 +73,9 @@ def test_history_reads_the_passes_before_the_checkpoint_and_the_last_baseline():
     ]
     history = History.of(records, start=12)
     assert (history.passes, history.peak_rankme, history.suspect) == (2, 9.0, True)
+    assert not history.no_better
+    records[2]["no_better_than_baseline"] = 1  # the last pass before the checkpoint found it
+    assert History.of(records, start=12).no_better
     assert history.baseline == (30.0, 256)
     assert History.of([], 8) == History()
 

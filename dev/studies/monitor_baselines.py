@@ -5,10 +5,10 @@ the warning line when it is told.
 Each recipe runs as shipped (2 ranks, its own MONITOR.EVERY_EPOCHS, its full schedule) into a
 temporary folder and is stopped (SIGTERM: it saves and stops at the next boundary) once a pass
 after ``--until`` of its epochs is recorded in its metrics.jsonl (1: the whole run); the verdict
-is the monitor's own (``no_better_than_baseline`` in each record: from the second pass and a
-quarter of the run on).
+is the monitor's own (``no_better_than_baseline`` in each record: from the second pass and half of
+the run on; the warning is told on two such passes in a row).
 
-    python dev/studies/monitor_baselines.py [--until 0.4] [--demos regnet_fsdp pretrain/lejepa_regnet_demo | all]
+    python dev/studies/monitor_baselines.py [--until 1.0] [--demos regnet_fsdp pretrain/lejepa_regnet_demo | all]
         [--set config.KEY=VALUE ...]
 """
 
@@ -52,7 +52,7 @@ def run_until(config: str, run_dir: Path, epochs: float, extra) -> list:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--until", type=float, default=0.4, help="the part of each run to watch")
+    parser.add_argument("--until", type=float, default=1.0, help="the part of each run to watch")
     parser.add_argument("--demos", nargs="+", default=["all"])
     parser.add_argument("--set", nargs="*", default=[], help="more overrides (config.KEY=VALUE)")
     args = parser.parse_args()

@@ -405,9 +405,9 @@ _C.LOGGING.WANDB.MODE = ""
 # KNN_CHUNK_SIZE.
 _C.MONITOR = CN()
 _C.MONITOR.EVERY_EPOCHS = 0  # 0: off
-_C.MONITOR.FEATURE = (
-    ""  # trunk feature watched ("": the first MODEL.TRUNK.OUT_FEATURES; maps pooled to BENCHMARK.POOL_SIZE)
-)
+# trunk feature watched ("": the first MODEL.TRUNK.OUT_FEATURES; maps pooled to BENCHMARK.POOL_SIZE;
+# a ViT's "sequence" read as its class token "cls", without one as its mean patch token "avgpool")
+_C.MONITOR.FEATURE = ""
 # kNN top-1 when DATA.TRAIN and DATA.TEST read the same sources and every image is labelled (else
 # a note, and RankMe and feature std on NUM_IMAGES of DATA.TRAIN's images)
 _C.MONITOR.KNN = True

@@ -34,7 +34,8 @@ and spread again by the next) prints one warning naming the knobs to try; with
 the checkpoint of that epoch was saved before the pass). A trunk that learns no better than doing
 nothing: before a fresh run's first step the kNN measures the trunk as it starts (untrained, or as
 loaded), recorded as ``knn_baseline`` at iteration 0; a kNN top-1 not above it by max(2 points,
-2 standard errors), from the second pass and a third of the run on, prints one warning. Rank 0 writes each pass as one
+2 standard errors) on two passes in a row, from the second pass and half of the run on, prints one
+warning. Rank 0 writes each pass as one
 log line, one metrics.jsonl record (:data:`METRICS`, the verdicts), TensorBoard scalars
 ``monitor/...`` and, after the last epoch, the curves in ``monitor.png``.
 """
@@ -58,6 +59,7 @@ from vistrain.config.errors import DivergedError
 from vistrain.data import build_loader
 from vistrain.distributed import comm
 from vistrain.fsdp import Backend, backend_of, unwrap
+from vistrain.models.trunks import trunk_feature_names
 from vistrain.runtime.logger import logger
 from vistrain.runtime.pictures import curves_figure, save_picture
 from vistrain.runtime.precision import amp_dtype
@@ -70,7 +72,9 @@ from vistrain.training.monitor_rules import (
     collapse_reasons,
     feature_std,
     no_better_than_baseline,
+    prefix_tokens,
     rankme,
+    sequence_summary,
 )
 
 METRICS = ("knn_top1", "probe_top1", "rankme", "feature_std")  # the per-pass series
@@ -87,8 +91,13 @@ class CollapseError(DivergedError):
 
 
 def feature_name(cfg) -> str:
-    """The trunk feature watched: MONITOR.FEATURE, or the first of MODEL.TRUNK.OUT_FEATURES."""
-    return cfg.MONITOR.FEATURE or cfg.MODEL.TRUNK.OUT_FEATURES[0]
+    """The trunk feature watched: MONITOR.FEATURE, or the first of MODEL.TRUNK.OUT_FEATURES; a
+    ViT's "sequence" is watched as its class token "cls" (DINO's and DINOv2's image feature), or
+    without one as its mean patch token "avgpool" (:func:`sequence_summary`)."""
+    name = cfg.MONITOR.FEATURE or cfg.MODEL.TRUNK.OUT_FEATURES[0]
+    if name != "sequence":
+        return name
+    return "cls" if "cls" in trunk_feature_names(cfg.MODEL.TRUNK) else "avgpool"
 
 
 def knn_config(cfg):
@@ -189,8 +198,9 @@ class Monitor:
     ):
         """Collective when ``start`` (the iteration a resumed run starts from) > 0 and the monitor
         is on: the peak RankMe of the passes up to ``start`` (metrics.jsonl), whether the last
-        of them met a collapse rule, their number and the baseline kNN carry over. ``probe``: the
-        run's :class:`~vistrain.training.online_probe.OnlineProbe`, tested at every pass, or None."""
+        of them met a collapse rule or the baseline rule, their number and the baseline kNN carry
+        over. ``probe``: the run's :class:`~vistrain.training.online_probe.OnlineProbe`, tested at
+        every pass, or None."""
         self.cfg, self.network, self.meter = cfg, network, meter
         self.num_epochs, self.device, self.start, self.probe = num_epochs, device, start, probe
         self.knn_cfg = knn_config(cfg)
@@ -272,9 +282,12 @@ class Monitor:
         return values, bank.shape[1]
 
     def _extract(self, trunk, images: HeldOutImages):
-        bench = self.cfg.BENCHMARK
+        """(features (N, D) of the watched feature, labels (N,), indices (N,)) of ``images``."""
+        model = self.network.module if backend_of(self.network) is Backend.BUILTIN else unwrap(self.network)
+        bench, prefix = self.cfg.BENCHMARK, prefix_tokens(model.trunk)
+        summarised = lambda x: sequence_summary(trunk(x), self.feature, prefix)
         feats, labels, indices = common.extract_batches(
-            trunk, images, [self.feature], bench.POOL_SIZE, amp_dtype(self.cfg.MODEL), self.device,
+            summarised, images, [self.feature], bench.POOL_SIZE, amp_dtype(self.cfg.MODEL), self.device,
             bench.FEATURE_VIEWS,
         )  # fmt: skip
         return feats[self.feature], labels, indices
@@ -356,11 +369,13 @@ class Monitor:
         if history.baseline is not None and "knn_top1" in values:
             record["no_better_than_baseline"] = int(bool(no_better))
         self.meter.write_values({**record, "collapse_suspect": int(bool(reasons))}, "monitor")
-        if no_better and not self.warned_baseline and comm.is_main_process():
+        told, history.no_better = history.no_better and bool(no_better), bool(no_better)
+        if told and not self.warned_baseline and comm.is_main_process():
             logger.warning(
-                f"monitor: the trunk learns no better than doing nothing: {no_better}; {VIEW_KNOBS}"
+                f"monitor: the trunk learns no better than doing nothing: {no_better}, as on the pass "
+                f"before; {VIEW_KNOBS}"
             )
-        self.warned_baseline = self.warned_baseline or bool(no_better)
+        self.warned_baseline = self.warned_baseline or told
         confirmed, history.suspect = history.suspect and bool(reasons), bool(reasons)
         if not confirmed:
             return
