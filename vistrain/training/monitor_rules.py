@@ -36,7 +36,10 @@ VIEW_KNOBS = (
 def rankme(embeddings: torch.Tensor, eps: float = EPS) -> float:
     """RankMe of ``embeddings`` (N, D): ``exp(-sum_k p_k log p_k)``, ``p_k = s_k / ||s||_1 + eps``,
     s the min(N, D) singular values (computed in float64). r equal non-zero singular values give r
-    (to within eps); random Gaussian (N, D) with N >> D gives close to D."""
+    (to within eps); random Gaussian (N, D) with N >> D gives close to D. NaN where an embedding
+    is not finite (the weights diverged: the training loop stops on its loss, in one line)."""
+    if not bool(torch.isfinite(embeddings).all()):
+        return float("nan")
     s = torch.linalg.svdvals(embeddings.detach().double())
     p = s / s.sum().clamp_min(torch.finfo(torch.float64).tiny) + eps
     return float(torch.exp(-(p * p.log()).sum()))
