@@ -13,9 +13,10 @@ the device (``MODEL.CHANNELS_LAST`` is applied by the trainer, as to any batch).
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
-from torch.utils.data import DataLoader, get_worker_info
+from torch.utils.data import get_worker_info
 
 from vistrain.data.collate import collate_fields
+from vistrain.data.workers import WorkerLoader
 
 
 def flatten(tree: Any, leaves: List[torch.Tensor]) -> Any:
@@ -102,7 +103,7 @@ def make_views(batch: Dict[str, Any], transform: Callable, device: torch.device)
     return out
 
 
-class DeviceViewsLoader(DataLoader):
+class DeviceViewsLoader(WorkerLoader):
     """A DataLoader whose workers collate with :func:`collate_packed` and whose iterator makes
     each batch's views on ``device`` (:func:`make_views`); sampler, length and epochs as DataLoader's."""
 
