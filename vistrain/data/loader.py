@@ -42,7 +42,7 @@ def build_loader(
 
     Returns:
         A DataLoader yielding ``collate_multicrop`` dicts (``dataset.collate``; with
-        ``VIEWS_ON_DEVICE`` the crops are made, and are, on ``device``). ``len(loader)`` is the number of
+        ``VIEWS_ON_DEVICE`` or ``DECODE_ON_DEVICE`` the crops are made, and are, on ``device``). ``len(loader)`` is the number of
         iterations of a full epoch on this rank (equal on all ranks). Call
         ``loader.sampler.set_epoch(epoch, start_iteration)`` (or ``vistrain.data.set_epoch``)
         before iterating each epoch; after ``start_iteration=k`` the pass yields
@@ -85,8 +85,10 @@ def build_loader(
         persistent_workers=workers > 0,
         worker_init_fn=leave_stop_signals_to_the_rank if workers > 0 else None,
     )
-    if split_cfg.VIEWS_ON_DEVICE:  # workers decode and draw; the views are made on ``device``
-        return DeviceViewsLoader(dataset, dataset.transform, device, **settings)
+    if (
+        split_cfg.VIEWS_ON_DEVICE or split_cfg.DECODE_ON_DEVICE
+    ):  # workers (decode and) draw; views on ``device``
+        return DeviceViewsLoader(dataset, device, **settings)
     return WorkerLoader(dataset, collate_fn=dataset.collate, **settings)  # the views of a batch made together
 
 
