@@ -1,4 +1,4 @@
-"""Prints CUDA parity, mixed precision, offload, peak memory and speed of the engine against DDP, and the views made on the GPU against the CPU's.
+"""Prints CUDA parity, mixed precision, offload, peak memory and speed of the engine against DDP, and the views made and JPEGs decoded on the GPU against the CPU's.
 
 One prepared CUDA check for a lent GPU machine: parity, mixed precision, offload, memory, speed.
 

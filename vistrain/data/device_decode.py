@@ -86,7 +86,7 @@ def decode_into(
     data = [jpegs["bytes"][offset : offset + length] for _, offset, length, *_ in spans]
     decoded = decode_jpegs(data, [mode for _, _, _, mode, _, _ in spans], device)
     for (i, _, _, _, shape, _), pixels in zip(spans, decoded):
-        if pixels is not None and tuple(pixels.shape) == shape:
+        if pixels is not None and tuple(pixels.shape) == tuple(shape):  # pinning may make lists
             prepared[i]["pixels"] = scale(pixels)
             continue
         index, epoch, skipped = prepared[i]["redo"]
