@@ -241,6 +241,8 @@ def test_jpegs_decoded_on_the_device_give_the_cpu_views(tmp_path, workers, more,
     assert isinstance(on_device, DeviceViewsLoader)
     kept = [on_device.dataset[(i, 1)]["prepared"] for i in range(len(on_device.dataset))]
     assert ["jpeg" in p for p in kept] == [True] * 5 + [False]  # the PNG decoded in the worker
+    for ours, theirs in zip(on_device.dataset.views((0, 1)), reference.dataset.views((0, 1))):
+        assert torch.equal(ours, theirs)  # one sample's views (pictures of a run): on the CPU
     for loader in (reference, on_device):
         set_epoch(loader, 1)
     _assert_same_batches(list(reference), list(on_device), batches=2)

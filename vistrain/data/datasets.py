@@ -292,14 +292,14 @@ class SSLDataset(Dataset):
 
     def __getitem__(self, key: Union[int, Tuple[int, int]]) -> dict:
         index, epoch = key if isinstance(key, tuple) else (key, 0)
-        if not 0 <= index < self.length:
-            raise IndexError(f"index {index} out of range for a data set of {self.length}")
         return self.sample(index, epoch, encoded=self.decode_later)
 
     def sample(self, index: int, epoch: int, redo: int = 0, encoded: bool = False) -> dict:
         """The sample ``index`` of ``epoch`` (``self[index, epoch]``), the image searched from
         ``redo`` images after ``index`` (the first an image left encoded that could not be decoded
         later: decoded here, SKIP_CORRUPT as ever); ``encoded``: see ``decode_later``."""
+        if not 0 <= index < self.length:
+            raise IndexError(f"index {index} out of range for a data set of {self.length}")
         image, label, used, skipped = self._load_readable(index, redo, encoded)
         generator = torch.Generator().manual_seed(mix_seed(self.seed, epoch, index))
         if isinstance(image, EncodedJpeg):
@@ -321,8 +321,10 @@ class SSLDataset(Dataset):
         return collate_multicrop(samples, self.transform)
 
     def views(self, key: Union[int, Tuple[int, int]]) -> List[torch.Tensor]:
-        """The views of one sample: List[Tensor (C, h, w)], as its batch would hold them."""
-        return [crops[0] for crops in self.collate([self[key]])["crops"]]
+        """The views of one sample: List[Tensor (C, h, w)], as its batch would hold them (made
+        here, on the CPU, also with ``decode_later``)."""
+        index, epoch = key if isinstance(key, tuple) else (key, 0)
+        return [crops[0] for crops in self.collate([self.sample(index, epoch)])["crops"]]
 
 
 class IndexSubset(Dataset):

@@ -9,13 +9,17 @@ early or is stopped, an exception, a monitor loader not exhausted) and its itera
 alive at exit (always so with persistent workers): torch's iterator does nothing once the
 interpreter exits (``torch.utils.data._utils.python_exit_status``), and ``multiprocessing``'s exit
 handler then sends its daemonic children SIGTERM and waits for each without a time limit. A
-worker that ignores SIGTERM never ends, so neither does the rank. :class:`WorkerLoader` ends its
-workers itself, before those two handlers run: ``atexit`` calls the latest handler first, and it
-registers its own once its first workers have started.
+worker that ignores SIGTERM never ends, so neither does the rank. A rank that is itself a
+``multiprocessing`` child (a spawned rank) runs no ``atexit`` handler but the same wait (its
+``multiprocessing.util._exit_function``). :class:`WorkerLoader` ends its workers itself, before
+those handlers: once its first workers have started it registers with ``atexit`` (which calls the
+latest handler first) and as a ``multiprocessing.util.Finalize`` (run before the children are
+signalled).
 """
 
 import atexit
 import multiprocessing
+import multiprocessing.util
 import signal
 import weakref
 from typing import Optional
@@ -24,6 +28,8 @@ from torch.utils.data import DataLoader
 
 from vistrain.distributed.supervise import die_with_parent
 from vistrain.torch_compat import end_loader_workers
+
+EXIT_PRIORITY = 100  # multiprocessing's exit runs finalizers by decreasing priority, then ends children
 
 
 def leave_stop_signals_to_the_rank(worker_id: int) -> None:
@@ -56,7 +62,9 @@ class WorkerLoader(DataLoader):
         if self.num_workers > 0:
             self._pass = weakref.ref(iterator)
             if not self._exit_handler:  # after multiprocessing's and torch's handlers: runs before them
-                atexit.register(_call_if_alive, weakref.WeakMethod(self._end_workers))
+                end = weakref.WeakMethod(self._end_workers)
+                atexit.register(_call_if_alive, end)
+                multiprocessing.util.Finalize(None, _call_if_alive, (end,), exitpriority=EXIT_PRIORITY)
                 self._exit_handler = True
         return iterator
 
