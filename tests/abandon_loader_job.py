@@ -5,7 +5,7 @@ this process, and a views-on-device loader left by an exception raised in its lo
 
     python tests/abandon_loader_job.py OUT_FILE
 
-Writes the child's exit code (``child 0``; ``child hung`` if it has not ended within 30 s) and
+Writes the child's exit code (``child 0``; ``child hung`` if it has not ended within 60 s) and
 ``left`` to OUT_FILE; exits 1 with the exception's traceback.
 """
 
@@ -39,7 +39,7 @@ def _stop_early() -> None:
 if __name__ == "__main__":
     child = multiprocessing.get_context("fork").Process(target=_stop_early)
     child.start()
-    child.join(timeout=30)
+    child.join(timeout=60)
     with open(sys.argv[1], "w") as out:
         out.write("child hung\n" if child.is_alive() else f"child {child.exitcode}\n")
         if child.is_alive():
