@@ -218,3 +218,73 @@ def test_a_corrupt_jpeg_follows_skip_corrupt(tmp_path):
         for path in paths:
             _write(path, b"broken")
         list(build_loader(cfg, "TRAIN", seed=0, device=CPU))
+
+
+# ------------------------------------------------------------------------------- decoded on the device
+@pytest.mark.parametrize(
+    "workers, more",
+    [(1, {}), (0, {"ELASTIC_PROB": 0.5, "ELASTIC_SIGMA": 2.0, "AFFINE_DEGREES": 15.0})],
+    ids=["worker", "elastic+range"],
+)
+def test_jpegs_decoded_on_the_device_give_the_cpu_views(tmp_path, workers, more, one_thread):
+    """DECODE_ON_DEVICE (the device here the CPU, through the same path: headers and draws in the
+    worker, one decode_jpeg call on a list in the rank) gives the CPU path's views of the JPEGs, a
+    grayscale one and a PNG among them; with a PIXEL_RANGE and the elastic step's noise drawn from
+    the header's size too."""
+    _jpeg_folder(str(tmp_path))
+    cfg = _data_cfg(tmp_path, **more)
+    if more:
+        cfg.TRAIN.PIXEL_RANGE = [10.0, 240.0]
+    reference = build_loader(cfg, "TRAIN", seed=3, device=CPU)
+    cfg.TRAIN.DECODE_ON_DEVICE, cfg.NUM_DATALOADER_WORKERS = True, workers
+    on_device = build_loader(cfg, "TRAIN", seed=3, device=CPU)
+    assert isinstance(on_device, DeviceViewsLoader)
+    kept = [on_device.dataset[(i, 1)]["prepared"] for i in range(len(on_device.dataset))]
+    assert ["jpeg" in p for p in kept] == [True] * 5 + [False]  # the PNG decoded in the worker
+    for ours, theirs in zip(on_device.dataset.views((0, 1)), reference.dataset.views((0, 1))):
+        assert torch.equal(ours, theirs)  # one sample's views (pictures of a run): on the CPU
+    for loader in (reference, on_device):
+        set_epoch(loader, 1)
+    _assert_same_batches(list(reference), list(on_device), batches=2)
+
+
+def _assert_same_batches(cpu_batches, device_batches, batches):
+    assert len(cpu_batches) == len(device_batches) == batches
+    for cpu, device in zip(cpu_batches, device_batches):
+        assert set(device) == set(cpu) and device["num_skipped"] == cpu["num_skipped"]
+        assert torch.equal(cpu["index"], device["index"]) and torch.equal(cpu["label"], device["label"])
+        for ours, theirs in zip(device["crops"], cpu["crops"], strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+
+
+def test_a_corrupt_jpeg_decoded_on_the_device_follows_skip_corrupt(tmp_path, one_thread):
+    """A truncated JPEG whose header reads fails to decode in the rank; decoded again there as the
+    CPU path decodes it, it stops the loader with the CPU path's line, or with SKIP_CORRUPT is
+    replaced as the CPU path replaces it: the same views, indices, labels and skip counts (beside
+    JPEGs whose headers do not read, and a PNG, that fail or decode in the worker)."""
+    _corrupt_jpegs(str(tmp_path))  # 2.jpg and 6.jpg fail in the worker (their headers), 5.jpg too (PIL)
+    truncated = str(tmp_path / "3.jpg")
+    Image.fromarray(_photo(60, 60, seed=3)).save(truncated, quality=90)
+    with open(truncated, "rb") as handle:
+        _write(truncated, handle.read()[:1500])  # of about 1,950 bytes: its header reads
+    Image.fromarray(_photo(26, 26, seed=9)).save(str(tmp_path / "7.png"))
+    cfg = _data_cfg(tmp_path, batch=4)
+    cfg.TRAIN.DROP_LAST, cfg.TRAIN.DECODE_ON_DEVICE = False, True
+    cfg.TRAIN.DATA_SOURCES, cfg.TRAIN.DATA_PATHS = ["disk_filelist"], [str(tmp_path / "list.txt")]
+    (tmp_path / "list.txt").write_text("0.jpg 0\n3.jpg 0\n7.png 0\n")
+    loader = build_loader(cfg, "TRAIN", seed=0, device=CPU)
+    assert "jpeg" in loader.dataset[(1, 0)]["prepared"]
+    set_epoch(loader, 0)
+    with pytest.raises(
+        CorruptImageError, match=f"cannot read image {truncated}: .*SKIP_CORRUPT=True to skip"
+    ):
+        list(loader)
+    cfg.TRAIN.SKIP_CORRUPT = True
+    cfg.TRAIN.DATA_SOURCES, cfg.TRAIN.DATA_PATHS = ["disk_folder"], [str(tmp_path)]
+    loaders = []
+    for decode in (False, True):
+        cfg.TRAIN.DECODE_ON_DEVICE = decode
+        loaders.append(build_loader(cfg, "TRAIN", seed=0, device=CPU))
+        set_epoch(loaders[-1], 0)
+    assert len(loaders[1].dataset) == 8
+    _assert_same_batches(list(loaders[0]), list(loaders[1]), batches=2)

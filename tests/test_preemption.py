@@ -371,3 +371,19 @@ def test_a_stop_signal_before_the_launcher_handles_it_is_one_line(tmp_path):
     assert done.returncode == 143 and done.stderr.splitlines() == [
         f"stopped: SIGTERM before the run started; nothing was written; no checkpoint in {tmp_path / 'run'} yet"
     ]
+
+
+# --------------------------------------------------------------------------------------------
+# leaving a DataLoader pass unfinished
+
+
+def test_a_process_that_leaves_its_loaders_passes_unfinished_exits_at_once(tmp_path, launcher):
+    """The DataLoader workers ignore SIGTERM (it is the rank's); a process leaving a pass unfinished
+    (a break, an exception; in a multiprocessing child, as a spawned rank, too) with the workers
+    alive at exit still exits at once, instead of waiting forever in multiprocessing's exit
+    handler for workers that ignore its SIGTERM."""
+    out, err = tmp_path / "out", tmp_path / "err"
+    launcher.start([str(tmp_path / "left")], out, err, script=str(REPO / "tests" / "abandon_loader_job.py"))
+    code = launcher.wait(timeout=150)  # about 2 s of CPU, more on a busy machine; a hang is forever
+    assert (tmp_path / "left").read_text() == "child 0\nleft\n"
+    assert code == 1 and "RuntimeError: abandoned mid-epoch" in err.read_text(), err.read_text()

@@ -192,3 +192,16 @@ def redispatch_torch_function(func, types, args, kwargs):
     caller then calls ``func`` with the mode off)."""
     skip = getattr(torch._C, "_skip_one_hop_torch_function", None)
     return None if skip is None else skip(func, types, args, kwargs)
+
+
+# -- ending a DataLoader pass's workers (vistrain.data.workers) --------------------------------
+# The iterator's ``_shutdown_workers`` is what its ``__del__``, an exhausted pass and torch's own
+# exit handler (persistent workers with pinned memory only) call; there is no public name for it.
+
+
+def end_loader_workers(iterator) -> None:
+    """End the workers of a DataLoader iterator (each finishes the item in hand first); a no-op for
+    an iterator without workers or already ended."""
+    shut_down = getattr(iterator, "_shutdown_workers", None)
+    if shut_down is not None:
+        shut_down()

@@ -96,6 +96,11 @@ def _split_defaults(batch_size, shuffle):
     # True: the loader's workers decode and draw the random numbers, the views are made on the run's
     # device (the GPU) from the decoded images moved there; the same views as False (vistrain/data/device_views.py)
     split.VIEWS_ON_DEVICE = False
+    # True: VIEWS_ON_DEVICE, and JPEGs are decoded on the run's device too (nvjpeg on a GPU, a batch
+    # at a time): the workers read each file's header and draw the random numbers from its size;
+    # the same views as False; other images, and JPEGs the device refuses, decoded as before
+    # (vistrain/data/device_decode.py)
+    split.DECODE_ON_DEVICE = False
     split.TRANSFORMS = CN()  # see vistrain/data/transforms.py
     split.TRANSFORMS.NAME = (
         "multicrop" if shuffle else "eval"

@@ -48,6 +48,7 @@ from vistrain.data.collate import collate_multicrop
 from vistrain.data.demo_digits import demo_split_size, ensure_demo_digits_on_every_node
 from vistrain.data.folders import (
     CorruptImageError,
+    EncodedJpeg,
     draft_fits,
     pick_split_folder,
     read_filelist,
@@ -95,6 +96,12 @@ class FileSource:
             if self._decoded is not None:
                 self._decoded[i] = pixels
         return pixels, self.labels[i]
+
+    def load_encoded(self, i: int) -> Tuple[Union[np.ndarray, EncodedJpeg], int]:
+        """:meth:`load`, a JPEG that torchvision.io would decode left encoded (``DECODE_ON_DEVICE``)."""
+        if self._decoded is not None:
+            return self.load(i)
+        return read_pixels(self.paths[i], self.mode, self.fits, keep_jpeg=True), self.labels[i]
 
 
 class SyntheticSource:
@@ -191,6 +198,12 @@ class SSLDataset(Dataset):
 
     ``channels``: the views' (``DATA.CHANNELS``); each image is fitted to them before the transform
     (``vistrain.data.pixels.fit_channels``), a DataError naming the file when it cannot be.
+
+    ``decode_later`` (``DECODE_ON_DEVICE``, with a transform that draws from the image's size alone,
+    ``draw``): a JPEG that torchvision.io would decode as it is (no channels to fit) stays encoded,
+    ``"prepared"`` holding ``{"jpeg": EncodedJpeg, "draws", "redo": (index, epoch, skipped)}``
+    (the draws the decoded image would get); where it cannot be decoded later, :meth:`sample`
+    with ``redo`` gives the sample the CPU path gives (SKIP_CORRUPT as ever).
     """
 
     def __init__(
@@ -202,6 +215,7 @@ class SSLDataset(Dataset):
         limit: int = -1,
         key: str = "DATA.TRAIN",
         channels: int = 3,
+        decode_later: bool = False,
     ):
         self.sources = list(sources)
         self.offsets = np.cumsum([0] + [len(s) for s in self.sources]).tolist()
@@ -211,6 +225,7 @@ class SSLDataset(Dataset):
             raise DataError(f"{key} is empty (check DATA_SOURCES, DATA_PATHS and DATA_LIMIT)")
         self.transform, self.seed, self.skip_corrupt, self.key = transform, seed, skip_corrupt, key
         self.channels = channels
+        self.decode_later = decode_later and hasattr(transform, "draw")
         self.num_skipped = 0
         self._reported = set()
 
@@ -240,13 +255,16 @@ class SSLDataset(Dataset):
         source, local = self._locate(index)
         return source.load(local)
 
-    def _load_readable(self, index: int) -> Tuple[np.ndarray, int, int, int]:
-        """(pixels, label, index actually used, images skipped before it)."""
-        for skipped in range(min(self.length, MAX_CONSECUTIVE_BAD)):
+    def _load_readable(
+        self, index: int, first: int = 0, encoded: bool = False
+    ) -> Tuple[Union[np.ndarray, EncodedJpeg], int, int, int]:
+        """(pixels, label, index actually used, images skipped before it), the search starting
+        ``first`` images after ``index``; ``encoded``: JPEGs left encoded where they can be."""
+        for skipped in range(first, min(self.length, MAX_CONSECUTIVE_BAD)):
             current = (index + skipped) % self.length
             source, local = self._locate(current)
             try:
-                image, label = source.load(local)
+                image, label = self._load(source, local, encoded)
                 self.num_skipped += skipped
                 return image, label, current, skipped
             except CorruptImageError as err:
@@ -263,14 +281,32 @@ class SSLDataset(Dataset):
             f"{source.describe(local)}; is the data set broken?"
         )
 
+    def _load(self, source, local: int, encoded: bool) -> Tuple[Union[np.ndarray, EncodedJpeg], int]:
+        if not encoded or not hasattr(source, "load_encoded"):
+            return source.load(local)
+        image, label = source.load_encoded(local)
+        have = image.shape[0] if isinstance(image, EncodedJpeg) else self.channels
+        if have != self.channels and not (have == 1 and self.channels == 3):  # channels to fit first
+            image = image.decode()
+        return image, label
+
     def __getitem__(self, key: Union[int, Tuple[int, int]]) -> dict:
         index, epoch = key if isinstance(key, tuple) else (key, 0)
+        return self.sample(index, epoch, encoded=self.decode_later)
+
+    def sample(self, index: int, epoch: int, redo: int = 0, encoded: bool = False) -> dict:
+        """The sample ``index`` of ``epoch`` (``self[index, epoch]``), the image searched from
+        ``redo`` images after ``index`` (the first an image left encoded that could not be decoded
+        later: decoded here, SKIP_CORRUPT as ever); ``encoded``: see ``decode_later``."""
         if not 0 <= index < self.length:
             raise IndexError(f"index {index} out of range for a data set of {self.length}")
-        image, label, used, skipped = self._load_readable(index)
-        image = self._fitted(image, used)
+        image, label, used, skipped = self._load_readable(index, redo, encoded)
         generator = torch.Generator().manual_seed(mix_seed(self.seed, epoch, index))
-        prepared = self.transform.prepare(image, generator)
+        if isinstance(image, EncodedJpeg):
+            draws = self.transform.draw(image.shape[1:], generator)
+            prepared = {"jpeg": image, "draws": draws, "redo": (index, epoch, skipped)}
+        else:
+            prepared = self.transform.prepare(self._fitted(image, used), generator)
         return {"prepared": prepared, "label": int(label), "index": used, "skipped": skipped}
 
     def _fitted(self, image: np.ndarray, index: int) -> np.ndarray:
@@ -285,8 +321,10 @@ class SSLDataset(Dataset):
         return collate_multicrop(samples, self.transform)
 
     def views(self, key: Union[int, Tuple[int, int]]) -> List[torch.Tensor]:
-        """The views of one sample: List[Tensor (C, h, w)], as its batch would hold them."""
-        return [crops[0] for crops in self.collate([self[key]])["crops"]]
+        """The views of one sample: List[Tensor (C, h, w)], as its batch would hold them (made
+        here, on the CPU, also with ``decode_later``)."""
+        index, epoch = key if isinstance(key, tuple) else (key, 0)
+        return [crops[0] for crops in self.collate([self.sample(index, epoch)])["crops"]]
 
 
 class IndexSubset(Dataset):
@@ -319,6 +357,10 @@ class IndexSubset(Dataset):
         index, epoch = key if isinstance(key, tuple) else (key, 0)
         return self.dataset[(self.indices[index], epoch)]
 
+    def sample(self, index: int, epoch: int, redo: int = 0, encoded: bool = False) -> dict:
+        """The parent's :meth:`SSLDataset.sample` (``index`` the parent's, as ``"redo"`` holds it)."""
+        return self.dataset.sample(index, epoch, redo, encoded)
+
     def collate(self, samples: List[dict]) -> dict:
         return self.dataset.collate(samples)
 
@@ -341,7 +383,10 @@ def build_dataset(
     ``DATA.CHANNELS``; ``mean_std`` the normalisation computed from the images: ``loader.image_statistics``)."""
     sources = build_sources(split_cfg, cache_dir, split_seed)
     transform = build_transform(split_cfg.TRANSFORMS, channels, mean_std, split_cfg.PIXEL_RANGE)
-    return SSLDataset(sources, transform, seed, split_cfg.SKIP_CORRUPT, split_cfg.DATA_LIMIT, key, channels)
+    return SSLDataset(
+        sources, transform, seed, split_cfg.SKIP_CORRUPT, split_cfg.DATA_LIMIT, key, channels,
+        decode_later=split_cfg.DECODE_ON_DEVICE,
+    )  # fmt: skip
 
 
 def build_sources(split_cfg, cache_dir: str = "", split_seed: int = 0) -> List:

@@ -3,6 +3,9 @@ images and draw each view's random numbers (the transform's ``prepare``, as on t
 batch of prepared samples moves to the device as one buffer per dtype (uint8 pixels, float32
 draws), and the transform makes the views there, in the rank's process, before the batch is yielded.
 
+With ``DECODE_ON_DEVICE`` the JPEGs are decoded there too, before the views
+(``vistrain/data/device_decode.py``).
+
 The views are the CPU path's: the same code on the same draws, so a function of (seed, epoch,
 index) on any device; only floating point differs between devices (and the 8-bit resize of the
 crops, which other devices than a CPU compute in float and round: a grey level apart at a few pixels). Nothing changes for the trainer:
@@ -10,12 +13,14 @@ the loader yields ``{"crops": [...], "label", "index", "num_skipped"}`` with the
 the device (``MODEL.CHANNELS_LAST`` is applied by the trainer, as to any batch).
 """
 
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
-from torch.utils.data import DataLoader, get_worker_info
+from torch.utils.data import get_worker_info
 
 from vistrain.data.collate import collate_fields
+from vistrain.data.device_decode import decode_into, take_jpegs
+from vistrain.data.workers import WorkerLoader
 
 
 def flatten(tree: Any, leaves: List[torch.Tensor]) -> Any:
@@ -87,29 +92,38 @@ def _numel(shape: Sequence[int]) -> int:
 
 def collate_packed(samples: List[dict]) -> Dict[str, Any]:
     """The loader worker's half: B samples (see ``SSLDataset``) -> ``{"packed": pack(their prepared
-    parts), "label", "index", "num_skipped"}`` (no views yet)."""
+    parts), "jpegs": their JPEGs left encoded (``device_decode.take_jpegs``, None: none), "label",
+    "index", "num_skipped"}`` (no views yet)."""
     if not samples:
         raise ValueError("collate_packed got an empty batch")
-    return {"packed": pack([s["prepared"] for s in samples]), **collate_fields(samples)}
+    prepared = [dict(s["prepared"]) for s in samples]
+    jpegs = take_jpegs(prepared)
+    return {"packed": pack(prepared), "jpegs": jpegs, **collate_fields(samples)}
 
 
-def make_views(batch: Dict[str, Any], transform: Callable, device: torch.device) -> Dict[str, Any]:
-    """The rank's half: a :func:`collate_packed` batch -> the ``collate_multicrop`` batch, its
-    ``"crops"`` (List[Tensor (B, 3, h, w) float32]) made on ``device``."""
-    out = {key: value for key, value in batch.items() if key != "packed"}
+def make_views(batch: Dict[str, Any], dataset, device: torch.device) -> Dict[str, Any]:
+    """The rank's half: a :func:`collate_packed` batch of ``dataset`` -> the ``collate_multicrop``
+    batch, its ``"crops"`` (List[Tensor (B, 3, h, w) float32]) made on ``device`` by the dataset's
+    transform, its JPEGs left encoded decoded there first (``device_decode.decode_into``)."""
+    out = {key: value for key, value in batch.items() if key not in ("packed", "jpegs")}
+    transform = dataset.transform
     with torch.no_grad():
-        out["crops"] = transform(unpack(batch["packed"], device))
+        prepared = unpack(batch["packed"], device)
+        if batch.get("jpegs") is not None:
+            place = lambda p: unpack(pack([p]), device)[0]
+            decode_into(prepared, batch["jpegs"], device, out, transform.scale, dataset.sample, place)
+        out["crops"] = transform(prepared)
     return out
 
 
-class DeviceViewsLoader(DataLoader):
+class DeviceViewsLoader(WorkerLoader):
     """A DataLoader whose workers collate with :func:`collate_packed` and whose iterator makes
     each batch's views on ``device`` (:func:`make_views`); sampler, length and epochs as DataLoader's."""
 
-    def __init__(self, dataset, transform: Callable, device: torch.device, **kwargs):
+    def __init__(self, dataset, device: torch.device, **kwargs):
         super().__init__(dataset, collate_fn=collate_packed, **kwargs)
-        self.transform, self.device = transform, torch.device(device)
+        self.device = torch.device(device)
 
     def __iter__(self):
         for batch in super().__iter__():
-            yield make_views(batch, self.transform, self.device)
+            yield make_views(batch, self.dataset, self.device)

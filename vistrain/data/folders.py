@@ -22,7 +22,7 @@ import io
 import logging
 import math
 import os
-from typing import Callable, Iterator, List, Optional, Set, Tuple, Union
+from typing import Callable, Iterator, List, NamedTuple, Optional, Set, Tuple, Union
 
 import numpy as np
 import torch
@@ -61,7 +61,25 @@ def read_image(path: str, mode: str = "RGB", fits: Optional[Fits] = None) -> Ima
         raise CorruptImageError(f"image file not found: {path}") from None
 
 
-def read_8bit(path: str, mode: str = "RGB", fits: Optional[Fits] = None) -> np.ndarray:
+class EncodedJpeg(NamedTuple):
+    """A JPEG left undecoded, that :func:`decode_8bit` would decode by torchvision.io at full size
+    (``DATA.<split>.DECODE_ON_DEVICE``): its bytes ``data`` (uint8 (n,), CPU), ``mode`` ("RGB" or
+    "L"), ``shape`` (C, H, W) of the decoded image (from the header: C = 3 for "RGB", 1 for "L")
+    and ``name`` (the file's, for messages)."""
+
+    data: torch.Tensor
+    mode: str
+    shape: Tuple[int, int, int]
+    name: str
+
+    def decode(self) -> np.ndarray:
+        """On the CPU, as :func:`decode_8bit` decodes it: uint8 (H, W, 3) or (H, W)."""
+        return _torchvision_decode(self.data, self.mode, self.name)
+
+
+def read_8bit(
+    path: str, mode: str = "RGB", fits: Optional[Fits] = None, keep_jpeg: bool = False
+) -> np.ndarray:
     """Decode the file ``path`` as :func:`decode_8bit` does."""
     try:
         with open(path, "rb") as handle:
@@ -70,25 +88,37 @@ def read_8bit(path: str, mode: str = "RGB", fits: Optional[Fits] = None) -> np.n
         raise CorruptImageError(f"image file not found: {path}") from None
     except OSError as err:
         raise CorruptImageError(f"cannot read image {path}: {err}") from None
-    return decode_8bit(data, mode, fits, path)
+    return decode_8bit(data, mode, fits, path, keep_jpeg)
 
 
 def decode_8bit(
-    data: bytearray, mode: str = "RGB", fits: Optional[Fits] = None, name: Name = ""
-) -> np.ndarray:
+    data: bytearray, mode: str = "RGB", fits: Optional[Fits] = None, name: Name = "", keep_jpeg: bool = False
+) -> Union[np.ndarray, EncodedJpeg]:
     """An image file's bytes -> uint8 (H, W, 3) RGB (``mode`` "RGB") or (H, W) grayscale ("L"): a
     JPEG by torchvision.io (the array may then be a view of channel-first memory), or at reduced
     size where ``fits`` allows; other files by PIL. Unreadable data raises CorruptImageError naming
-    ``name`` (the file; a callable is called only then)."""
-    if data[:3] == JPEG_START and mode in ("RGB", "L") and _full_size_jpeg(data, mode, fits):
-        try:
-            pixels = decode_jpeg(torch.frombuffer(data, dtype=torch.uint8), mode=_READ_MODES[mode])
-        except RuntimeError as err:  # its message starts with the C++ file and line
-            raise CorruptImageError(
-                f"cannot read image {_named(name)}: {str(err).rsplit(', ', 1)[-1]}"
-            ) from None
-        return pixels.permute(1, 2, 0).squeeze(2).numpy()
-    return np.array(_pil_decode(io.BytesIO(data), name, mode, fits))
+    ``name`` (the file; a callable is called only then). ``keep_jpeg``: a JPEG that torchvision.io
+    would decode comes back undecoded, an :class:`EncodedJpeg` (its header read, not its data)."""
+    size = _full_size_jpeg(data, mode, fits) if data[:3] == JPEG_START and mode in ("RGB", "L") else None
+    if size is None:
+        return np.array(_pil_decode(io.BytesIO(data), name, mode, fits))
+    encoded = torch.frombuffer(data, dtype=torch.uint8)
+    if keep_jpeg:
+        return EncodedJpeg(encoded, mode, (3 if mode == "RGB" else 1, *size), _named(name))
+    return _torchvision_decode(encoded, mode, name)
+
+
+def _torchvision_decode(data: torch.Tensor, mode: str, name: Name) -> np.ndarray:
+    try:
+        pixels = decode_jpeg(data, mode=_READ_MODES[mode])
+    except RuntimeError as err:
+        raise CorruptImageError(f"cannot read image {_named(name)}: {jpeg_error(err)}") from None
+    return pixels.permute(1, 2, 0).squeeze(2).numpy()
+
+
+def jpeg_error(err: RuntimeError) -> str:
+    """torchvision.io's message without the C++ file and line it starts with."""
+    return str(err).rsplit(", ", 1)[-1]
 
 
 def _named(name: Name) -> str:
@@ -98,17 +128,17 @@ def _named(name: Name) -> str:
 _READ_MODES = {"RGB": ImageReadMode.RGB, "L": ImageReadMode.GRAY}
 
 
-def _full_size_jpeg(data: bytearray, mode: str, fits: Optional[Fits]) -> bool:
-    """Whether torchvision.io decodes this JPEG: an 8-bit RGB or grayscale one (CMYK and others go
-    to PIL's conversions) that is not to be decoded at reduced size."""
+def _full_size_jpeg(data: bytearray, mode: str, fits: Optional[Fits]) -> Optional[Tuple[int, int]]:
+    """(H, W) when torchvision.io decodes this JPEG: an 8-bit RGB or grayscale one (CMYK and others
+    go to PIL's conversions) that is not to be decoded at reduced size; else None."""
     try:
         with Image.open(io.BytesIO(data)) as header:  # reads the header only
             kind, (width, height) = header.mode, header.size
     except Exception:  # PIL names what is wrong with the file
-        return False
+        return None
     if kind != mode and not (kind == "L" and mode == "RGB"):
-        return False
-    return fits is None or draft_scale(width, height, fits) == 1
+        return None
+    return (height, width) if fits is None or draft_scale(width, height, fits) == 1 else None
 
 
 def draft_scale(width: int, height: int, fits: Fits) -> int:

@@ -1,9 +1,7 @@
 """``build_loader``: dataset + transforms + distributed sampler + collator -> DataLoader of one rank."""
 
 import logging
-import multiprocessing
 import os
-import signal
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -15,8 +13,8 @@ from vistrain.data.pixels import channel_stats
 from vistrain.data.sampler import DistributedSampler
 from vistrain.data.shards import ShardSampler, shard_sizes
 from vistrain.data.transforms import unit_pixels
+from vistrain.data.workers import WorkerLoader, leave_stop_signals_to_the_rank
 from vistrain.distributed import comm
-from vistrain.distributed.supervise import die_with_parent
 
 logger = logging.getLogger(__name__)
 SPLITS = ("TRAIN", "TEST")
@@ -44,7 +42,7 @@ def build_loader(
 
     Returns:
         A DataLoader yielding ``collate_multicrop`` dicts (``dataset.collate``; with
-        ``VIEWS_ON_DEVICE`` the crops are made, and are, on ``device``). ``len(loader)`` is the number of
+        ``VIEWS_ON_DEVICE`` or ``DECODE_ON_DEVICE`` the crops are made, and are, on ``device``). ``len(loader)`` is the number of
         iterations of a full epoch on this rank (equal on all ranks). Call
         ``loader.sampler.set_epoch(epoch, start_iteration)`` (or ``vistrain.data.set_epoch``)
         before iterating each epoch; after ``start_iteration=k`` the pass yields
@@ -87,9 +85,11 @@ def build_loader(
         persistent_workers=workers > 0,
         worker_init_fn=leave_stop_signals_to_the_rank if workers > 0 else None,
     )
-    if split_cfg.VIEWS_ON_DEVICE:  # workers decode and draw; the views are made on ``device``
-        return DeviceViewsLoader(dataset, dataset.transform, device, **settings)
-    return DataLoader(dataset, collate_fn=dataset.collate, **settings)  # the views of a batch made together
+    if (
+        split_cfg.VIEWS_ON_DEVICE or split_cfg.DECODE_ON_DEVICE
+    ):  # workers (decode and) draw; views on ``device``
+        return DeviceViewsLoader(dataset, device, **settings)
+    return WorkerLoader(dataset, collate_fn=dataset.collate, **settings)  # the views of a batch made together
 
 
 MAX_AUTO_WORKERS = 8
@@ -123,19 +123,6 @@ def _cores() -> int:
 def _ranks_per_node() -> int:
     """Ranks sharing this machine: torchrun's LOCAL_WORLD_SIZE, else every rank of the job (spawned here)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or comm.get_world_size()
-
-
-def leave_stop_signals_to_the_rank(worker_id: int) -> None:
-    """In a DataLoader worker: ignore SIGTERM and SIGUSR1, and die with the rank. A scheduler sends
-    the signals to every process of the job; the rank stops at its next iteration boundary, whereas
-    a worker killed by them would fail the rank's next batch. A rank that ends (a stop, a one-line
-    error) leaves at once, without ending its workers: the kernel does (else they would go on
-    loading the batches queued for them for seconds, holding the job's stdout and stderr)."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_IGN)
-    rank = multiprocessing.parent_process()
-    if rank is not None:
-        die_with_parent(rank.pid)
 
 
 def set_epoch(loader: DataLoader, epoch: int, start_iteration: int = 0) -> None:

@@ -36,7 +36,15 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from vistrain.config.errors import ConfigError, DataError
-from vistrain.data.folders import JPEG_START, CorruptImageError, Fits, decode_8bit, read_8bit, read_image
+from vistrain.data.folders import (
+    JPEG_START,
+    CorruptImageError,
+    EncodedJpeg,
+    Fits,
+    decode_8bit,
+    read_8bit,
+    read_image,
+)
 
 NATIVE_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")  # PIL modes read as they are (one band)
 LUMA = (19595, 38470, 7471)  # PIL's RGB -> L weights, in 1/65536
@@ -44,17 +52,20 @@ NPY_MAGIC = b"\x93NUMPY"
 TIFF_MAGIC = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")  # little / big endian, classic / BigTIFF
 
 
-def read_pixels(path: str, mode: str = "RGB", fits: Optional[Fits] = None) -> np.ndarray:
+def read_pixels(
+    path: str, mode: str = "RGB", fits: Optional[Fits] = None, keep_jpeg: bool = False
+) -> Union[np.ndarray, EncodedJpeg]:
     """The image at ``path`` as an array (H, W) or (H, W, C) of its own dtype (see the module
     docstring); 8-bit images PIL reads as PIL converts them to ``mode`` (uint8), JPEGs by
     ``folders.read_8bit`` (torchvision.io, or at reduced size where the views' bound ``fits``
-    allows). Unreadable files raise CorruptImageError naming the file."""
+    allows; with ``keep_jpeg`` those torchvision.io would decode are left encoded). Unreadable
+    files raise CorruptImageError naming the file."""
     suffix = os.path.splitext(path)[1].lower()
     if suffix == ".npy":
         return _npy(path, path)
     if suffix in (".png", ".tif", ".tiff"):
         return _deep(path, path, mode)
-    return read_8bit(path, mode, fits)
+    return read_8bit(path, mode, fits, keep_jpeg)
 
 
 def decode_pixels(

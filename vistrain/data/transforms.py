@@ -153,7 +153,11 @@ def to_pixels(image: np.ndarray) -> torch.Tensor:
 def unit_pixels(image: np.ndarray, pixel_range: Sequence[float]) -> torch.Tensor:
     """(C, H, W): uint8 as it is (scaled with its batch), any other dtype or a PIXEL_RANGE already
     scaled to float32 in [0, 1] (``vistrain.data.pixels.to_unit``)."""
-    pixels = to_pixels(image)
+    return unit_tensor(to_pixels(image), pixel_range)
+
+
+def unit_tensor(pixels: torch.Tensor, pixel_range: Sequence[float]) -> torch.Tensor:
+    """:func:`unit_pixels` of pixels (C, H, W) already a tensor."""
     return pixels if keeps_bytes(pixels, pixel_range) else to_unit(pixels, pixel_range)
 
 
@@ -229,15 +233,24 @@ class MultiCropTransform:
 
     def prepare(self, image: np.ndarray, generator: torch.Generator) -> dict:
         pixels = unit_pixels(image, self.pixel_range)
+        return {"pixels": pixels, "draws": self.draw(pixels.shape[1:], generator)}
+
+    def draw(self, size: Sequence[int], generator: torch.Generator) -> list:
+        """The draws of :meth:`prepare` for an image of ``size`` (H, W): they need its size only,
+        not its pixels (a JPEG decoded later, ``DECODE_ON_DEVICE``, draws from its header's)."""
         draws = []
         for count, _, _ in self.crops:
             uniforms = torch.rand(count, NUM_DRAWS, generator=generator)
             noise = None
             if self.elastic is not None:  # a field for each view the elastic step distorts
                 chosen = sum(coin < self.elastic[0] for coin in _column(uniforms, "elastic").tolist())
-                noise = torch.rand(chosen, 2, *pixels.shape[1:], generator=generator)
+                noise = torch.rand(chosen, 2, *size, generator=generator)
             draws.append((uniforms, noise))
-        return {"pixels": pixels, "draws": draws}
+        return draws
+
+    def scale(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Decoded uint8 pixels (C, H, W), on any device, as :meth:`prepare` holds them."""
+        return unit_tensor(pixels, self.pixel_range)
 
     def __call__(self, prepared: Sequence[dict]) -> List[torch.Tensor]:
         views: List[torch.Tensor] = []
