@@ -45,7 +45,7 @@ def _bad_values(tmp_path):
         (["config.OPTIMIZER.name=adam"], "OPTIMIZER.name must be one of adamw, lars, sgd; got 'adam'"),
         (
             ["config.MODEL.HEAD.NAME=mlp"],
-            "MODEL.HEAD.NAME must be one of barlow_twins, byol, dino, identity, ijepa_predictor, lejepa, mae_decoder, moco_v3, nnclr, simclr, simmim_decoder, simsiam, supervised, swav, vicreg",
+            "MODEL.HEAD.NAME must be one of barlow_twins, byol, dino, identity, ijepa_predictor, lejepa, mae_decoder, moco_v3, msn, nnclr, simclr, simmim_decoder, simsiam, supervised, swav, vicreg",
         ),
         (["config.MODEL.TRUNK.REGNET.NAME=regnet_y_401mf"], "MODEL.TRUNK.REGNET.NAME must be one of"),
         (["config.DATA.TRAIN.DATA_SOURCES=[disk]"], "DATA.TRAIN.DATA_SOURCES must be a non-empty list of"),

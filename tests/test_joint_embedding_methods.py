@@ -39,8 +39,9 @@ TINY = {
     "supervised_loss": "test/supervised_tiny",
     "simmim_loss": "test/simmim_tiny",
     "ijepa_loss": "test/ijepa_tiny",
+    "msn_loss": "test/msn_tiny",
 }
-TEACHERS = ("moco_v3_loss", "ijepa_loss")  # the methods with a momentum teacher
+TEACHERS = ("moco_v3_loss", "ijepa_loss", "msn_loss")  # the methods with a momentum teacher
 DEMOS = [
     "pretrain/mocov3_regnet_demo",
     "pretrain/mocov3_vit_demo",
@@ -52,6 +53,7 @@ DEMOS = [
     "pretrain/supervised_regnet_demo",
     "pretrain/simmim_vit_demo",
     "pretrain/ijepa_vit_demo",
+    "pretrain/msn_vit_demo",
 ]
 # simclr_vit_tiny's trunk
 _VIT_TRUNK = [
@@ -229,7 +231,13 @@ def test_the_planner_counts_the_teacher_the_losss_collectives_and_its_memory():
         assert planned.teacher_params == (planned.params if name in TEACHERS else 0) and planned.params > 0
     view = 2 * 4 * 16 * 4  # ranks x images per rank x width x fp32
     wide = 2 * 4 * 32 * 4
-    sums = 2 * (2 * 4 * 64 * 17 + 1) * 4  # ranks x (cos and sin x 4 views x 64 slices x 17 knots + 1)
+    sums = 2 * (2 * 4 * 64 * 17 + 1) * 4
+    # MSN's me-max: ranks x 8 prototypes x fp32; Sinkhorn-Knopp: its max, mass and count, 3 x its row sums
+    sinkhorn = [
+        ("all_reduce", 4, 1),
+        ("all_reduce", 8, 1),
+        ("all_reduce", 8 * 4, 3),
+    ]  # ranks x (cos and sin x 4 views x 64 slices x 17 knots + 1)
     assert found == {
         "moco_v3_loss": [("all_gather", view, 2)],
         "barlow_twins_loss": [("all_gather", wide, 2), ("all_reduce", wide, 2)],
@@ -240,6 +248,7 @@ def test_the_planner_counts_the_teacher_the_losss_collectives_and_its_memory():
         "supervised_loss": [],
         "simmim_loss": [],
         "ijepa_loss": [],
+        "msn_loss": sorted([("all_gather", 2 * 8 * 4, 1), ("all_reduce", 2 * 8 * 4, 1), *sinkhorn]),
     }
     nnclr = load_config(["config=pretrain/nnclr_regnet_demo"])  # the support set and a lookup's similarities
     assert METHODS["nnclr_loss"].loss_memory(nnclr) == (64 + 64) * 1024 * 4

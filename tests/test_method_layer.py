@@ -32,6 +32,7 @@ from vistrain.methods import (
     method_keys,
 )
 from vistrain.methods.dino import DINOLastLayer
+from vistrain.methods.msn import MSNPrototypes
 from vistrain.methods.swav import SwAVPrototypes
 from vistrain.models.heads import MLP
 from vistrain.planner.shape import ModelShapes, run_shape
@@ -39,7 +40,9 @@ from vistrain.planner.traffic import step_collectives
 
 ROOT = pathlib.Path(vistrain.__file__).parent
 REPO = ROOT.parent
-METHOD_NAMES = re.compile(r"simclr|swav|dino|byol|moco|barlow|vicreg|lejepa|simsiam|nnclr", re.IGNORECASE)
+METHOD_NAMES = re.compile(
+    r"simclr|swav|dino|byol|moco|barlow|vicreg|lejepa|simsiam|nnclr|(?<![a-z])msn", re.IGNORECASE
+)
 # where methods may be named: their own files, and the pure loss math they call
 METHOD_PACKAGES = {"methods", "losses"}
 
@@ -145,6 +148,7 @@ def test_the_registries_agree():
         "test/simsiam_tiny",
         "test/nnclr_tiny",
         "test/supervised_tiny",
+        "test/msn_tiny",
     ],
 )
 def test_a_method_record_says_what_its_criterion_does(name):
@@ -152,7 +156,11 @@ def test_a_method_record_says_what_its_criterion_does(name):
     method, criterion = METHODS[cfg.LOSS.NAME], build_method(cfg)
     assert isinstance(criterion, method.criterion)
     assert (criterion.teacher_momentum is not None) == method.teacher
-    units = {"test/swav_tiny": (SwAVPrototypes,), "test/dino_tiny": (DINOLastLayer,)}.get(name, ())
+    units = {
+        "test/swav_tiny": (SwAVPrototypes,),
+        "test/dino_tiny": (DINOLastLayer,),
+        "test/msn_tiny": (MSNPrototypes,),
+    }.get(name, ())
     assert fp32_units(cfg.MODEL) == units
     assert all(any(isinstance(m, unit) for m in build_model(cfg.MODEL).modules()) for unit in units)
 

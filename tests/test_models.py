@@ -213,7 +213,7 @@ def test_head_config_errors():
     cfg.HEAD.NAME = "moco"
     with pytest.raises(
         ValueError,
-        match=r"valid names: \['barlow_twins', 'byol', 'dino', 'identity', 'ijepa_predictor', 'lejepa', 'mae_decoder', 'moco_v3', 'nnclr', 'simclr', 'simmim_decoder', 'simsiam', 'supervised', 'swav', 'vicreg'\]",
+        match=r"valid names: \['barlow_twins', 'byol', 'dino', 'identity', 'ijepa_predictor', 'lejepa', 'mae_decoder', 'moco_v3', 'msn', 'nnclr', 'simclr', 'simmim_decoder', 'simsiam', 'supervised', 'swav', 'vicreg'\]",
     ):
         build_model(cfg)
     with pytest.raises(ValueError, match="at least two positive sizes"):

@@ -59,6 +59,7 @@ METHODS = {
     "MAE-ViT": "pretrain/mae_vit_demo",
     "SimMIM-ViT": "pretrain/simmim_vit_demo",
     "IJEPA-ViT": "pretrain/ijepa_vit_demo",
+    "MSN-ViT": "pretrain/msn_vit_demo",
     # the joint-embedding family
     "MoCo-v3": "pretrain/mocov3_regnet_demo",
     "MoCo-v3-ViT": "pretrain/mocov3_vit_demo",
@@ -79,6 +80,7 @@ EVAL_CONFIGS = {
     "MAE-ViT": "benchmark/finetune_vit",
     "SimMIM-ViT": "benchmark/finetune_vit",
     "IJEPA-ViT": "benchmark/linear_eval_vit",
+    "MSN-ViT": "benchmark/linear_eval_vit",
     "MoCo-v3-ViT": "benchmark/linear_eval_vit",
     "SimCLR-timm": "benchmark/linear_eval_timm",
 }
@@ -88,6 +90,7 @@ CLAIM_MARGIN = {
     "SimCLR": 1.0, "SwAV": 0.5, "DINO-ViT": 1.0, "DINOv2-ViT": 1.0, "DINO": 0.5, "BYOL": 0.5, "MAE-ViT": 0.0,
     "MoCo-v3": 0.5, "MoCo-v3-ViT": 0.5, "BarlowTwins": 0.5, "VICReg": 0.5, "LeJEPA": 0.5,
     "SimCLR-timm": 0.5, "SimSiam": 0.5, "NNCLR": 0.5, "Supervised": 0.5, "SimMIM-ViT": 0.0, "IJEPA-ViT": 0.0,
+    "MSN-ViT": 0.5,
 }  # fmt: skip
 
 

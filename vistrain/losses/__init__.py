@@ -1,7 +1,8 @@
 """Loss math on plain tensors, in one process or under torch.distributed: NT-Xent (``simclr.py``),
 SwAV's swapped prediction and Sinkhorn-Knopp (``swav.py``), DINO's centred cross-entropy
 (``dino.py``), DINOv2's iBOT masked-patch loss and KoLeo (``ibot.py``, ``koleo.py``), BYOL's normalised regression (``byol.py``), MoCo v3 (``moco.py``), Barlow Twins,
-VICReg and LeJEPA (``barlow_twins.py``, ``vicreg.py``, ``lejepa.py``, on ``global_batch.py``), and
+VICReg and LeJEPA (``barlow_twins.py``, ``vicreg.py``, ``lejepa.py``, on ``global_batch.py``), MSN's
+prototype cross-entropy with me-max (``msn.py``), and
 the momentum teacher with its cosine schedule (``teacher.py``). The methods (``vistrain/methods/``)
 call them from their criteria."""
 

@@ -12,6 +12,7 @@ from vistrain.methods import (
     lejepa,
     mae,
     moco_v3,
+    msn,
     nnclr,
     simclr,
     simmim,
@@ -38,6 +39,7 @@ METHODS: Dict[str, Method] = {
     "supervised_loss": supervised.METHOD,
     "simmim_loss": simmim.METHOD,
     "ijepa_loss": ijepa.METHOD,
+    "msn_loss": msn.METHOD,
 }
 DEFAULT_METHOD = "simclr_loss"  # LOSS.NAME's default; its head is MODEL.HEAD.NAME's
 

@@ -24,9 +24,12 @@ class SSLModel(nn.Module):
     * IdentityHead ("identity"): the trunk's feature dict of a single tensor input.
 
     ``forward(crops, **masking)``: masked-image modelling. The method's masks (``keep=`` or
-    ``mask=``, ``vistrain.models.masking``) go to the trunk and to the head (MAE's decoder puts the
-    kept tokens back in place), for crops of one resolution; ``head(trunk(x, keep=, mask=)[in_feature],
-    **masking)``: other keys (I-JEPA's ``targets=``) go to the head alone.
+    ``mask=``, ``vistrain.models.masking``) go to the trunk and to a head on the token "sequence"
+    (MAE's decoder puts the kept tokens back in place), for crops of one resolution;
+    ``head(trunk(x, keep=, mask=)[in_feature], **masking)``: other keys (I-JEPA's ``targets=``) go
+    to the head alone. A head on one vector per image ("avgpool", "cls") gets no mask: the mask
+    covers the images of the first run of equal resolutions, the later runs go whole (MSN's masked
+    anchors and its focal crops).
 
     A head that declares ``by_resolution`` (DINO's on the token sequence: sequences of two
     resolutions do not concatenate) gets a list instead, one feature per run of equal
@@ -55,6 +58,8 @@ class SSLModel(nn.Module):
         in_feature = self.in_feature
         if getattr(self.head, "by_resolution", False):
             return self._by_resolution(crops, in_feature, **masking)
+        if masking and in_feature != "sequence" and in_feature is not None:
+            return self._first_run_masked(crops, in_feature, **masking)
         if masking:
             if in_feature is None or len(_same_resolution_runs(crops)) != 1:
                 raise ValueError(
@@ -67,6 +72,19 @@ class SSLModel(nn.Module):
                 raise ValueError(f"a feature-dict head takes one tensor, got {len(crops)} crops")
             return self.head(self.trunk(crops[0]))
         features = [self.trunk(torch.cat(group))[in_feature] for group in _same_resolution_runs(crops)]
+        return self.head(torch.cat(features))
+
+    def _first_run_masked(self, crops: List[torch.Tensor], in_feature: str, **masking):
+        """A head on one vector per image (MSN's): ``keep=`` or ``mask=`` for the crops of the
+        first run of equal resolutions, the other runs whole; the head reads every crop's
+        pooled feature, in crop order, and no mask."""
+        if len(masking) != 1 or not masking.keys() <= {"keep", "mask"}:
+            raise ValueError(
+                f"a head on the {in_feature!r} feature takes keep= or mask= only, got {sorted(masking)}"
+            )
+        runs = _same_resolution_runs(crops)
+        features = [self.trunk(torch.cat(runs[0]), **masking)[in_feature]]
+        features += [self.trunk(torch.cat(run))[in_feature] for run in runs[1:]]
         return self.head(torch.cat(features))
 
     def _by_resolution(self, crops: List[torch.Tensor], in_feature: str, mask=None, head_mask=None, **others):
